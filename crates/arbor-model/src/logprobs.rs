@@ -1,0 +1,86 @@
+//! Token log-probabilities from final hidden states, chunked over rows so
+//! the full `[N, V]` logits never exist at once.
+//!
+//! For row `n` with hidden `h_n` and target `y_n`:
+//! `logp_n = (W h_n)_{y_n} - logsumexp_v (W h_n)_v`, computed in f32 (f64
+//! for f64 models) with a detached max shift. Peak extra memory is
+//! `chunk_rows * V` floats. This is the differentiable reference path;
+//! `arbor-ops` adds the fused kernel with its own backward.
+
+use candle_core::{Tensor, D};
+
+use crate::error::{ModelError, Result};
+use crate::model::accum_dtype;
+
+/// Default number of rows per chunk.
+pub const DEFAULT_CHUNK_ROWS: usize = 256;
+
+fn check(hidden: &Tensor, lm_head: &Tensor) -> Result<(usize, usize)> {
+    let (n, h) = hidden.dims2()?;
+    let (_, h2) = lm_head.dims2()?;
+    if h != h2 {
+        return Err(ModelError::Input(format!(
+            "hidden size {h} does not match lm_head [.., {h2}]"
+        )));
+    }
+    Ok((n, h))
+}
+
+/// Chunk logits in the accumulation dtype, `[c, V]`.
+fn chunk_logits(hidden: &Tensor, lm_head: &Tensor, start: usize, len: usize) -> Result<Tensor> {
+    let h = hidden.narrow(0, start, len)?;
+    let logits = h.matmul(&lm_head.t()?)?;
+    Ok(logits.to_dtype(accum_dtype(hidden.dtype()))?)
+}
+
+/// `log p(targets)`: `hidden: [N, H]`, `lm_head: [V, H]`, `targets: [N]`
+/// (u32) -> `[N]` (f32, or f64 for f64 inputs). Differentiable in `hidden`
+/// and `lm_head`.
+pub fn token_logprobs(
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    targets: &Tensor,
+    chunk_rows: usize,
+) -> Result<Tensor> {
+    let (n, _) = check(hidden, lm_head)?;
+    let chunk_rows = chunk_rows.max(1);
+    let vocab = lm_head.dim(0)? as u32;
+    if let Some(bad) = targets.to_vec1::<u32>()?.into_iter().find(|&t| t >= vocab) {
+        return Err(ModelError::Input(format!(
+            "target token {bad} is outside the vocabulary ({vocab})"
+        )));
+    }
+    let mut parts = Vec::with_capacity(n.div_ceil(chunk_rows));
+    let mut start = 0;
+    while start < n {
+        let len = chunk_rows.min(n - start);
+        let logits = chunk_logits(hidden, lm_head, start, len)?;
+        let m = logits.max_keepdim(D::Minus1)?.detach();
+        let lse = (logits
+            .broadcast_sub(&m)?
+            .exp()?
+            .sum_keepdim(D::Minus1)?
+            .log()?
+            + &m)?;
+        let tgt = targets.narrow(0, start, len)?.unsqueeze(1)?;
+        let picked = logits.gather(&tgt, 1)?;
+        parts.push((picked - lse)?.squeeze(1)?);
+        start += len;
+    }
+    Ok(Tensor::cat(&parts, 0)?)
+}
+
+/// Greedy (argmax) next token for every row of `hidden: [N, H]`.
+pub fn greedy_tokens(hidden: &Tensor, lm_head: &Tensor, chunk_rows: usize) -> Result<Vec<u32>> {
+    let (n, _) = check(hidden, lm_head)?;
+    let chunk_rows = chunk_rows.max(1);
+    let mut out = Vec::with_capacity(n);
+    let mut start = 0;
+    while start < n {
+        let len = chunk_rows.min(n - start);
+        let logits = chunk_logits(&hidden.detach(), &lm_head.detach(), start, len)?;
+        out.extend(logits.argmax(D::Minus1)?.to_vec1::<u32>()?);
+        start += len;
+    }
+    Ok(out)
+}

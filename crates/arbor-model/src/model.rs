@@ -1,0 +1,392 @@
+//! The Qwen2 / Qwen3 / Llama decoder, written once for training and generation.
+//!
+//! Every op on the path is differentiable in candle (matmul, broadcast
+//! arithmetic, `exp`, `sqrt`, `silu`, `narrow`, `cat`, `index_select`); none
+//! of candle-nn's backward-less fused kernels (`softmax_last_dim`,
+//! `rms_norm`, `rope*`, `sdpa`) are used.
+//!
+//! A layer is split into [`Attention::project`] (QKV projection, q/k norm,
+//! RoPE at per-token positions) and an [`AttentionBackend`] that turns the
+//! new `q, k, v` into attention output. [`DenseCausal`] is the training
+//! backend; the paged engine supplies its own backend over the KV cache and
+//! runs the very same layers, so there is one copy of the weights.
+
+use candle_core::{DType, Device, Module, Tensor, D};
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::rope::{apply_rope, Rope};
+use crate::weights::{Init, ParamLoader};
+
+/// Std of the normal init used for fresh (random) weights.
+pub const INIT_STD: f64 = 0.02;
+
+/// `y = x W^T + b` with `W: [out, in]`, on inputs of any rank.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+}
+
+impl Linear {
+    fn load(p: &ParamLoader<'_>, name: &str, out: usize, inp: usize, bias: bool) -> Result<Self> {
+        let weight = p.get(
+            &format!("{name}.weight"),
+            &[out, inp],
+            Init::Normal(INIT_STD),
+        )?;
+        let bias = if bias {
+            Some(p.get(&format!("{name}.bias"), &[out], Init::Zeros)?)
+        } else {
+            None
+        };
+        Ok(Linear { weight, bias })
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let dims = x.dims();
+        let inp = dims[dims.len() - 1];
+        let n = x.elem_count() / inp;
+        let y = x.reshape((n, inp))?.matmul(&self.weight.t()?)?;
+        let y = match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        };
+        let mut out_dims = dims.to_vec();
+        *out_dims.last_mut().expect("rank >= 1") = self.weight.dim(0)?;
+        y.reshape(out_dims)
+    }
+}
+
+/// RMSNorm over the last dim, computed in f32 (f64 for f64 inputs) as in HF:
+/// `w * (x / sqrt(mean(x^2) + eps))`.
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    pub weight: Tensor,
+    pub eps: f64,
+}
+
+impl RmsNorm {
+    fn load(p: &ParamLoader<'_>, name: &str, dim: usize, eps: f64) -> Result<Self> {
+        Ok(RmsNorm {
+            weight: p.get(&format!("{name}.weight"), &[dim], Init::Ones)?,
+            eps,
+        })
+    }
+}
+
+/// Accumulation dtype for reductions: f64 stays f64, everything else is f32.
+pub fn accum_dtype(dt: DType) -> DType {
+    if dt == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+impl Module for RmsNorm {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let dt = x.dtype();
+        let xf = x.to_dtype(accum_dtype(dt))?;
+        let var = xf.sqr()?.mean_keepdim(D::Minus1)?;
+        let normed = xf.broadcast_div(&(var + self.eps)?.sqrt()?)?;
+        normed.to_dtype(dt)?.broadcast_mul(&self.weight)
+    }
+}
+
+/// Differentiable softmax over the last dim. The max shift is detached: its
+/// gradient cancels exactly, so this is the true softmax gradient.
+pub fn softmax_last(x: &Tensor) -> candle_core::Result<Tensor> {
+    let m = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&m)?.exp()?;
+    let s = e.sum_keepdim(D::Minus1)?;
+    e.broadcast_div(&s)
+}
+
+/// SwiGLU MLP: `down(silu(gate x) * up x)`.
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+}
+
+impl Module for Mlp {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let g = self.gate.forward(x)?.silu()?;
+        self.down.forward(&(g * self.up.forward(x)?)?)
+    }
+}
+
+/// Turns one layer's new queries, keys and values into attention output.
+pub trait AttentionBackend {
+    /// `q: [B, n_heads, T, D]`, `k, v: [B, n_kv_heads, T, D]` for the T new
+    /// tokens of each of B rows (RoPE applied). Returns `[B, T, n_heads * D]`.
+    fn attend(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor>;
+}
+
+/// Full causal self-attention over the given tokens only (training forward,
+/// and the reference every other backend is tested against). Right padding
+/// is harmless: padded positions come after every real token they could see.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct DenseCausal;
+
+impl AttentionBackend for DenseCausal {
+    fn attend(&mut self, _layer: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        dense_causal_attention(q, k, v)
+    }
+}
+
+/// `softmax(q k^T / sqrt(D) + causal) v` with GQA, without copying K/V per
+/// query head: the `g` query heads of each KV group are stacked along the
+/// row axis, `[B, n_kv, g*T, D] x [B, n_kv, D, T]`.
+pub fn dense_causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    let (b, nh, t, d) = q.dims4()?;
+    let nkv = k.dim(1)?;
+    let g = nh / nkv;
+    let dt = q.dtype();
+    let q = q.contiguous()?.reshape((b, nkv, g * t, d))?;
+    let scores = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?;
+    let scores = scores.to_dtype(accum_dtype(dt))?;
+    let mask = causal_mask(g, t, scores.dtype(), q.device())?;
+    let probs = softmax_last(&scores.broadcast_add(&mask)?)?.to_dtype(dt)?;
+    let out = probs.matmul(&v.contiguous()?)?; // [B, nkv, g*T, D]
+    let out = out.reshape((b, nh, t, d))?.transpose(1, 2)?; // [B, T, nh, D]
+    Ok(out.reshape((b, t, nh * d))?)
+}
+
+/// `[g*T, T]`: row `r` is query position `r % T`; `-inf` above the diagonal.
+fn causal_mask(g: usize, t: usize, dtype: DType, dev: &Device) -> Result<Tensor> {
+    let mut m = Vec::with_capacity(g * t * t);
+    for _ in 0..g {
+        for i in 0..t {
+            for j in 0..t {
+                m.push(if j > i { f32::NEG_INFINITY } else { 0.0 });
+            }
+        }
+    }
+    Ok(Tensor::from_vec(m, (g * t, t), dev)?.to_dtype(dtype)?)
+}
+
+/// Self-attention projections of one layer.
+#[derive(Debug, Clone)]
+pub struct Attention {
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    pub q_norm: Option<RmsNorm>,
+    pub k_norm: Option<RmsNorm>,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl Attention {
+    fn load(p: &ParamLoader<'_>, name: &str, cfg: &ModelConfig) -> Result<Self> {
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let norm = |n: &str| -> Result<Option<RmsNorm>> {
+            if cfg.qk_norm {
+                Ok(Some(RmsNorm::load(
+                    p,
+                    &format!("{name}.{n}"),
+                    d,
+                    cfg.rms_norm_eps,
+                )?))
+            } else {
+                Ok(None)
+            }
+        };
+        Ok(Attention {
+            q: Linear::load(p, &format!("{name}.q_proj"), nh * d, h, cfg.qkv_bias)?,
+            k: Linear::load(p, &format!("{name}.k_proj"), nkv * d, h, cfg.qkv_bias)?,
+            v: Linear::load(p, &format!("{name}.v_proj"), nkv * d, h, cfg.qkv_bias)?,
+            o: Linear::load(p, &format!("{name}.o_proj"), h, nh * d, cfg.o_bias)?,
+            q_norm: norm("q_norm")?,
+            k_norm: norm("k_norm")?,
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: d,
+        })
+    }
+
+    /// `x: [B, T, H]` -> `(q [B, nh, T, D], k [B, nkv, T, D], v [B, nkv, T, D])`
+    /// with q/k norm and RoPE applied (`cos, sin: [B, 1, T, D/2]`).
+    pub fn project(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (b, t, _) = x.dims3()?;
+        let d = self.head_dim;
+        let heads = |lin: &Linear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
+            let y = lin.forward(x)?.reshape((b, t, n, d))?;
+            let y = match norm {
+                Some(nm) => nm.forward(&y)?,
+                None => y,
+            };
+            Ok(y.transpose(1, 2)?.contiguous()?)
+        };
+        let q = heads(&self.q, self.n_heads, &self.q_norm)?;
+        let k = heads(&self.k, self.n_kv_heads, &self.k_norm)?;
+        let v = heads(&self.v, self.n_kv_heads, &None)?;
+        Ok((apply_rope(&q, cos, sin)?, apply_rope(&k, cos, sin)?, v))
+    }
+}
+
+/// One pre-norm decoder layer.
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    pub input_norm: RmsNorm,
+    pub attn: Attention,
+    pub post_norm: RmsNorm,
+    pub mlp: Mlp,
+}
+
+impl DecoderLayer {
+    fn load(p: &ParamLoader<'_>, name: &str, cfg: &ModelConfig) -> Result<Self> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        Ok(DecoderLayer {
+            input_norm: RmsNorm::load(p, &format!("{name}.input_layernorm"), h, cfg.rms_norm_eps)?,
+            attn: Attention::load(p, &format!("{name}.self_attn"), cfg)?,
+            post_norm: RmsNorm::load(
+                p,
+                &format!("{name}.post_attention_layernorm"),
+                h,
+                cfg.rms_norm_eps,
+            )?,
+            mlp: Mlp {
+                gate: Linear::load(p, &format!("{name}.mlp.gate_proj"), i, h, false)?,
+                up: Linear::load(p, &format!("{name}.mlp.up_proj"), i, h, false)?,
+                down: Linear::load(p, &format!("{name}.mlp.down_proj"), h, i, false)?,
+            },
+        })
+    }
+
+    /// `x + attn(norm x)`, then `+ mlp(norm ·)`.
+    pub fn forward(
+        &self,
+        idx: usize,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        backend: &mut dyn AttentionBackend,
+    ) -> Result<Tensor> {
+        let h = self.input_norm.forward(x)?;
+        let (q, k, v) = self.attn.project(&h, cos, sin)?;
+        let a = backend.attend(idx, &q, &k, &v)?;
+        let x = (x + self.attn.o.forward(&a)?)?;
+        let h = self.post_norm.forward(&x)?;
+        Ok((&x + self.mlp.forward(&h)?)?)
+    }
+}
+
+/// A decoder-only transformer (`*ForCausalLM`).
+#[derive(Debug, Clone)]
+pub struct Transformer {
+    pub cfg: ModelConfig,
+    pub embed: Tensor,
+    pub layers: Vec<DecoderLayer>,
+    pub norm: RmsNorm,
+    /// `[vocab, hidden]`; the embedding matrix itself when tied.
+    pub lm_head: Tensor,
+    pub rope: Rope,
+}
+
+impl Transformer {
+    /// Load (or initialise) every parameter under its HF name.
+    pub fn load(cfg: &ModelConfig, p: &ParamLoader<'_>) -> Result<Self> {
+        let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+        let embed = p.get("model.embed_tokens.weight", &[v, h], Init::Normal(INIT_STD))?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| DecoderLayer::load(p, &format!("model.layers.{i}"), cfg))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::load(p, "model.norm", h, cfg.rms_norm_eps)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            embed.clone()
+        } else {
+            p.get("lm_head.weight", &[v, h], Init::Normal(INIT_STD))?
+        };
+        Ok(Transformer {
+            cfg: cfg.clone(),
+            embed,
+            layers,
+            norm,
+            lm_head,
+            rope: Rope::new(cfg),
+        })
+    }
+
+    pub fn device(&self) -> &Device {
+        self.embed.device()
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.embed.dtype()
+    }
+
+    /// Token embeddings: `ids: [B, T]` (u32) -> `[B, T, H]`.
+    pub fn embed_tokens(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        let flat = ids.flatten_all()?;
+        let vocab = self.cfg.vocab_size as u32;
+        if let Some(bad) = flat.to_vec1::<u32>()?.into_iter().find(|&i| i >= vocab) {
+            return Err(ModelError::Input(format!(
+                "token id {bad} is outside the vocabulary (vocab_size = {vocab})"
+            )));
+        }
+        Ok(self
+            .embed
+            .index_select(&flat, 0)?
+            .reshape((b, t, self.cfg.hidden_size))?)
+    }
+
+    /// Final hidden states (after the final norm), `[B, T, H]`, for `ids:
+    /// [B, T]` at `positions` (row-major, `B*T` entries), attending through
+    /// `backend`.
+    pub fn forward_with(
+        &self,
+        ids: &Tensor,
+        positions: &[u32],
+        backend: &mut dyn AttentionBackend,
+    ) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        if positions.len() != b * t {
+            return Err(ModelError::Input(format!(
+                "{} positions for {b}x{t} tokens",
+                positions.len()
+            )));
+        }
+        let (cos, sin) = self.rope.cos_sin(positions, self.dtype(), self.device())?;
+        let half = self.cfg.head_dim / 2;
+        let cos = cos.reshape((b, 1, t, half))?;
+        let sin = sin.reshape((b, 1, t, half))?;
+        let mut x = self.embed_tokens(ids)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward(i, &x, &cos, &sin, backend)?;
+        }
+        Ok(self.norm.forward(&x)?)
+    }
+
+    /// Training forward: every position of `ids: [B, T]` from position 0,
+    /// dense causal attention, differentiable. Returns `[B, T, H]`.
+    pub fn forward_hidden(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        let positions: Vec<u32> = (0..b).flat_map(|_| 0..t as u32).collect();
+        self.forward_with(ids, &positions, &mut DenseCausal)
+    }
+
+    /// Full logits `[.., V]` for hidden states `[.., H]`, in the model dtype.
+    /// Only for small inputs: use [`crate::logprobs`] for training-size batches.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        let lin = Linear {
+            weight: self.lm_head.clone(),
+            bias: None,
+        };
+        Ok(lin.forward(hidden)?)
+    }
+}

@@ -1,0 +1,434 @@
+//! Locating a checkpoint (local directory or HF model id) and loading its
+//! tensors from memory-mapped safetensors, single file or sharded.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::VarMap;
+
+use crate::error::{ModelError, Result};
+
+/// The files that make up a model, wherever they came from.
+#[derive(Debug, Clone)]
+pub struct ModelFiles {
+    /// What the user asked for (a path or an HF id), for messages.
+    pub spec: String,
+    pub config: PathBuf,
+    /// One or more `.safetensors` files.
+    pub weights: Vec<PathBuf>,
+    pub tokenizer: Option<PathBuf>,
+    pub tokenizer_config: Option<PathBuf>,
+}
+
+const INDEX: &str = "model.safetensors.index.json";
+const SINGLE: &str = "model.safetensors";
+
+impl ModelFiles {
+    /// Resolve `spec`: an existing local directory, or else an HF model id
+    /// (`org/name`, optionally `org/name@revision`) looked up in the local HF
+    /// cache first and downloaded only when the cache lacks a file and
+    /// `HF_HUB_OFFLINE` is not set.
+    pub fn resolve(spec: &str) -> Result<Self> {
+        let p = Path::new(spec);
+        if p.is_dir() {
+            return Self::from_dir(p);
+        }
+        if p.exists() {
+            return Err(ModelError::Resolve {
+                model: spec.into(),
+                msg: "is a file; pass the model directory (with config.json and *.safetensors)"
+                    .into(),
+            });
+        }
+        let looks_like_id = spec.split('/').count() == 2
+            && !spec.starts_with('.')
+            && !spec.starts_with('/')
+            && !spec.is_empty();
+        if !looks_like_id {
+            return Err(ModelError::Resolve {
+                model: spec.into(),
+                msg: "no such directory, and not an HF model id of the form org/name".into(),
+            });
+        }
+        Self::from_hub(spec)
+    }
+
+    /// A local directory holding `config.json` and the safetensors.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let config = dir.join("config.json");
+        if !config.is_file() {
+            return Err(ModelError::io(
+                &config,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "config.json not found"),
+            ));
+        }
+        let weights = if dir.join(INDEX).is_file() {
+            let index = dir.join(INDEX);
+            shard_files(&index)?
+                .into_iter()
+                .map(|f| dir.join(f))
+                .collect()
+        } else if dir.join(SINGLE).is_file() {
+            vec![dir.join(SINGLE)]
+        } else {
+            let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
+                .map_err(|e| ModelError::io(dir, e))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .collect();
+            found.sort();
+            if found.is_empty() {
+                return Err(ModelError::io(
+                    dir.join(SINGLE),
+                    std::io::Error::new(
+                        std::io::ErrorKind::NotFound,
+                        "no model.safetensors, model.safetensors.index.json or *.safetensors in the directory",
+                    ),
+                ));
+            }
+            found
+        };
+        let opt = |name: &str| Some(dir.join(name)).filter(|p| p.is_file());
+        Ok(ModelFiles {
+            spec: dir.display().to_string(),
+            config,
+            weights,
+            tokenizer: opt("tokenizer.json"),
+            tokenizer_config: opt("tokenizer_config.json"),
+        })
+    }
+
+    fn from_hub(spec: &str) -> Result<Self> {
+        let (id, revision) = match spec.split_once('@') {
+            Some((id, rev)) => (id.to_string(), rev.to_string()),
+            None => (spec.to_string(), "main".to_string()),
+        };
+        let repo = hf_hub::Repo::with_revision(id.clone(), hf_hub::RepoType::Model, revision);
+        let cache = match std::env::var("HF_HUB_CACHE") {
+            Ok(p) if !p.is_empty() => hf_hub::Cache::new(p.into()),
+            _ => hf_hub::Cache::from_env(),
+        };
+        let cached = cache.repo(repo.clone());
+        let offline = std::env::var("HF_HUB_OFFLINE")
+            .map(|v| !v.is_empty() && v != "0" && v.to_lowercase() != "false")
+            .unwrap_or(false);
+        let api = if offline {
+            None
+        } else {
+            hf_hub::api::sync::ApiBuilder::from_cache(cache.clone())
+                .with_progress(true)
+                .build()
+                .ok()
+                .map(|a| a.repo(repo.clone()))
+        };
+        let fetch = |file: &str, required: bool| -> Result<Option<PathBuf>> {
+            if let Some(p) = cached.get(file) {
+                return Ok(Some(p));
+            }
+            let Some(api) = &api else {
+                return if required {
+                    Err(ModelError::Resolve {
+                        model: spec.into(),
+                        msg: format!(
+                            "`{file}` is not in the HF cache at {} and HF_HUB_OFFLINE is set",
+                            cache.path().display()
+                        ),
+                    })
+                } else {
+                    Ok(None)
+                };
+            };
+            match api.get(file) {
+                Ok(p) => Ok(Some(p)),
+                Err(e) if required => Err(ModelError::Resolve {
+                    model: spec.into(),
+                    msg: format!("cannot fetch `{file}`: {e}"),
+                }),
+                Err(_) => Ok(None),
+            }
+        };
+        let config = fetch("config.json", true)?.expect("required");
+        let weights = match fetch(INDEX, false)? {
+            Some(index) => shard_files(&index)?
+                .iter()
+                .map(|f| fetch(f, true).map(|p| p.expect("required")))
+                .collect::<Result<Vec<_>>>()?,
+            None => vec![fetch(SINGLE, true)?.expect("required")],
+        };
+        Ok(ModelFiles {
+            spec: spec.into(),
+            config,
+            weights,
+            tokenizer: fetch("tokenizer.json", false)?,
+            tokenizer_config: fetch("tokenizer_config.json", false)?,
+        })
+    }
+}
+
+/// The distinct shard file names listed in `model.safetensors.index.json`, sorted.
+fn shard_files(index: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(index).map_err(|e| ModelError::io(index, e))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| ModelError::json(index, &e))?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| ModelError::ConfigKey {
+            path: index.to_path_buf(),
+            key: "weight_map".into(),
+            msg: "missing or not an object".into(),
+        })?;
+    let mut files: Vec<String> = Vec::new();
+    for (name, f) in map {
+        let f = f.as_str().ok_or_else(|| ModelError::ConfigKey {
+            path: index.to_path_buf(),
+            key: format!("weight_map.{name}"),
+            msg: "expected a file name".into(),
+        })?;
+        if f.contains('/') || f.contains('\\') || f.starts_with('.') {
+            return Err(ModelError::ConfigKey {
+                path: index.to_path_buf(),
+                key: format!("weight_map.{name}"),
+                msg: format!("`{f}` is not a plain file name"),
+            });
+        }
+        if !files.iter().any(|x| x == f) {
+            files.push(f.to_string());
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// Memory-mapped safetensors files, with an index from tensor name to file.
+pub struct Checkpoint {
+    files: Vec<(PathBuf, candle_core::safetensors::MmapedSafetensors)>,
+    index: HashMap<String, usize>,
+}
+
+impl std::fmt::Debug for Checkpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checkpoint")
+            .field(
+                "files",
+                &self.files.iter().map(|(p, _)| p).collect::<Vec<_>>(),
+            )
+            .field("tensors", &self.index.len())
+            .finish()
+    }
+}
+
+impl Checkpoint {
+    /// Memory-map each file and read its header. A truncated or corrupt file
+    /// is reported with its path.
+    pub fn open(paths: &[PathBuf]) -> Result<Self> {
+        let mut files = Vec::with_capacity(paths.len());
+        let mut index = HashMap::new();
+        for (i, p) in paths.iter().enumerate() {
+            if !p.is_file() {
+                return Err(ModelError::io(
+                    p,
+                    std::io::Error::new(std::io::ErrorKind::NotFound, "weights file not found"),
+                ));
+            }
+            let st = mmap(p)?;
+            for (name, _) in st.tensors() {
+                index.insert(name, i);
+            }
+            files.push((p.clone(), st));
+        }
+        Ok(Checkpoint { files, index })
+    }
+
+    /// All tensor names.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(String::as_str)
+    }
+
+    /// Whether the checkpoint holds `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    fn file_list(&self) -> String {
+        self.files
+            .iter()
+            .map(|(p, _)| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// Load `name`, check it has `shape`, convert to `dtype` on `device`.
+    pub fn load(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let Some(&i) = self.index.get(name) else {
+            return Err(ModelError::MissingTensor {
+                name: name.into(),
+                files: self.file_list(),
+            });
+        };
+        let (path, st) = &self.files[i];
+        let view = st.get(name).map_err(|e| ModelError::Safetensors {
+            path: path.clone(),
+            msg: format!("tensor `{name}`: {e}"),
+        })?;
+        if view.shape() != shape {
+            return Err(ModelError::ShapeMismatch {
+                name: name.into(),
+                expected: shape.to_vec(),
+                found: view.shape().to_vec(),
+            });
+        }
+        use safetensors::Dtype as S;
+        match view.dtype() {
+            S::F32 | S::F16 | S::BF16 | S::F64 => {}
+            other => {
+                return Err(ModelError::TensorDtype {
+                    name: name.into(),
+                    dtype: format!("{other:?}"),
+                })
+            }
+        }
+        let t = st.load(name, device).map_err(|e| ModelError::Safetensors {
+            path: path.clone(),
+            msg: format!("tensor `{name}`: {e}"),
+        })?;
+        Ok(t.to_dtype(dtype)?)
+    }
+}
+
+#[allow(unsafe_code)]
+fn mmap(p: &Path) -> Result<candle_core::safetensors::MmapedSafetensors> {
+    // SAFETY: the file is mapped read-only; like every safetensors reader we
+    // assume it is not truncated or rewritten while mapped.
+    unsafe { candle_core::safetensors::MmapedSafetensors::new(p) }.map_err(|e| {
+        ModelError::Safetensors {
+            path: p.to_path_buf(),
+            msg: e.to_string(),
+        }
+    })
+}
+
+/// How a parameter is initialised when there is no checkpoint to read it from.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Init {
+    /// N(0, std^2).
+    Normal(f64),
+    Ones,
+    Zeros,
+}
+
+/// Where parameters come from.
+#[derive(Debug)]
+pub enum ParamSource<'a> {
+    /// A checkpoint on disk; every tensor must be present with the right shape.
+    Checkpoint(&'a Checkpoint),
+    /// Fresh random weights (benchmarks, the quickstart's tiny model). Uses
+    /// candle's device RNG, seeded with [`Device::set_seed`].
+    Random,
+}
+
+/// Builds parameters for a model: loads or initialises each tensor and, when
+/// trainable, wraps it in a [`Var`] registered under its HF name in a
+/// [`VarMap`] (so optimizers and checkpoint writers see HF names).
+pub struct ParamLoader<'a> {
+    pub source: ParamSource<'a>,
+    pub dtype: DType,
+    pub device: Device,
+    vars: Option<VarMap>,
+}
+
+impl std::fmt::Debug for ParamLoader<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ParamLoader")
+            .field("source", &self.source)
+            .field("dtype", &self.dtype)
+            .field("trainable", &self.vars.is_some())
+            .finish()
+    }
+}
+
+impl<'a> ParamLoader<'a> {
+    /// Frozen parameters (inference).
+    pub fn frozen(source: ParamSource<'a>, dtype: DType, device: &Device) -> Self {
+        ParamLoader {
+            source,
+            dtype,
+            device: device.clone(),
+            vars: None,
+        }
+    }
+
+    /// Trainable parameters, registered in `vars`.
+    pub fn trainable(source: ParamSource<'a>, dtype: DType, device: &Device, vars: VarMap) -> Self {
+        ParamLoader {
+            source,
+            dtype,
+            device: device.clone(),
+            vars: Some(vars),
+        }
+    }
+
+    /// The registry of trainable parameters, if any.
+    pub fn varmap(&self) -> Option<&VarMap> {
+        self.vars.as_ref()
+    }
+
+    /// Whether the source already has `name` (random sources have nothing).
+    pub fn has(&self, name: &str) -> bool {
+        match &self.source {
+            ParamSource::Checkpoint(c) => c.contains(name),
+            ParamSource::Random => false,
+        }
+    }
+
+    /// Get parameter `name` of `shape`: from the checkpoint, or initialised.
+    pub fn get(&self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
+        let t = match &self.source {
+            ParamSource::Checkpoint(c) => c.load(name, shape, self.dtype, &self.device)?,
+            ParamSource::Random => init_tensor(shape, init, self.dtype, &self.device)?,
+        };
+        self.register(name, t)
+    }
+
+    /// Like [`get`](Self::get) but initialises when the checkpoint lacks the
+    /// tensor (e.g. a fresh value head on a policy checkpoint).
+    pub fn get_or_init(&self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
+        if self.has(name) {
+            self.get(name, shape, init)
+        } else {
+            let t = init_tensor(shape, init, self.dtype, &self.device)?;
+            self.register(name, t)
+        }
+    }
+
+    fn register(&self, name: &str, t: Tensor) -> Result<Tensor> {
+        match &self.vars {
+            None => Ok(t),
+            Some(vm) => {
+                let var = Var::from_tensor(&t)?;
+                let out = var.as_tensor().clone();
+                vm.data()
+                    .lock()
+                    .map_err(|_| ModelError::Input("parameter registry poisoned".into()))?
+                    .insert(name.to_string(), var);
+                Ok(out)
+            }
+        }
+    }
+}
+
+fn init_tensor(shape: &[usize], init: Init, dtype: DType, device: &Device) -> Result<Tensor> {
+    let t = match init {
+        Init::Normal(std) => Tensor::randn(0f32, std as f32, shape, device)?.to_dtype(dtype)?,
+        Init::Ones => Tensor::ones(shape, dtype, device)?,
+        Init::Zeros => Tensor::zeros(shape, dtype, device)?,
+    };
+    Ok(t)
+}

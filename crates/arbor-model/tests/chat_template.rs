@@ -1,0 +1,73 @@
+//! The real Qwen3 chat template renders exactly what HF transformers renders
+//! (fixtures from `scripts/make_fixtures.py`), and the real Qwen3 tokenizer
+//! encodes exactly as HF does when ../shared/data is present.
+
+mod common;
+
+use arbor_model::{ChatOptions, ChatTemplate, Tokenizer};
+use common::*;
+
+fn opts(case: &serde_json::Value) -> ChatOptions {
+    ChatOptions {
+        add_generation_prompt: case["add_generation_prompt"].as_bool().unwrap(),
+        enable_thinking: case.get("enable_thinking").and_then(|v| v.as_bool()),
+    }
+}
+
+#[test]
+fn qwen3_template_matches_hf() {
+    let t =
+        ChatTemplate::from_tokenizer_config(fixtures().join("chat/tokenizer_config.json")).unwrap();
+    let fx = read_json(fixtures().join("chat/qwen3_chat.json"));
+    let cases = fx["cases"].as_array().unwrap();
+    assert!(cases.len() >= 4);
+    for case in cases {
+        let tools = case.get("tools").filter(|t| !t.is_null());
+        let got = t.render(&case["messages"], tools, &opts(case)).unwrap();
+        let want = case["rendered"].as_str().unwrap();
+        assert_eq!(got, want, "case {}", case["name"]);
+    }
+}
+
+#[test]
+fn qwen3_tokenizer_matches_hf() {
+    let Some(data) = shared_data() else {
+        eprintln!("SKIP: ../shared/data not present (the tokenizer is not committed)");
+        return;
+    };
+    let tok = Tokenizer::from_file(data.join("tokenizers/qwen3/tokenizer.json")).unwrap();
+    let fx = read_json(fixtures().join("chat/qwen3_chat.json"));
+    for case in fx["cases"].as_array().unwrap() {
+        let ids = tok
+            .encode(case["rendered"].as_str().unwrap(), false)
+            .unwrap();
+        assert_eq!(ids, u32s(&case["token_ids"]), "case {}", case["name"]);
+        assert_eq!(
+            tok.decode(&ids, false).unwrap(),
+            case["rendered"].as_str().unwrap()
+        );
+    }
+    for e in fx["encode"].as_array().unwrap() {
+        assert_eq!(
+            tok.encode(e["text"].as_str().unwrap(), true).unwrap(),
+            u32s(&e["ids"]),
+            "{}",
+            e["text"]
+        );
+    }
+    assert_eq!(tok.token_to_id("<|im_end|>"), Some(151645));
+}
+
+#[test]
+fn missing_template_is_a_clear_error() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("tokenizer_config.json");
+    std::fs::write(&p, r#"{"eos_token": "</s>"}"#).unwrap();
+    let e = ChatTemplate::from_tokenizer_config(&p)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("tokenizer_config.json") && e.contains("chat_template"),
+        "{e}"
+    );
+}

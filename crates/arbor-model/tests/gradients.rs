@@ -1,0 +1,255 @@
+//! Finite-difference gradient checks in f64 for every parameter kind
+//! (embeddings, q/k/v/o with biases, q/k norms, MLP, final norm, untied and
+//! tied lm_head, value head), and a check that no parameter is cut off from
+//! the gradient.
+//!
+//! Loss: `L = sum_{b,t} w_{bt} logp_{bt} + sum_{b,t} u_{bt} V_{bt}` with fixed
+//! random weights, through the same chunked logprob path training uses.
+
+use arbor_model::logprobs::token_logprobs;
+use arbor_model::{
+    ActorCritic, Arch, CriticMode, ModelConfig, ParamLoader, ParamSource, RopeScaling,
+};
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::VarMap;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+fn tiny(arch: Arch) -> ModelConfig {
+    let mut c = ModelConfig::smollm2_135m();
+    c.arch = arch;
+    c.vocab_size = 37;
+    c.hidden_size = 16;
+    c.intermediate_size = 24;
+    c.num_hidden_layers = 2;
+    c.num_attention_heads = 4;
+    c.num_key_value_heads = 2;
+    c.head_dim = 6;
+    c.rope_theta = 10000.0;
+    c.rms_norm_eps = 1e-6;
+    match arch {
+        Arch::Qwen2 => {
+            c.qkv_bias = true;
+            c.tie_word_embeddings = true;
+        }
+        Arch::Qwen3 => {
+            // Every bias and both q/k norms, untied head, head_dim != hidden/heads.
+            c.qkv_bias = true;
+            c.o_bias = true;
+            c.qk_norm = true;
+            c.tie_word_embeddings = false;
+        }
+        Arch::Llama => {
+            c.num_key_value_heads = 1;
+            c.head_dim = 4;
+            c.tie_word_embeddings = true;
+            c.rope_scaling = RopeScaling::Llama3 {
+                factor: 4.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 16.0,
+            };
+        }
+    }
+    c
+}
+
+struct Setup {
+    model: ActorCritic,
+    vars: Vec<(String, Var)>,
+    ids: Tensor,
+    w: Tensor,
+    u: Tensor,
+}
+
+fn setup(arch: Arch, mode: CriticMode, seed: u64) -> Setup {
+    let cfg = tiny(arch);
+    let dev = Device::Cpu;
+    let pvars = VarMap::new();
+    let cvars = VarMap::new();
+    let pl = ParamLoader::trainable(ParamSource::Random, DType::F64, &dev, pvars.clone());
+    let cl = ParamLoader::trainable(ParamSource::Random, DType::F64, &dev, cvars.clone());
+    let model = ActorCritic::load(&cfg, mode, &pl, &cl).unwrap();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut vars: Vec<(String, Var)> = Vec::new();
+    for (prefix, vm) in [("policy.", &pvars), ("critic.", &cvars)] {
+        let mut v: Vec<_> = vm
+            .data()
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| (format!("{prefix}{k}"), v.clone()))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        vars.extend(v);
+    }
+    // Non-trivial values: norms far from 1, large weights, non-zero biases.
+    for (name, var) in &vars {
+        let n = var.elem_count();
+        let fan_in = *var.dims().last().unwrap() as f64;
+        let vals: Vec<f64> = (0..n)
+            .map(|_| {
+                let z: f64 = rng.random::<f64>() * 2.0 - 1.0;
+                if name.ends_with("norm.weight") || name.contains("layernorm") {
+                    1.0 + 0.5 * z
+                } else if name.ends_with(".bias") {
+                    0.3 * z
+                } else {
+                    z * 2.5 / fan_in.sqrt()
+                }
+            })
+            .collect();
+        var.set(&Tensor::from_vec(vals, var.shape(), &dev).unwrap())
+            .unwrap();
+    }
+    let (b, t) = (2, 7);
+    let toks: Vec<u32> = (0..b * t)
+        .map(|_| rng.random_range(0..cfg.vocab_size as u32))
+        .collect();
+    let ids = Tensor::from_vec(toks, (b, t), &dev).unwrap();
+    let w: Vec<f64> = (0..b * (t - 1))
+        .map(|_| rng.random::<f64>() - 0.5)
+        .collect();
+    let u: Vec<f64> = (0..b * t).map(|_| rng.random::<f64>() - 0.5).collect();
+    Setup {
+        model,
+        vars,
+        ids,
+        w: Tensor::from_vec(w, b * (t - 1), &dev).unwrap(),
+        u: Tensor::from_vec(u, (b, t), &dev).unwrap(),
+    }
+}
+
+fn loss(s: &Setup) -> Tensor {
+    let (b, t) = s.ids.dims2().unwrap();
+    let (h, values) = s.model.forward(&s.ids).unwrap();
+    let hid = s.model.policy.cfg.hidden_size;
+    let h_in = h
+        .narrow(1, 0, t - 1)
+        .unwrap()
+        .reshape((b * (t - 1), hid))
+        .unwrap();
+    let targets = s.ids.narrow(1, 1, t - 1).unwrap().flatten_all().unwrap();
+    let lp = token_logprobs(&h_in, &s.model.policy.lm_head, &targets, 5).unwrap();
+    let pl = (lp * &s.w).unwrap().sum_all().unwrap();
+    let vl = (values * &s.u).unwrap().sum_all().unwrap();
+    (pl + vl).unwrap()
+}
+
+fn scalar(t: &Tensor) -> f64 {
+    t.to_scalar::<f64>().unwrap()
+}
+
+fn fd_check(arch: Arch, mode: CriticMode) {
+    let s = setup(arch, mode, 7 + arch as u64);
+    let l = loss(&s);
+    let grads = l.backward().unwrap();
+    let eps = 1e-5;
+    let mut rng = StdRng::seed_from_u64(99);
+    let mut worst = (0.0f64, String::new());
+    let mut checked = 0;
+    for (name, var) in &s.vars {
+        let g = grads
+            .get(var.as_tensor())
+            .unwrap_or_else(|| panic!("{arch:?}/{mode:?}: parameter {name} got no gradient"));
+        let gv: Vec<f64> = g.flatten_all().unwrap().to_vec1().unwrap();
+        assert!(
+            gv.iter().any(|x| *x != 0.0),
+            "{arch:?}/{mode:?}: {name} has an all-zero gradient"
+        );
+        let orig: Vec<f64> = var.flatten_all().unwrap().to_vec1().unwrap();
+        // Three random entries plus the entry with the largest gradient.
+        let argmax = (0..gv.len())
+            .max_by(|&a, &b| gv[a].abs().total_cmp(&gv[b].abs()))
+            .unwrap();
+        let mut idx: Vec<usize> = (0..3).map(|_| rng.random_range(0..gv.len())).collect();
+        idx.push(argmax);
+        for i in idx {
+            let eval = |delta: f64| {
+                let mut v = orig.clone();
+                v[i] += delta;
+                var.set(&Tensor::from_vec(v, var.shape(), &Device::Cpu).unwrap())
+                    .unwrap();
+                scalar(&loss(&s))
+            };
+            let fd = (eval(eps) - eval(-eps)) / (2.0 * eps);
+            var.set(&Tensor::from_vec(orig.clone(), var.shape(), &Device::Cpu).unwrap())
+                .unwrap();
+            let an = gv[i];
+            let rel = (fd - an).abs() / (fd.abs().max(an.abs()) + 1e-8);
+            checked += 1;
+            if rel > worst.0 {
+                worst = (rel, format!("{name}[{i}] fd={fd:.6e} analytic={an:.6e}"));
+            }
+            assert!(
+                rel <= 1e-4,
+                "{arch:?}/{mode:?}: {name}[{i}]: fd {fd:.8e} vs analytic {an:.8e} (rel {rel:.2e})"
+            );
+        }
+    }
+    eprintln!(
+        "{arch:?}/{mode:?}: {checked} entries over {} parameters, worst rel err {:.2e} ({})",
+        s.vars.len(),
+        worst.0,
+        worst.1
+    );
+}
+
+#[test]
+fn qwen2_shared_critic_gradients() {
+    fd_check(Arch::Qwen2, CriticMode::Shared);
+}
+
+#[test]
+fn qwen3_all_biases_qk_norm_untied_gradients() {
+    fd_check(Arch::Qwen3, CriticMode::Shared);
+}
+
+#[test]
+fn llama_tied_separate_critic_gradients() {
+    fd_check(Arch::Llama, CriticMode::Separate);
+}
+
+#[test]
+fn every_parameter_kind_is_covered() {
+    // The three configurations above together hold every parameter kind.
+    let mut kinds = std::collections::BTreeSet::new();
+    for (arch, mode) in [
+        (Arch::Qwen2, CriticMode::Shared),
+        (Arch::Qwen3, CriticMode::Shared),
+        (Arch::Llama, CriticMode::Separate),
+    ] {
+        for (name, _) in setup(arch, mode, 1).vars {
+            let kind: Vec<&str> = name
+                .split('.')
+                .filter(|p| p.parse::<usize>().is_err())
+                .collect();
+            kinds.insert(kind.join("."));
+        }
+    }
+    for want in [
+        "policy.model.embed_tokens.weight",
+        "policy.model.layers.self_attn.q_proj.weight",
+        "policy.model.layers.self_attn.q_proj.bias",
+        "policy.model.layers.self_attn.k_proj.bias",
+        "policy.model.layers.self_attn.v_proj.bias",
+        "policy.model.layers.self_attn.o_proj.weight",
+        "policy.model.layers.self_attn.o_proj.bias",
+        "policy.model.layers.self_attn.q_norm.weight",
+        "policy.model.layers.self_attn.k_norm.weight",
+        "policy.model.layers.mlp.gate_proj.weight",
+        "policy.model.layers.mlp.up_proj.weight",
+        "policy.model.layers.mlp.down_proj.weight",
+        "policy.model.layers.input_layernorm.weight",
+        "policy.model.layers.post_attention_layernorm.weight",
+        "policy.model.norm.weight",
+        "policy.lm_head.weight",
+        "critic.value_head.weight",
+        "critic.value_head.bias",
+        "critic.model.layers.self_attn.q_proj.weight",
+    ] {
+        assert!(
+            kinds.contains(want),
+            "parameter kind {want} not covered: {kinds:?}"
+        );
+    }
+}

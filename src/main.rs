@@ -1,0 +1,54 @@
+//! `arbor`: the command-line front end of the Arbor RL trainer.
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+mod bench;
+mod score;
+
+/// Arbor: reinforcement learning from verifiable rewards for Qwen-family
+/// models, candle-native.
+///
+/// Start with `arbor score` to check that a checkpoint loads and predicts
+/// what transformers predicts.
+#[derive(Debug, Parser)]
+#[command(name = "arbor", version, about, long_about = None, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Score a token sequence: next-token log-probabilities and greedy argmax
+    /// at every position.
+    Score(score::ScoreArgs),
+    /// Print a model's resolved files, validated config and parameter count.
+    Info(score::InfoArgs),
+    /// Benchmarks (results are printed; record the ones you cite in
+    /// docs/benchmarks.md).
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    if let Err(e) = run(cli) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Score(a) => score::run(a),
+        Command::Info(a) => score::info(a),
+        Command::Bench(b) => bench::run(b),
+    }
+}
