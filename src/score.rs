@@ -17,7 +17,9 @@ pub struct ScoreArgs {
     /// Text to tokenize with the model's tokenizer.json.
     #[arg(long, value_name = "STR")]
     pub text: Option<String>,
-    /// Wrap --text as a user message in the model's chat template.
+    /// Wrap --text as a user message in the model's chat template, followed
+    /// by the assistant generation prompt (so the last greedy token is the
+    /// model's first answer token).
     #[arg(long, requires = "text")]
     pub chat: bool,
     /// Print `{"tokens": [...], "logprobs": [...], "greedy": [...]}`.
@@ -59,7 +61,14 @@ pub fn run(a: ScoreArgs) -> Result<()> {
                     )
                 })?;
                 let msgs = serde_json::json!([{"role": "user", "content": text}]);
-                let rendered = tmpl.render(&msgs, None, &ChatOptions::default())?;
+                let rendered = tmpl.render(
+                    &msgs,
+                    None,
+                    &ChatOptions {
+                        add_generation_prompt: true,
+                        enable_thinking: None,
+                    },
+                )?;
                 tok.encode(&rendered, false)?
             } else {
                 tok.encode(text, true)?
@@ -72,46 +81,7 @@ pub fn run(a: ScoreArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&scored)?);
         return Ok(());
     }
-    let piece = |id: u32| -> String {
-        m.tokenizer
-            .as_ref()
-            .and_then(|t| t.decode(&[id], false).ok())
-            .map(|s| format!("{s:?}"))
-            .unwrap_or_default()
-    };
-    println!(
-        "{:>5}  {:>8}  {:<16}  {:>12}  {:>8}  {:<16}",
-        "pos", "token", "text", "logp(next)", "greedy", "greedy text"
-    );
-    for (t, &id) in scored.tokens.iter().enumerate() {
-        let lp = scored
-            .logprobs
-            .get(t)
-            .map(|x| format!("{x:.5}"))
-            .unwrap_or_else(|| "-".into());
-        let g = scored.greedy[t];
-        println!(
-            "{t:>5}  {id:>8}  {:<16}  {lp:>12}  {g:>8}  {:<16}",
-            piece(id),
-            piece(g)
-        );
-    }
-    if !scored.logprobs.is_empty() {
-        let n = scored.logprobs.len() as f64;
-        let mean = scored.logprobs.iter().map(|&x| x as f64).sum::<f64>() / n;
-        let hits = scored
-            .greedy
-            .iter()
-            .zip(&scored.tokens[1..])
-            .filter(|(g, t)| g == t)
-            .count();
-        println!(
-            "\n{} tokens; mean logprob {mean:.4}, perplexity {:.3}, greedy matches next token at {hits}/{} positions",
-            scored.tokens.len(),
-            (-mean).exp(),
-            scored.logprobs.len()
-        );
-    }
+    print_table(&m, &scored);
     Ok(())
 }
 
@@ -133,4 +103,60 @@ pub fn info(a: InfoArgs) -> Result<()> {
     println!("parameters: {:.2}M", cfg.num_parameters() as f64 / 1e6);
     println!("{}", serde_json::to_string_pretty(&cfg)?);
     Ok(())
+}
+
+/// Human-readable table: one row per position, then a summary line.
+fn print_table(m: &LoadedModel, scored: &arbor_model::Scored) {
+    let piece = |id: u32| -> String {
+        m.tokenizer
+            .as_ref()
+            .and_then(|t| t.decode(&[id], false).ok())
+            .map(|s| format!("{s:?}"))
+            .unwrap_or_default()
+    };
+    let text = m.tokenizer.is_some();
+    if text {
+        println!(
+            "{:>5}  {:>8}  {:<16}  {:>12}  {:>8}  greedy text",
+            "pos", "token", "text", "logp(next)", "greedy"
+        );
+    } else {
+        println!(
+            "{:>5}  {:>8}  {:>12}  {:>8}",
+            "pos", "token", "logp(next)", "greedy"
+        );
+    }
+    for (t, &id) in scored.tokens.iter().enumerate() {
+        let lp = scored
+            .logprobs
+            .get(t)
+            .map(|x| format!("{x:.5}"))
+            .unwrap_or_else(|| "-".into());
+        let g = scored.greedy[t];
+        if text {
+            println!(
+                "{t:>5}  {id:>8}  {:<16}  {lp:>12}  {g:>8}  {}",
+                piece(id),
+                piece(g)
+            );
+        } else {
+            println!("{t:>5}  {id:>8}  {lp:>12}  {g:>8}");
+        }
+    }
+    if scored.logprobs.is_empty() {
+        return;
+    }
+    let n = scored.logprobs.len();
+    let mean = scored.logprobs.iter().map(|&x| x as f64).sum::<f64>() / n as f64;
+    let hits = scored
+        .greedy
+        .iter()
+        .zip(&scored.tokens[1..])
+        .filter(|(g, t)| g == t)
+        .count();
+    println!(
+        "\nscored {} tokens: mean logprob {mean:.4}, perplexity {:.3}, greedy = next token at {hits}/{n} positions",
+        scored.tokens.len(),
+        (-mean).exp(),
+    );
 }

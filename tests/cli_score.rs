@@ -9,11 +9,17 @@ fn fixtures() -> PathBuf {
 }
 
 fn arbor(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_arbor")).args(args).output().unwrap()
+    Command::new(env!("CARGO_BIN_EXE_arbor"))
+        .args(args)
+        .output()
+        .unwrap()
 }
 
 fn reference(name: &str) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(fixtures().join(name).join("reference.json")).unwrap()).unwrap()
+    serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join(name).join("reference.json")).unwrap(),
+    )
+    .unwrap()
 }
 
 #[test]
@@ -21,19 +27,41 @@ fn score_json_matches_hf_reference() {
     for name in ["qwen2", "qwen3", "llama"] {
         let r = reference(name);
         let seq = &r["sequences"][0];
-        let toks: Vec<String> = seq["tokens"].as_array().unwrap().iter().map(|t| t.to_string()).collect();
+        let toks: Vec<String> = seq["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.to_string())
+            .collect();
         let model = fixtures().join(name);
-        let out = arbor(&["score", "--model", model.to_str().unwrap(), "--tokens", &toks.join(","), "--json"]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let out = arbor(&[
+            "score",
+            "--model",
+            model.to_str().unwrap(),
+            "--tokens",
+            &toks.join(","),
+            "--json",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let got: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         let keys: Vec<&String> = got.as_object().unwrap().keys().collect();
         assert_eq!(keys, ["tokens", "logprobs", "greedy"]);
         assert_eq!(got["tokens"], seq["tokens"]);
         assert_eq!(got["greedy"], seq["greedy"]);
-        let (a, b) = (got["logprobs"].as_array().unwrap(), seq["logprobs"].as_array().unwrap());
+        let (a, b) = (
+            got["logprobs"].as_array().unwrap(),
+            seq["logprobs"].as_array().unwrap(),
+        );
         assert_eq!(a.len(), b.len());
         for (x, y) in a.iter().zip(b) {
-            assert!((x.as_f64().unwrap() - y.as_f64().unwrap()).abs() <= 1e-4, "{name}: {x} vs {y}");
+            assert!(
+                (x.as_f64().unwrap() - y.as_f64().unwrap()).abs() <= 1e-4,
+                "{name}: {x} vs {y}"
+            );
         }
     }
 }
@@ -41,11 +69,25 @@ fn score_json_matches_hf_reference() {
 #[test]
 fn score_table_output_reads_well() {
     let model = fixtures().join("qwen2");
-    let out = arbor(&["score", "--model", model.to_str().unwrap(), "--tokens", "5,6,7,8"]);
+    let out = arbor(&[
+        "score",
+        "--model",
+        model.to_str().unwrap(),
+        "--tokens",
+        "5,6,7,8",
+    ]);
     assert!(out.status.success());
     let text = String::from_utf8(out.stdout).unwrap();
-    assert!(text.contains("logp(next)") && text.contains("perplexity"), "{text}");
-    assert_eq!(text.lines().filter(|l| l.trim_start().starts_with(char::is_numeric)).count(), 4);
+    assert!(
+        text.contains("logp(next)") && text.contains("perplexity"),
+        "{text}"
+    );
+    assert_eq!(
+        text.lines()
+            .filter(|l| l.trim_start().starts_with(char::is_numeric))
+            .count(),
+        4
+    );
 }
 
 fn assert_clean_error(out: &std::process::Output, needle: &str) {
@@ -59,11 +101,97 @@ fn assert_clean_error(out: &std::process::Output, needle: &str) {
 fn score_errors_are_clear() {
     let model = fixtures().join("qwen2");
     let m = model.to_str().unwrap();
-    assert_clean_error(&arbor(&["score", "--model", "/no/such/model", "--tokens", "1,2"]), "/no/such/model");
-    assert_clean_error(&arbor(&["score", "--model", m, "--tokens", "1,99999"]), "99999");
-    assert_clean_error(&arbor(&["score", "--model", m, "--text", "hello"]), "tokenizer.json");
-    assert_clean_error(&arbor(&["score", "--model", m, "--tokens", "1", "--dtype", "f8"]), "f8");
+    assert_clean_error(
+        &arbor(&["score", "--model", "/no/such/model", "--tokens", "1,2"]),
+        "/no/such/model",
+    );
+    assert_clean_error(
+        &arbor(&["score", "--model", m, "--tokens", "1,99999"]),
+        "99999",
+    );
+    assert_clean_error(
+        &arbor(&["score", "--model", m, "--text", "hello"]),
+        "tokenizer.json",
+    );
+    assert_clean_error(
+        &arbor(&["score", "--model", m, "--tokens", "1", "--dtype", "f8"]),
+        "f8",
+    );
     // clap rejects a missing input with its usage error (exit 2).
     let out = arbor(&["score", "--model", m]);
     assert_eq!(out.status.code(), Some(2));
+}
+
+/// `--text --chat` through the real Qwen3 tokenizer and chat template on a
+/// random full-vocabulary Qwen3-architecture model (needs ../shared/data for
+/// the tokenizer; skipped without it).
+#[test]
+fn score_text_chat_uses_real_tokenizer_and_template() {
+    let shared = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/data/tokenizers/qwen3");
+    if !shared.join("tokenizer.json").is_file() {
+        eprintln!("SKIP: ../shared/data/tokenizers/qwen3 not present");
+        return;
+    }
+    use arbor_model::{ModelConfig, ParamLoader, ParamSource, Transformer};
+    let mut cfg = ModelConfig::qwen3_0_6b();
+    cfg.hidden_size = 8;
+    cfg.intermediate_size = 16;
+    cfg.num_hidden_layers = 1;
+    cfg.num_attention_heads = 2;
+    cfg.num_key_value_heads = 1;
+    cfg.head_dim = 4;
+    let dev = candle_core::Device::Cpu;
+    let model = Transformer::load(
+        &cfg,
+        &ParamLoader::frozen(ParamSource::Random, candle_core::DType::F32, &dev),
+    )
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    model
+        .save_pretrained(dir.path(), candle_core::DType::BF16)
+        .unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(shared.join(f), dir.path().join(f)).unwrap();
+    }
+    let chat: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("chat/qwen3_chat.json")).unwrap(),
+    )
+    .unwrap();
+    let case = chat["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "thinking_default")
+        .unwrap();
+    let text = case["messages"][0]["content"].as_str().unwrap();
+    let out = arbor(&[
+        "score",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--text",
+        text,
+        "--chat",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(got["tokens"], case["token_ids"]);
+    // Plain --text goes through the tokenizer too, and the table shows the pieces.
+    let out = arbor(&[
+        "score",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--text",
+        "1 + 1 =",
+    ]);
+    assert!(out.status.success());
+    let table = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        table.contains("greedy text") && table.contains("\" +\""),
+        "{table}"
+    );
 }

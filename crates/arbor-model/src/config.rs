@@ -550,12 +550,14 @@ fn parse_rope(k: &Keys<'_>) -> Result<(f64, RopeScaling)> {
             high_freq_factor: num("high_freq_factor")?,
             original_max_position_embeddings: num("original_max_position_embeddings")?,
         },
-        other => return Err(k.unsupported(
-            &format!("{scaling_key}.rope_type"),
-            format!(
+        other => {
+            return Err(k.unsupported(
+                &format!("{scaling_key}.rope_type"),
+                format!(
                 "RoPE scaling `{other}` is not implemented (supported: default, linear, llama3)"
             ),
-        )),
+            ))
+        }
     };
     Ok((theta, scaling))
 }

@@ -380,6 +380,54 @@ impl Transformer {
         self.forward_with(ids, &positions, &mut DenseCausal)
     }
 
+    /// Every parameter under its HF name (the tied lm_head is not repeated).
+    pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
+        let mut out = vec![("model.embed_tokens.weight".to_string(), self.embed.clone())];
+        let lin = |out: &mut Vec<(String, Tensor)>, name: String, l: &Linear| {
+            out.push((format!("{name}.weight"), l.weight.clone()));
+            if let Some(b) = &l.bias {
+                out.push((format!("{name}.bias"), b.clone()));
+            }
+        };
+        for (i, layer) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            let a = &layer.attn;
+            lin(&mut out, format!("{p}.self_attn.q_proj"), &a.q);
+            lin(&mut out, format!("{p}.self_attn.k_proj"), &a.k);
+            lin(&mut out, format!("{p}.self_attn.v_proj"), &a.v);
+            lin(&mut out, format!("{p}.self_attn.o_proj"), &a.o);
+            if let Some(n) = &a.q_norm {
+                out.push((format!("{p}.self_attn.q_norm.weight"), n.weight.clone()));
+            }
+            if let Some(n) = &a.k_norm {
+                out.push((format!("{p}.self_attn.k_norm.weight"), n.weight.clone()));
+            }
+            lin(&mut out, format!("{p}.mlp.gate_proj"), &layer.mlp.gate);
+            lin(&mut out, format!("{p}.mlp.up_proj"), &layer.mlp.up);
+            lin(&mut out, format!("{p}.mlp.down_proj"), &layer.mlp.down);
+            out.push((
+                format!("{p}.input_layernorm.weight"),
+                layer.input_norm.weight.clone(),
+            ));
+            out.push((
+                format!("{p}.post_attention_layernorm.weight"),
+                layer.post_norm.weight.clone(),
+            ));
+        }
+        out.push(("model.norm.weight".to_string(), self.norm.weight.clone()));
+        if !self.cfg.tie_word_embeddings {
+            out.push(("lm_head.weight".to_string(), self.lm_head.clone()));
+        }
+        out
+    }
+
+    /// Write an HF-loadable checkpoint: `config.json` and `model.safetensors`
+    /// (in `dtype`), each written to a temporary file, fsynced and renamed,
+    /// so a crash never leaves a half-written file under the final name.
+    pub fn save_pretrained(&self, dir: &std::path::Path, dtype: DType) -> Result<()> {
+        crate::weights::save_pretrained(dir, &self.cfg, &self.named_tensors(), dtype)
+    }
+
     /// Full logits `[.., V]` for hidden states `[.., H]`, in the model dtype.
     /// Only for small inputs: use [`crate::logprobs`] for training-size batches.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {

@@ -432,3 +432,55 @@ fn init_tensor(shape: &[usize], init: Init, dtype: DType, device: &Device) -> Re
     };
     Ok(t)
 }
+
+/// Write `config.json` (HF keys) and `model.safetensors` into `dir`
+/// atomically (temp file, fsync, rename, fsync of the directory).
+pub fn save_pretrained(
+    dir: &Path,
+    cfg: &crate::ModelConfig,
+    tensors: &[(String, Tensor)],
+    dtype: DType,
+) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+    let mut cfg = cfg.clone();
+    cfg.torch_dtype = Some(
+        match dtype {
+            DType::BF16 => "bfloat16",
+            DType::F16 => "float16",
+            DType::F64 => "float64",
+            _ => "float32",
+        }
+        .to_string(),
+    );
+    let json = serde_json::to_vec_pretty(&cfg.to_hf_json())
+        .map_err(|e| ModelError::Input(e.to_string()))?;
+    write_atomic(&dir.join("config.json"), |p| {
+        std::fs::write(p, &json).map_err(|e| ModelError::io(p, e))
+    })?;
+    let converted = tensors
+        .iter()
+        .map(|(n, t)| Ok((n.clone(), t.detach().to_dtype(dtype)?)))
+        .collect::<Result<std::collections::HashMap<String, Tensor>>>()?;
+    write_atomic(&dir.join(SINGLE), |p| {
+        candle_core::safetensors::save(&converted, p).map_err(|e| ModelError::Safetensors {
+            path: p.to_path_buf(),
+            msg: e.to_string(),
+        })
+    })?;
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+/// Write through `write` into `<path>.tmp`, fsync it, then rename onto `path`.
+pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    write(&tmp)?;
+    std::fs::File::open(&tmp)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| ModelError::io(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| ModelError::io(path, e))
+}

@@ -114,3 +114,33 @@ fn f64_compute_matches_hf_f32() {
     let out = m.score(&u32s(&s["tokens"])).unwrap();
     assert!(max_abs(&out.logprobs, &f64s(&s["logprobs"])) <= F32_TOL);
 }
+
+#[test]
+fn save_pretrained_roundtrips() {
+    for name in ["qwen2", "qwen3", "llama"] {
+        let m = load(name, DType::F32);
+        let dir = tempfile::tempdir().unwrap();
+        m.model.save_pretrained(dir.path(), DType::F32).unwrap();
+        let again =
+            LoadedModel::load(dir.path().to_str().unwrap(), &LoadOptions::default()).unwrap();
+        assert_eq!(again.config.to_hf_json(), m.config.to_hf_json());
+        let toks = [5u32, 17, 200, 3, 99, 42];
+        assert_eq!(
+            again.score(&toks).unwrap(),
+            m.score(&toks).unwrap(),
+            "{name}"
+        );
+        // Same tensor set as the HF checkpoint itself.
+        let mut ours: Vec<String> = m
+            .model
+            .named_tensors()
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        let ckpt = arbor_model::Checkpoint::open(&m.files.weights).unwrap();
+        let mut theirs: Vec<String> = ckpt.names().map(str::to_string).collect();
+        ours.sort();
+        theirs.sort();
+        assert_eq!(ours, theirs, "{name}");
+    }
+}
