@@ -212,7 +212,8 @@ impl KvManager {
     fn append_cost(&self, s: &SeqState, n: usize) -> usize {
         let bs = self.block_size();
         let cow = usize::from(
-            s.len % bs != 0 && self.pool.ref_count(*s.blocks.last().expect("non-empty")) > 1,
+            !s.len.is_multiple_of(bs)
+                && self.pool.ref_count(*s.blocks.last().expect("non-empty")) > 1,
         );
         self.blocks_for(s.len + n) - s.blocks.len() + cow
     }

@@ -12,6 +12,7 @@ use serde_json::Value;
 use crate::error::{ModelError, Result};
 
 /// A text tokenizer.
+#[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     path: PathBuf,

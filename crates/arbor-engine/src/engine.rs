@@ -1,0 +1,684 @@
+//! The scheduler: continuous batching over the paged KV cache.
+
+use std::collections::{HashMap, VecDeque};
+
+use arbor_kv::KvManager;
+use arbor_model::{Tokenizer, Transformer};
+use candle_core::{DType, Tensor};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::paged::{PagedAttention, PagedBatch, PagedKvCache};
+use crate::sampling::{sample, SamplingParams};
+use crate::{EngineError, SeqId};
+
+/// Engine sizing.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EngineConfig {
+    /// Token slots per KV block.
+    pub block_size: usize,
+    /// KV blocks in the pool; 0 derives it from `kv_memory_mib`.
+    pub num_blocks: usize,
+    /// Memory for the KV pool when `num_blocks` is 0.
+    pub kv_memory_mib: usize,
+    /// Most sequences running at once.
+    pub max_seqs: usize,
+    /// Most new tokens in one forward step (a single longer prompt still
+    /// runs, alone).
+    pub max_batch_tokens: usize,
+    /// Longest sequence (prompt + generated); 0 means the model's
+    /// `max_position_embeddings`.
+    pub max_context: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            block_size: 16,
+            num_blocks: 0,
+            kv_memory_mib: 2048,
+            max_seqs: 256,
+            max_batch_tokens: 2048,
+            max_context: 0,
+        }
+    }
+}
+
+/// Why a sequence stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// A stop token or stop string was produced.
+    Stop,
+    /// `max_tokens` generated, or the context is full.
+    Length,
+    /// The request could not be served (see `Completion::error`).
+    Error,
+}
+
+/// A finished sequence.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Completion {
+    pub id: SeqId,
+    /// The prompt (or forked prefix) this sequence continued.
+    pub prompt: Vec<u32>,
+    /// Generated tokens (a stop token, when hit, is the last one).
+    pub tokens: Vec<u32>,
+    /// Sampling logprob of each generated token.
+    pub logprobs: Vec<f32>,
+    pub finish_reason: FinishReason,
+    /// The stop string that ended generation, if any.
+    pub stop_string: Option<String>,
+    /// What went wrong, for `FinishReason::Error`.
+    pub error: Option<String>,
+}
+
+/// Counters since the engine was created.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EngineStats {
+    pub steps: u64,
+    /// Prompt and recomputed tokens run through the model.
+    pub prefill_computed: u64,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub prefill_cached: u64,
+    /// Prompt tokens shared by forked samples instead of recomputed.
+    pub prefill_forked: u64,
+    /// Tokens generated (sampled).
+    pub generated: u64,
+    /// Sequences preempted for lack of KV blocks.
+    pub preemptions: u64,
+    /// KV block copies made for copy-on-write.
+    pub cow_copies: u64,
+    /// Highest number of KV blocks in use at once.
+    pub peak_blocks_in_use: u64,
+}
+
+#[derive(Debug)]
+struct Seq {
+    tokens: Vec<u32>,
+    /// Length of the prompt/prefix this sequence continues.
+    prompt_len: usize,
+    /// Tokens whose KV is in the cache.
+    computed: usize,
+    /// Whether `tokens[..computed]` lives in KV blocks now.
+    has_kv: bool,
+    params: SamplingParams,
+    rng: StdRng,
+    logprobs: Vec<f32>,
+    /// Pending fan-out: on this sequence's next logits, fork into these
+    /// children (each samples its own first token) and retire.
+    fan_out: Vec<(SeqId, SamplingParams)>,
+}
+
+impl Seq {
+    fn new(tokens: Vec<u32>, params: SamplingParams) -> Self {
+        Seq {
+            prompt_len: tokens.len(),
+            tokens,
+            computed: 0,
+            has_kv: false,
+            rng: StdRng::seed_from_u64(params.seed),
+            params,
+            logprobs: Vec::new(),
+            fan_out: Vec::new(),
+        }
+    }
+
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+}
+
+/// The generation engine.
+#[derive(Debug)]
+pub struct Engine {
+    model: Transformer,
+    tokenizer: Option<Tokenizer>,
+    cfg: EngineConfig,
+    max_context: usize,
+    kv: KvManager,
+    cache: PagedKvCache,
+    seqs: HashMap<SeqId, Seq>,
+    waiting: VecDeque<SeqId>,
+    running: Vec<SeqId>,
+    finished: Vec<Completion>,
+    next_id: SeqId,
+    stats: EngineStats,
+}
+
+impl Engine {
+    /// An engine over `model` (its tensors are shared, not copied).
+    pub fn new(
+        model: &Transformer,
+        tokenizer: Option<Tokenizer>,
+        cfg: EngineConfig,
+    ) -> Result<Self, EngineError> {
+        if cfg.block_size == 0 || cfg.max_seqs == 0 || cfg.max_batch_tokens == 0 {
+            return Err(EngineError::Config(
+                "block_size, max_seqs and max_batch_tokens must be >= 1".into(),
+            ));
+        }
+        let per_block = PagedKvCache::bytes_per_token(&model.cfg) * cfg.block_size;
+        let num_blocks = if cfg.num_blocks > 0 {
+            cfg.num_blocks
+        } else {
+            (cfg.kv_memory_mib << 20) / per_block
+        };
+        if num_blocks == 0 {
+            return Err(EngineError::Config(format!(
+                "kv_memory_mib = {} holds no block of {} bytes",
+                cfg.kv_memory_mib, per_block
+            )));
+        }
+        let max_context = match cfg.max_context {
+            0 => model.cfg.max_position_embeddings,
+            n => n,
+        };
+        Ok(Engine {
+            model: model.clone(),
+            tokenizer,
+            max_context,
+            kv: KvManager::new(num_blocks, cfg.block_size),
+            cache: PagedKvCache::new(&model.cfg, num_blocks, cfg.block_size),
+            cfg,
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            finished: Vec::new(),
+            next_id: 0,
+            stats: EngineStats::default(),
+        })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    /// KV pool counters (free, idle cached, in use, evictions).
+    pub fn pool_stats(&self) -> arbor_kv::PoolStats {
+        self.kv.stats()
+    }
+
+    /// Bytes of the KV pool.
+    pub fn kv_bytes(&self) -> usize {
+        self.cache.bytes()
+    }
+
+    /// Current policy version of the KV cache.
+    pub fn policy_version(&self) -> u64 {
+        self.kv.version()
+    }
+
+    /// The weights changed: cached KV is stale. Bumps the policy version so
+    /// no block computed before is served to a new request.
+    pub fn invalidate(&mut self) -> u64 {
+        self.kv.invalidate()
+    }
+
+    /// Sequences not finished yet.
+    pub fn num_pending(&self) -> usize {
+        self.waiting.len() + self.running.len()
+    }
+
+    pub fn has_pending(&self) -> bool {
+        self.num_pending() > 0
+    }
+
+    fn check_tokens(&self, what: &str, tokens: &[u32]) -> Result<(), EngineError> {
+        let vocab = self.model.cfg.vocab_size as u32;
+        if let Some(&t) = tokens.iter().find(|&&t| t >= vocab) {
+            return Err(EngineError::InvalidRequest(format!(
+                "{what} token {t} is outside the vocabulary (vocab_size = {vocab})"
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_params(&self, p: &SamplingParams) -> Result<(), EngineError> {
+        p.validate()?;
+        self.check_tokens("stop", &p.stop_tokens).map_err(|_| {
+            EngineError::InvalidParams(format!(
+                "stop_tokens = {:?}: unknown token id",
+                p.stop_tokens
+            ))
+        })?;
+        if !p.stop_strings.is_empty() && self.tokenizer.is_none() {
+            return Err(EngineError::InvalidParams(
+                "stop_strings need a tokenizer, and the engine has none".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn new_id(&mut self) -> SeqId {
+        self.next_id += 1;
+        self.next_id - 1
+    }
+
+    /// Queue `prompt` for one sample per entry of `samples`. With several
+    /// samples the prompt is computed once and its KV forked to each.
+    /// Returns the ids of the samples, in order.
+    pub fn submit(
+        &mut self,
+        prompt: Vec<u32>,
+        samples: Vec<SamplingParams>,
+    ) -> Result<Vec<SeqId>, EngineError> {
+        if prompt.is_empty() {
+            return Err(EngineError::InvalidRequest("empty prompt".into()));
+        }
+        if samples.is_empty() {
+            return Err(EngineError::InvalidRequest(
+                "n = 0 samples requested".into(),
+            ));
+        }
+        if prompt.len() >= self.max_context {
+            return Err(EngineError::InvalidRequest(format!(
+                "prompt of {} tokens leaves no room in a context of {}",
+                prompt.len(),
+                self.max_context
+            )));
+        }
+        self.check_tokens("prompt", &prompt)?;
+        for p in &samples {
+            self.check_params(p)?;
+        }
+        let ids: Vec<SeqId> = samples.iter().map(|_| self.new_id()).collect();
+        if samples.len() == 1 {
+            let p = samples.into_iter().next().expect("one");
+            self.seqs.insert(ids[0], Seq::new(prompt, p));
+            self.waiting.push_back(ids[0]);
+        } else {
+            let parent = self.new_id();
+            let mut s = Seq::new(prompt, SamplingParams::default());
+            s.fan_out = ids.iter().copied().zip(samples).collect();
+            self.seqs.insert(parent, s);
+            self.waiting.push_back(parent);
+        }
+        Ok(ids)
+    }
+
+    /// Branch the live sequence `seq` into one new sequence per entry of
+    /// `samples`, each continuing from `seq`'s current tokens and sharing its
+    /// KV blocks (copy-on-write for the partial last block). `seq` goes on.
+    pub fn fork(
+        &mut self,
+        seq: SeqId,
+        samples: Vec<SamplingParams>,
+    ) -> Result<Vec<SeqId>, EngineError> {
+        if samples.is_empty() {
+            return Err(EngineError::InvalidRequest(
+                "n = 0 samples requested".into(),
+            ));
+        }
+        for p in &samples {
+            self.check_params(p)?;
+        }
+        let parent = self
+            .seqs
+            .get(&seq)
+            .ok_or(EngineError::UnknownSequence(seq))?;
+        if !parent.fan_out.is_empty() {
+            return Err(EngineError::UnknownSequence(seq));
+        }
+        let (tokens, computed, has_kv) = (parent.tokens.clone(), parent.computed, parent.has_kv);
+        let is_running = self.running.contains(&seq);
+        let mut ids = Vec::with_capacity(samples.len());
+        for p in samples {
+            let id = self.new_id();
+            let mut child = Seq::new(tokens.clone(), p);
+            if has_kv {
+                self.kv.fork(seq, id)?;
+                child.computed = computed;
+                child.has_kv = true;
+                self.stats.prefill_forked += computed as u64;
+            }
+            self.seqs.insert(id, child);
+            if is_running && has_kv {
+                self.running.push(id);
+            } else {
+                self.waiting.push_back(id);
+            }
+            ids.push(id);
+        }
+        Ok(ids)
+    }
+
+    /// Completions finished since the last call.
+    pub fn take_finished(&mut self) -> Vec<Completion> {
+        std::mem::take(&mut self.finished)
+    }
+
+    fn finish(
+        &mut self,
+        id: SeqId,
+        reason: FinishReason,
+        stop_string: Option<String>,
+        error: Option<String>,
+    ) {
+        let Some(s) = self.seqs.remove(&id) else {
+            return;
+        };
+        if s.has_kv {
+            let _ = self.kv.free(id);
+        }
+        self.running.retain(|&r| r != id);
+        self.waiting.retain(|&r| r != id);
+        let outputs: Vec<(SeqId, SamplingParams)> = if s.fan_out.is_empty() {
+            vec![(id, s.params.clone())]
+        } else {
+            // A fan-out parent that fails fails every sample it stood for.
+            s.fan_out.clone()
+        };
+        for (oid, _) in outputs {
+            self.finished.push(Completion {
+                id: oid,
+                prompt: s.tokens[..s.prompt_len].to_vec(),
+                tokens: s.tokens[s.prompt_len..].to_vec(),
+                logprobs: s.logprobs.clone(),
+                finish_reason: reason,
+                stop_string: stop_string.clone(),
+                error: error.clone(),
+            });
+        }
+    }
+
+    /// Free a running sequence's KV and queue it for recomputation.
+    fn preempt(&mut self, id: SeqId) {
+        if let Some(s) = self.seqs.get_mut(&id) {
+            if s.has_kv {
+                let _ = self.kv.free(id);
+            }
+            s.has_kv = false;
+            s.computed = 0;
+        }
+        self.running.retain(|&r| r != id);
+        self.waiting.push_front(id);
+        self.stats.preemptions += 1;
+    }
+
+    /// Run one forward step over every running sequence plus newly
+    /// admitted ones. Returns the number of tokens computed (0 when idle).
+    pub fn step(&mut self) -> Result<usize, EngineError> {
+        let mut batch = PagedBatch::default();
+        let mut ids: Vec<u32> = Vec::new();
+        let mut scheduled: Vec<SeqId> = Vec::new();
+        let mut budget = self.cfg.max_batch_tokens;
+
+        // 1. Running sequences: reserve slots for their uncomputed tokens,
+        //    preempting the most recently admitted ones when blocks run out.
+        let mut i = 0;
+        while i < self.running.len() {
+            let id = self.running[i];
+            let need = self.seqs[&id].tokens.len() - self.seqs[&id].computed;
+            let mut preempted_self = false;
+            while !self.kv.can_append(id, need)? {
+                let victim = *self.running.last().expect("non-empty");
+                if victim != id {
+                    self.preempt(victim);
+                } else if i > 0 {
+                    // Sequences admitted earlier hold the blocks: wait for them.
+                    self.preempt(id);
+                    preempted_self = true;
+                    break;
+                } else {
+                    break;
+                }
+            }
+            if preempted_self {
+                break;
+            }
+            if !self.kv.can_append(id, need)? {
+                // Alone and still no room: this sequence cannot be served.
+                let len = self.seqs[&id].tokens.len();
+                self.finish(
+                    id,
+                    FinishReason::Error,
+                    None,
+                    Some(format!(
+                        "KV pool too small: {len} tokens need {} blocks of {}, the pool has {}",
+                        len.div_ceil(self.cfg.block_size) + 1,
+                        self.cfg.block_size,
+                        self.kv.pool().num_blocks()
+                    )),
+                );
+                continue;
+            }
+            let alloc = self.kv.append(id, need)?;
+            self.schedule(id, alloc, &mut batch, &mut ids);
+            scheduled.push(id);
+            budget = budget.saturating_sub(need);
+            i += 1;
+        }
+
+        // 2. Admit waiting sequences while blocks, slots and budget allow.
+        while let Some(&id) = self.waiting.front() {
+            if self.running.len() >= self.cfg.max_seqs {
+                break;
+            }
+            let s = &self.seqs[&id];
+            let (fresh, ok) = self.kv.blocks_needed(&s.tokens);
+            let total = self.kv.pool().num_blocks();
+            if s.tokens.len().div_ceil(self.cfg.block_size) > total {
+                self.waiting.pop_front();
+                let msg = format!(
+                    "KV pool too small: {} tokens need {} blocks of {}, the pool has {total}",
+                    s.tokens.len(),
+                    s.tokens.len().div_ceil(self.cfg.block_size),
+                    self.cfg.block_size
+                );
+                self.finish(id, FinishReason::Error, None, Some(msg));
+                continue;
+            }
+            if !ok {
+                break;
+            }
+            let work = (fresh * self.cfg.block_size).min(s.tokens.len());
+            if work > budget && !scheduled.is_empty() {
+                break;
+            }
+            self.waiting.pop_front();
+            let alloc = self.kv.allocate(id, &self.seqs[&id].tokens)?;
+            let s = self.seqs.get_mut(&id).expect("waiting seq exists");
+            s.computed = alloc.cached_tokens;
+            s.has_kv = true;
+            if s.computed > 0 {
+                let cached = s.computed.min(s.prompt_len) as u64;
+                self.stats.prefill_cached += cached;
+            }
+            budget = budget.saturating_sub(alloc.slots.len());
+            self.running.push(id);
+            self.schedule(id, alloc, &mut batch, &mut ids);
+            scheduled.push(id);
+        }
+
+        if scheduled.is_empty() {
+            return Ok(0);
+        }
+        let n_tokens = batch.len();
+        let in_use = self.kv.stats().in_use as u64;
+        self.stats.peak_blocks_in_use = self.stats.peak_blocks_in_use.max(in_use);
+
+        // 3. One packed forward over every new token.
+        let dev = self.model.device().clone();
+        let input = Tensor::from_vec(ids, (1, n_tokens), &dev)?;
+        let positions = batch.positions.clone();
+        let hidden = {
+            let mut backend = PagedAttention {
+                cache: &mut self.cache,
+                batch: &batch,
+            };
+            self.model.forward_with(&input, &positions, &mut backend)?
+        };
+        // Last new token of each scheduled sequence.
+        let mut rows = Vec::with_capacity(scheduled.len());
+        let mut end = 0u32;
+        for (k, _) in scheduled.iter().enumerate() {
+            end += batch.token_seq.iter().filter(|&&t| t == k).count() as u32;
+            rows.push(end - 1);
+        }
+        let rows_t = Tensor::from_vec(rows, scheduled.len(), &dev)?;
+        let h = hidden.squeeze(0)?.index_select(&rows_t, 0)?;
+        let logits = h.matmul(&self.model.lm_head.t()?)?.to_dtype(DType::F32)?;
+        let logits: Vec<Vec<f32>> = logits.to_vec2()?;
+        self.stats.steps += 1;
+
+        // 4. Record, sample, fan out, stop.
+        let mut todo: Vec<(SeqId, Vec<f32>)> = Vec::new();
+        for (id, row) in scheduled.into_iter().zip(logits) {
+            let s = self.seqs.get_mut(&id).expect("scheduled seq exists");
+            let computed_now = s.tokens.len() - s.computed;
+            // Prompt prefill and preemption recompute; not the one decode token.
+            if s.generated() == 0 || computed_now > 1 {
+                self.stats.prefill_computed += computed_now as u64;
+            }
+            s.computed = s.tokens.len();
+            let tokens = s.tokens.clone();
+            self.kv.commit(id, &tokens)?;
+            if !self.seqs[&id].fan_out.is_empty() {
+                self.spawn_fan_out(id, &row)?;
+            } else {
+                todo.push((id, row));
+            }
+        }
+        self.sample_and_stop(todo);
+        Ok(n_tokens)
+    }
+
+    fn schedule(
+        &mut self,
+        id: SeqId,
+        alloc: arbor_kv::Allocation,
+        batch: &mut PagedBatch,
+        ids: &mut Vec<u32>,
+    ) {
+        for c in &alloc.copies {
+            self.cache.copy(c);
+            self.stats.cow_copies += 1;
+        }
+        let k = batch.tables.len();
+        batch.tables.push(
+            self.kv
+                .block_table(id)
+                .expect("scheduled seq has a table")
+                .to_vec(),
+        );
+        let s = &self.seqs[&id];
+        let start = s.computed;
+        for (j, slot) in alloc.slots.into_iter().enumerate() {
+            let pos = start + j;
+            batch.slots.push(slot);
+            batch.positions.push(pos as u32);
+            batch.token_seq.push(k);
+            ids.push(s.tokens[pos]);
+        }
+    }
+
+    /// The parent's prompt is computed: fork its KV into every child, each
+    /// sampling its own first token from the shared logits.
+    fn spawn_fan_out(&mut self, parent: SeqId, logits: &[f32]) -> Result<(), EngineError> {
+        let p = self.seqs.get_mut(&parent).expect("parent exists");
+        let children = std::mem::take(&mut p.fan_out);
+        let (tokens, computed) = (p.tokens.clone(), p.computed);
+        let mut todo = Vec::new();
+        for (cid, params) in children {
+            self.kv.fork(parent, cid)?;
+            let mut c = Seq::new(tokens.clone(), params);
+            c.computed = computed;
+            c.has_kv = true;
+            self.seqs.insert(cid, c);
+            self.running.push(cid);
+            todo.push((cid, logits.to_vec()));
+        }
+        self.stats.prefill_forked += (computed * todo.len().saturating_sub(1)) as u64;
+        // The parent only held the shared prompt.
+        self.seqs.remove(&parent);
+        self.kv.free(parent)?;
+        self.running.retain(|&r| r != parent);
+        self.sample_and_stop(todo);
+        Ok(())
+    }
+
+    fn sample_and_stop(&mut self, todo: Vec<(SeqId, Vec<f32>)>) {
+        // Sample in parallel: each sequence has its own RNG.
+        let mut work: Vec<(SeqId, Seq, Vec<f32>)> = todo
+            .into_iter()
+            .map(|(id, row)| (id, self.seqs.remove(&id).expect("seq exists"), row))
+            .collect();
+        work.par_iter_mut().for_each(|(_, s, row)| {
+            let (tok, lp) = sample(row, &s.params, &mut s.rng);
+            s.tokens.push(tok);
+            s.logprobs.push(lp);
+        });
+        let mut done = Vec::new();
+        for (id, s, _) in work {
+            self.stats.generated += 1;
+            let last = *s.tokens.last().expect("just sampled");
+            let reason = if s.params.stop_tokens.contains(&last) {
+                Some((FinishReason::Stop, None))
+            } else if let Some(stop) = self.stop_string_hit(&s) {
+                Some((FinishReason::Stop, Some(stop)))
+            } else if s.generated() >= s.params.max_tokens || s.tokens.len() >= self.max_context {
+                Some((FinishReason::Length, None))
+            } else {
+                None
+            };
+            self.seqs.insert(id, s);
+            if let Some(r) = reason {
+                done.push((id, r));
+            }
+        }
+        for (id, (reason, stop)) in done {
+            self.finish(id, reason, stop, None);
+        }
+    }
+
+    fn stop_string_hit(&self, s: &Seq) -> Option<String> {
+        if s.params.stop_strings.is_empty() {
+            return None;
+        }
+        let tok = self.tokenizer.as_ref()?;
+        let text = tok.decode(&s.tokens[s.prompt_len..], false).ok()?;
+        // Only the tail can contain a new match: look at the last token's
+        // piece plus the longest stop string.
+        let longest = s
+            .params
+            .stop_strings
+            .iter()
+            .map(|x| x.len())
+            .max()
+            .unwrap_or(0);
+        let piece_len = tok
+            .decode(&s.tokens[s.tokens.len() - 1..], false)
+            .map(|p| p.len())
+            .unwrap_or(text.len());
+        let mut from = text.len().saturating_sub(longest + piece_len);
+        while !text.is_char_boundary(from) {
+            from -= 1;
+        }
+        let tail = &text[from..];
+        s.params
+            .stop_strings
+            .iter()
+            .find(|stop| tail.contains(stop.as_str()))
+            .cloned()
+    }
+
+    /// Step until every queued sequence has finished; returns the completions
+    /// in id order. `on_step(finished_so_far)` is called after each step.
+    pub fn run(&mut self, mut on_step: impl FnMut(usize)) -> Result<Vec<Completion>, EngineError> {
+        let mut out = self.take_finished();
+        while self.has_pending() {
+            self.step()?;
+            out.extend(self.take_finished());
+            on_step(out.len());
+        }
+        out.sort_by_key(|c| c.id);
+        Ok(out)
+    }
+}

@@ -1,0 +1,210 @@
+//! KV storage for the paged cache, and paged attention over block tables
+//! (CPU, multi-threaded with rayon).
+//!
+//! Storage per layer: `K, V: [num_blocks * block_size, n_kv_heads, head_dim]`
+//! in f32; token slot `s` of the [`arbor_kv`] manager is row `s`.
+//!
+//! For a new token `i` of sequence `s` at position `p`, query head `h`
+//! (KV head `h / g`, `g = n_heads / n_kv_heads`):
+//! `o_h = sum_{j <= p} softmax_j(q_h . k_j / sqrt(D)) v_j`, with `k_j, v_j`
+//! read through the sequence's block table. Every new token's K/V is
+//! written before any attention is computed, so a prefill chunk attends
+//! causally to itself and to its cached prefix in one pass. This is
+//! numerically the same computation as [`arbor_model::model::dense_causal_attention`]
+//! (f32 accumulation), tested against it.
+
+use arbor_kv::CopyOp;
+use arbor_model::{AttentionBackend, ModelConfig, ModelError};
+use candle_core::{DType, Tensor};
+use rayon::prelude::*;
+
+/// Paged K/V storage of every layer.
+#[derive(Debug, Clone)]
+pub struct PagedKvCache {
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    n_kv: usize,
+    head_dim: usize,
+    block_size: usize,
+    num_blocks: usize,
+}
+
+impl PagedKvCache {
+    pub fn new(cfg: &ModelConfig, num_blocks: usize, block_size: usize) -> Self {
+        let row = cfg.num_key_value_heads * cfg.head_dim;
+        let n = num_blocks * block_size * row;
+        PagedKvCache {
+            k: (0..cfg.num_hidden_layers).map(|_| vec![0.0; n]).collect(),
+            v: (0..cfg.num_hidden_layers).map(|_| vec![0.0; n]).collect(),
+            n_kv: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+            block_size,
+            num_blocks,
+        }
+    }
+
+    /// Bytes of KV storage per token slot.
+    pub fn bytes_per_token(cfg: &ModelConfig) -> usize {
+        2 * cfg.num_hidden_layers
+            * cfg.num_key_value_heads
+            * cfg.head_dim
+            * std::mem::size_of::<f32>()
+    }
+
+    /// Total bytes held.
+    pub fn bytes(&self) -> usize {
+        2 * self.k.len() * self.num_blocks * self.block_size * self.n_kv * self.head_dim * 4
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Copy the first `len` slots of one block into another, in every layer.
+    pub fn copy(&mut self, op: &CopyOp) {
+        let row = self.n_kv * self.head_dim;
+        let src = op.src as usize * self.block_size * row;
+        let dst = op.dst as usize * self.block_size * row;
+        let n = op.len * row;
+        for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
+            buf.copy_within(src..src + n, dst);
+        }
+    }
+}
+
+/// Where the new tokens of one forward step go.
+#[derive(Debug, Clone, Default)]
+pub struct PagedBatch {
+    /// Per new token: KV slot to write.
+    pub slots: Vec<usize>,
+    /// Per new token: position in its sequence.
+    pub positions: Vec<u32>,
+    /// Per new token: index into `tables`.
+    pub token_seq: Vec<usize>,
+    /// Per sequence in the step: its block table.
+    pub tables: Vec<Vec<u32>>,
+}
+
+impl PagedBatch {
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+}
+
+/// The engine's [`AttentionBackend`]: writes the step's K/V into the paged
+/// cache and attends over each token's sequence through its block table.
+#[derive(Debug)]
+pub struct PagedAttention<'a> {
+    pub cache: &'a mut PagedKvCache,
+    pub batch: &'a PagedBatch,
+}
+
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let mut ca = a.chunks_exact(8);
+    let mut cb = b.chunks_exact(8);
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
+        s += x * y;
+    }
+    s
+}
+
+#[inline]
+fn axpy(out: &mut [f32], a: f32, x: &[f32]) {
+    for (o, v) in out.iter_mut().zip(x) {
+        *o += a * v;
+    }
+}
+
+impl AttentionBackend for PagedAttention<'_> {
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> arbor_model::Result<Tensor> {
+        let (b, nh, t, d) = q.dims4()?;
+        let nkv = k.dim(1)?;
+        if b != 1 || t != self.batch.len() || nkv != self.cache.n_kv || d != self.cache.head_dim {
+            return Err(ModelError::Input(format!(
+                "paged attention: q {:?} / k {:?} do not match a batch of {} tokens",
+                q.dims(),
+                k.dims(),
+                self.batch.len()
+            )));
+        }
+        let g = nh / nkv;
+        let dt = q.dtype();
+        let qv: Vec<f32> = q.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?; // [nh, t, d]
+        let kv: Vec<f32> = k.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?; // [nkv, t, d]
+        let vv: Vec<f32> = v.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        let row = nkv * d;
+        {
+            let kc = &mut self.cache.k[layer];
+            let vc = &mut self.cache.v[layer];
+            for (i, &slot) in self.batch.slots.iter().enumerate() {
+                for h in 0..nkv {
+                    let src = (h * t + i) * d;
+                    let dst = slot * row + h * d;
+                    kc[dst..dst + d].copy_from_slice(&kv[src..src + d]);
+                    vc[dst..dst + d].copy_from_slice(&vv[src..src + d]);
+                }
+            }
+        }
+        let kc = &self.cache.k[layer];
+        let vc = &self.cache.v[layer];
+        let bs = self.cache.block_size;
+        let scale = 1.0 / (d as f32).sqrt();
+        let batch = self.batch;
+        let mut out = vec![0f32; t * nh * d];
+        out.par_chunks_mut(nh * d).enumerate().for_each(|(i, o)| {
+            let table = &batch.tables[batch.token_seq[i]];
+            let ctx = batch.positions[i] as usize + 1;
+            let mut scores = vec![0f32; g * ctx];
+            for kvh in 0..nkv {
+                for j in 0..ctx {
+                    let slot = table[j / bs] as usize * bs + j % bs;
+                    let kr = &kc[slot * row + kvh * d..][..d];
+                    for r in 0..g {
+                        let h = kvh * g + r;
+                        scores[r * ctx + j] = dot(&qv[(h * t + i) * d..][..d], kr) * scale;
+                    }
+                }
+                for r in 0..g {
+                    let s = &mut scores[r * ctx..(r + 1) * ctx];
+                    let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let mut z = 0.0;
+                    for x in s.iter_mut() {
+                        *x = (*x - m).exp();
+                        z += *x;
+                    }
+                    let inv = 1.0 / z;
+                    for x in s.iter_mut() {
+                        *x *= inv;
+                    }
+                }
+                for j in 0..ctx {
+                    let slot = table[j / bs] as usize * bs + j % bs;
+                    let vr = &vc[slot * row + kvh * d..][..d];
+                    for r in 0..g {
+                        let h = kvh * g + r;
+                        axpy(&mut o[h * d..(h + 1) * d], scores[r * ctx + j], vr);
+                    }
+                }
+            }
+        });
+        Ok(Tensor::from_vec(out, (1, t, nh * d), q.device())?.to_dtype(dt)?)
+    }
+}

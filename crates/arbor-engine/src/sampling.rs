@@ -1,0 +1,290 @@
+//! Token sampling from one row of logits.
+//!
+//! With temperature `T > 0` the policy distribution is
+//! `pi(v) = softmax(logits / T)_v`. Top-k, top-p (nucleus) and min-p then
+//! restrict the support: top-k keeps the k most likely tokens, top-p the
+//! smallest most-likely set whose mass reaches `p`, min-p the tokens with
+//! `pi(v) >= min_p * max_u pi(u)`; the kept mass is renormalised and one
+//! uniform draw `u ~ U[0,1)` from the sequence's own RNG picks the token by
+//! inverse CDF over the kept tokens in descending-probability order (ties by
+//! token id). `T = 0` is greedy (argmax, lowest id on ties).
+//!
+//! The returned logprob is `log pi(token)` under the *tempered, untruncated*
+//! distribution (`T = 1` for greedy), the behaviour logprob PPO's
+//! importance ratio is computed against when the trainer recomputes
+//! `log softmax(logits / T)`.
+
+use rand::{rngs::StdRng, Rng};
+use serde::{Deserialize, Serialize};
+
+use crate::EngineError;
+
+/// How to sample one sequence.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 0 means no top-k cut.
+    pub top_k: usize,
+    /// 1.0 means no nucleus cut.
+    pub top_p: f32,
+    /// 0.0 means no min-p cut.
+    pub min_p: f32,
+    /// Maximum number of generated tokens.
+    pub max_tokens: usize,
+    /// Generation stops after any of these tokens (it is kept in the output).
+    pub stop_tokens: Vec<u32>,
+    /// Generation stops once the decoded output contains any of these.
+    pub stop_strings: Vec<String>,
+    /// Seed of this sequence's RNG: same seed, same tokens, whatever else is
+    /// in the batch.
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            max_tokens: 256,
+            stop_tokens: Vec::new(),
+            stop_strings: Vec::new(),
+            seed: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding of at most `max_tokens`.
+    pub fn greedy(max_tokens: usize) -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            max_tokens,
+            ..Default::default()
+        }
+    }
+
+    /// Reject nonsensical settings with an error naming the field.
+    pub fn validate(&self) -> Result<(), EngineError> {
+        let bad = |f: &str, v: String| Err(EngineError::InvalidParams(format!("{f} = {v}")));
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return bad(
+                "temperature",
+                format!("{} (must be >= 0)", self.temperature),
+            );
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", format!("{} (must be in (0, 1])", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min_p", format!("{} (must be in [0, 1])", self.min_p));
+        }
+        if self.max_tokens == 0 {
+            return bad("max_tokens", "0 (must be >= 1)".into());
+        }
+        if self.stop_strings.iter().any(String::is_empty) {
+            return bad("stop_strings", "an empty string".into());
+        }
+        Ok(())
+    }
+}
+
+/// `log softmax(x)_i` for all i, in f64 accumulation.
+fn log_softmax_at(x: &[f32], scale: f32, i: usize) -> f32 {
+    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) * scale;
+    let s: f64 = x.iter().map(|&v| ((v * scale - m) as f64).exp()).sum();
+    (x[i] * scale - m) - s.ln() as f32
+}
+
+/// Sample one token from `logits` (length V). Returns `(token, logprob)`.
+pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> (u32, f32) {
+    if p.temperature == 0.0 {
+        let mut best = 0;
+        for (i, &v) in logits.iter().enumerate() {
+            if v > logits[best] {
+                best = i;
+            }
+        }
+        return (best as u32, log_softmax_at(logits, 1.0, best));
+    }
+    let inv_t = 1.0 / p.temperature;
+    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    // Unnormalised probabilities exp((l - max) / T).
+    let w: Vec<f64> = logits
+        .iter()
+        .map(|&l| (((l - m) * inv_t) as f64).exp())
+        .collect();
+    let total: f64 = w.iter().sum();
+    let u: f64 = rng.random::<f64>();
+    let cut = p.top_k > 0 && p.top_k < logits.len() || p.top_p < 1.0 || p.min_p > 0.0;
+    let token = if !cut {
+        // Inverse CDF in id order.
+        let target = u * total;
+        let mut acc = 0.0;
+        let mut tok = logits.len() - 1;
+        for (i, &x) in w.iter().enumerate() {
+            acc += x;
+            if acc > target {
+                tok = i;
+                break;
+            }
+        }
+        tok
+    } else {
+        // Candidates in descending probability (ties by id). Tokens below
+        // e^-40 of the max (mass < 1e-17 each) are dropped before sorting.
+        let floor = (-40.0f64).exp();
+        let mut idx: Vec<usize> = (0..w.len()).filter(|&i| w[i] >= floor).collect();
+        idx.sort_unstable_by(|&a, &b| w[b].total_cmp(&w[a]).then(a.cmp(&b)));
+        if p.top_k > 0 {
+            idx.truncate(p.top_k);
+        }
+        if p.min_p > 0.0 {
+            let thr = p.min_p as f64 * w[idx[0]];
+            idx.retain(|&i| w[i] >= thr);
+        }
+        if p.top_p < 1.0 {
+            let need = p.top_p as f64 * total;
+            let mut acc = 0.0;
+            let mut keep = idx.len();
+            for (n, &i) in idx.iter().enumerate() {
+                acc += w[i];
+                if acc >= need {
+                    keep = n + 1;
+                    break;
+                }
+            }
+            idx.truncate(keep.max(1));
+        }
+        let kept: f64 = idx.iter().map(|&i| w[i]).sum();
+        let target = u * kept;
+        let mut acc = 0.0;
+        let mut tok = *idx.last().expect("at least one candidate");
+        for &i in &idx {
+            acc += w[i];
+            if acc > target {
+                tok = i;
+                break;
+            }
+        }
+        tok
+    };
+    let lp = (w[token] / total).ln() as f32;
+    (token as u32, lp)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    fn freq(logits: &[f32], p: &SamplingParams, n: usize) -> Vec<f64> {
+        let mut rng = StdRng::seed_from_u64(1);
+        let mut c = vec![0.0; logits.len()];
+        for _ in 0..n {
+            c[sample(logits, p, &mut rng).0 as usize] += 1.0 / n as f64;
+        }
+        c
+    }
+
+    #[test]
+    fn greedy_is_argmax_with_exact_logprob() {
+        let l = [0.5f32, 2.0, -1.0, 2.0];
+        let (t, lp) = sample(
+            &l,
+            &SamplingParams::greedy(1),
+            &mut StdRng::seed_from_u64(0),
+        );
+        assert_eq!(t, 1);
+        let z: f64 = l.iter().map(|&x| (x as f64).exp()).sum();
+        assert!((lp as f64 - (2.0 - z.ln())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn frequencies_follow_the_tempered_distribution() {
+        let l = [1.0f32, 0.0, -1.0, 0.5];
+        let p = SamplingParams {
+            temperature: 0.7,
+            ..Default::default()
+        };
+        let f = freq(&l, &p, 200_000);
+        let w: Vec<f64> = l.iter().map(|&x| (x as f64 / 0.7).exp()).collect();
+        let z: f64 = w.iter().sum();
+        for i in 0..4 {
+            assert!(
+                (f[i] - w[i] / z).abs() < 0.005,
+                "{i}: {} vs {}",
+                f[i],
+                w[i] / z
+            );
+        }
+        // The logprob is the tempered one.
+        let (t, lp) = sample(&l, &p, &mut StdRng::seed_from_u64(3));
+        assert!((lp as f64 - (w[t as usize] / z).ln()).abs() < 1e-5);
+    }
+
+    #[test]
+    fn top_k_top_p_min_p_restrict_support() {
+        let l = [3.0f32, 2.0, 1.0, 0.0, -1.0];
+        let w: Vec<f64> = l.iter().map(|&x| (x as f64).exp()).collect();
+        let z: f64 = w.iter().sum();
+        let k2 = freq(
+            &l,
+            &SamplingParams {
+                top_k: 2,
+                ..Default::default()
+            },
+            50_000,
+        );
+        assert!(k2[2] == 0.0 && k2[3] == 0.0 && k2[4] == 0.0);
+        assert!((k2[0] - w[0] / (w[0] + w[1])).abs() < 0.01);
+        // top_p = 0.8: p0 = 0.636, p0 + p1 = 0.870 >= 0.8, so {0, 1}.
+        assert!(w[0] / z < 0.8 && (w[0] + w[1]) / z >= 0.8);
+        let tp = freq(
+            &l,
+            &SamplingParams {
+                top_p: 0.8,
+                ..Default::default()
+            },
+            50_000,
+        );
+        assert!(tp[2] == 0.0 && tp[0] > 0.0 && tp[1] > 0.0);
+        // min_p = 0.3: keep p >= 0.3 p_max, i.e. ids 0 and 1 (e^-1 = 0.37).
+        let mp = freq(
+            &l,
+            &SamplingParams {
+                min_p: 0.3,
+                ..Default::default()
+            },
+            50_000,
+        );
+        assert!(mp[2] == 0.0 && mp[1] > 0.0);
+    }
+
+    #[test]
+    fn invalid_params_are_named() {
+        let e = SamplingParams {
+            top_p: 0.0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.to_string().contains("top_p"));
+        let e = SamplingParams {
+            max_tokens: 0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.to_string().contains("max_tokens"));
+        let e = SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.to_string().contains("temperature"));
+    }
+}

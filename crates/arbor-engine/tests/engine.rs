@@ -1,0 +1,355 @@
+//! The engine against independent references: step-by-step greedy decoding
+//! with the dense training forward (full recompute each step), HF
+//! transformers' greedy generations on the committed fixtures, unshared
+//! runs for forks, and bad-input handling.
+
+use std::path::PathBuf;
+
+use arbor_engine::{Completion, Engine, EngineConfig, FinishReason, SamplingParams};
+use arbor_model::{LoadOptions, LoadedModel, Transformer};
+use candle_core::Tensor;
+
+fn fixture(name: &str) -> LoadedModel {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../arbor-model/tests/fixtures")
+        .join(name);
+    LoadedModel::load(p.to_str().unwrap(), &LoadOptions::default()).unwrap()
+}
+
+fn reference(name: &str) -> serde_json::Value {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../arbor-model/tests/fixtures")
+        .join(name)
+        .join("reference.json");
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+fn u32s(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// Greedy decoding by recomputing the whole sequence with the dense forward.
+fn dense_greedy(m: &Transformer, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut toks = prompt.to_vec();
+    for _ in 0..n {
+        let ids = Tensor::from_vec(toks.clone(), (1, toks.len()), m.device()).unwrap();
+        let h = m.forward_hidden(&ids).unwrap().squeeze(0).unwrap();
+        let last = h.narrow(0, toks.len() - 1, 1).unwrap();
+        let g = arbor_model::logprobs::greedy_tokens(&last, &m.lm_head, 1).unwrap();
+        toks.push(g[0]);
+    }
+    toks[prompt.len()..].to_vec()
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    vec![
+        vec![5],
+        (10..27).collect(),
+        vec![300, 4, 4, 4, 9, 1, 77],
+        (40..80).collect(),
+        vec![200, 201],
+    ]
+}
+
+fn engine(m: &Transformer, num_blocks: usize, block_size: usize) -> Engine {
+    Engine::new(
+        m,
+        None,
+        EngineConfig {
+            block_size,
+            num_blocks,
+            max_batch_tokens: 64,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+fn by_id(mut c: Vec<Completion>) -> Vec<Completion> {
+    c.sort_by_key(|c| c.id);
+    c
+}
+
+#[test]
+fn greedy_matches_dense_recompute_for_mixed_batches() {
+    for name in ["qwen2", "qwen3", "llama"] {
+        let m = fixture(name).model;
+        let mut e = engine(&m, 64, 4);
+        let n = 12;
+        let ids: Vec<u64> = prompts()
+            .into_iter()
+            .map(|p| e.submit(p, vec![SamplingParams::greedy(n)]).unwrap()[0])
+            .collect();
+        let out = e.run(|_| {}).unwrap();
+        for (p, c) in prompts().iter().zip(&out) {
+            assert_eq!(c.tokens, dense_greedy(&m, p, n), "{name}: prompt {p:?}");
+            assert_eq!(c.finish_reason, FinishReason::Length);
+            assert_eq!(c.logprobs.len(), n);
+        }
+        assert_eq!(out.iter().map(|c| c.id).collect::<Vec<_>>(), ids);
+    }
+}
+
+#[test]
+fn greedy_matches_hf_generate() {
+    for name in ["qwen2", "qwen3", "llama"] {
+        let m = fixture(name).model;
+        let r = reference(name);
+        let mut e = engine(&m, 64, 16);
+        for g in r["generate"].as_array().unwrap() {
+            e.submit(u32s(&g["prompt"]), vec![SamplingParams::greedy(8)])
+                .unwrap();
+        }
+        let out = e.run(|_| {}).unwrap();
+        for (g, c) in r["generate"].as_array().unwrap().iter().zip(&out) {
+            assert_eq!(c.tokens, u32s(&g["greedy_tokens"]), "{name}");
+        }
+    }
+}
+
+#[test]
+fn greedy_logprobs_match_dense_scores() {
+    let m = fixture("qwen3").model;
+    let mut e = engine(&m, 64, 4);
+    let p: Vec<u32> = (10..27).collect();
+    e.submit(p.clone(), vec![SamplingParams::greedy(6)])
+        .unwrap();
+    let c = e.run(|_| {}).unwrap().remove(0);
+    let mut full = p.clone();
+    full.extend(&c.tokens);
+    let s = arbor_model::score(&m, &full).unwrap();
+    for (i, lp) in c.logprobs.iter().enumerate() {
+        let want = s.logprobs[p.len() - 1 + i];
+        assert!((lp - want).abs() < 1e-4, "token {i}: {lp} vs {want}");
+    }
+}
+
+#[test]
+fn preemption_by_a_tiny_pool_keeps_outputs_exact() {
+    let m = fixture("llama").model;
+    let n = 16;
+    // 14 blocks of 4 slots: the five sequences (up to 56 tokens) cannot all fit.
+    let mut e = engine(&m, 14, 4);
+    for p in prompts() {
+        e.submit(p, vec![SamplingParams::greedy(n)]).unwrap();
+    }
+    let out = e.run(|_| {}).unwrap();
+    assert!(
+        e.stats().preemptions > 0,
+        "the pool should have forced preemption: {:?} {:?}",
+        e.stats(),
+        out.iter()
+            .map(|c| (c.tokens.len(), c.finish_reason))
+            .collect::<Vec<_>>()
+    );
+    for (p, c) in prompts().iter().zip(&out) {
+        assert_eq!(c.finish_reason, FinishReason::Length, "{:?}", c.error);
+        assert_eq!(c.tokens, dense_greedy(&m, p, n), "prompt {p:?}");
+    }
+    let st = e.pool_stats();
+    assert_eq!(st.in_use, 0, "every block returned");
+}
+
+#[test]
+fn fan_out_computes_prefix_once_and_matches_unshared_runs() {
+    let m = fixture("qwen3").model;
+    let prompt: Vec<u32> = (3..40).collect();
+    let params = |seed| SamplingParams {
+        temperature: 1.0,
+        max_tokens: 10,
+        seed,
+        ..Default::default()
+    };
+    let mut shared = engine(&m, 64, 4);
+    shared
+        .submit(prompt.clone(), (0..4).map(params).collect())
+        .unwrap();
+    let fanned = shared.run(|_| {}).unwrap();
+    assert_eq!(
+        shared.stats().prefill_computed,
+        prompt.len() as u64,
+        "prefix computed once"
+    );
+    assert_eq!(shared.stats().prefill_forked, 3 * prompt.len() as u64);
+    for (k, c) in fanned.iter().enumerate() {
+        let mut alone = engine(&m, 64, 4);
+        alone
+            .submit(prompt.clone(), vec![params(k as u64)])
+            .unwrap();
+        let a = alone.run(|_| {}).unwrap().remove(0);
+        assert_eq!(c.tokens, a.tokens, "sample {k}");
+        for (x, y) in c.logprobs.iter().zip(&a.logprobs) {
+            assert!((x - y).abs() < 1e-5);
+        }
+    }
+    // Different seeds give different samples.
+    assert!(fanned.iter().any(|c| c.tokens != fanned[0].tokens));
+}
+
+#[test]
+fn fork_of_a_running_sequence_shares_kv() {
+    let m = fixture("qwen2").model;
+    let prompt: Vec<u32> = (3..21).collect();
+    let mut e = engine(&m, 64, 4);
+    let id = e
+        .submit(prompt.clone(), vec![SamplingParams::greedy(12)])
+        .unwrap()[0];
+    for _ in 0..4 {
+        e.step().unwrap();
+    }
+    let kids = e
+        .fork(
+            id,
+            vec![SamplingParams::greedy(5), SamplingParams::greedy(5)],
+        )
+        .unwrap();
+    assert!(e.stats().prefill_forked >= 2 * prompt.len() as u64);
+    let out = by_id(e.run(|_| {}).unwrap());
+    let parent = out.iter().find(|c| c.id == id).unwrap();
+    let want = dense_greedy(&m, &prompt, 12);
+    assert_eq!(parent.tokens, want);
+    for k in kids {
+        let c = out.iter().find(|c| c.id == k).unwrap();
+        // The child continues from the parent's state at the fork (prompt + 4 tokens).
+        assert_eq!(c.prompt.len(), prompt.len() + 4);
+        assert_eq!(c.tokens, want[4..9].to_vec());
+    }
+    assert!(e.stats().cow_copies > 0);
+}
+
+#[test]
+fn prefix_cache_serves_replayed_prefixes_and_invalidates() {
+    let m = fixture("llama").model;
+    let mut e = engine(&m, 64, 4);
+    let prompt: Vec<u32> = (3..30).collect();
+    e.submit(prompt.clone(), vec![SamplingParams::greedy(4)])
+        .unwrap();
+    let first = e.run(|_| {}).unwrap().remove(0);
+    // Replay: the old prompt plus the generated tokens as a new prompt.
+    let mut replay = prompt.clone();
+    replay.extend(&first.tokens[..3]);
+    e.submit(replay.clone(), vec![SamplingParams::greedy(3)])
+        .unwrap();
+    let second = e.run(|_| {}).unwrap().remove(0);
+    assert_eq!(
+        e.stats().prefill_cached,
+        28,
+        "7 full blocks of the 30-token replay come from the cache"
+    );
+    assert_eq!(second.tokens, dense_greedy(&m, &replay, 3));
+    // After a weight update nothing computed before may be reused.
+    e.invalidate();
+    e.submit(replay.clone(), vec![SamplingParams::greedy(1)])
+        .unwrap();
+    e.run(|_| {}).unwrap();
+    assert_eq!(e.stats().prefill_cached, 28);
+    assert_eq!(e.policy_version(), 1);
+}
+
+#[test]
+fn sampling_is_reproducible_regardless_of_batch() {
+    let m = fixture("qwen2").model;
+    let p = |seed| SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        top_k: 50,
+        max_tokens: 12,
+        seed,
+        ..Default::default()
+    };
+    let prompt: Vec<u32> = vec![7, 8, 9, 10, 11];
+    let mut alone = engine(&m, 64, 4);
+    alone.submit(prompt.clone(), vec![p(42)]).unwrap();
+    let a = alone.run(|_| {}).unwrap().remove(0);
+    let mut crowd = engine(&m, 64, 4);
+    for q in prompts() {
+        crowd.submit(q, vec![p(1)]).unwrap();
+    }
+    let id = crowd.submit(prompt, vec![p(42)]).unwrap()[0];
+    let b = crowd
+        .run(|_| {})
+        .unwrap()
+        .into_iter()
+        .find(|c| c.id == id)
+        .unwrap();
+    assert_eq!(a.tokens, b.tokens);
+}
+
+#[test]
+fn stop_tokens_end_generation_and_are_kept() {
+    let m = fixture("qwen2").model;
+    let prompt = vec![5u32, 6, 7];
+    let free_run = dense_greedy(&m, &prompt, 10);
+    let stop = free_run[3];
+    let first = free_run.iter().position(|&t| t == stop).unwrap();
+    let mut e = engine(&m, 64, 4);
+    e.submit(
+        prompt,
+        vec![SamplingParams {
+            stop_tokens: vec![stop],
+            ..SamplingParams::greedy(10)
+        }],
+    )
+    .unwrap();
+    let c = e.run(|_| {}).unwrap().remove(0);
+    assert_eq!(c.finish_reason, FinishReason::Stop);
+    assert_eq!(c.tokens, free_run[..=first].to_vec());
+}
+
+#[test]
+fn bad_requests_are_refused_and_others_keep_running() {
+    let m = fixture("qwen2").model;
+    let mut e = Engine::new(
+        &m,
+        None,
+        EngineConfig {
+            block_size: 4,
+            num_blocks: 6,
+            max_context: 64,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let good = e
+        .submit(vec![1, 2, 3], vec![SamplingParams::greedy(5)])
+        .unwrap()[0];
+    let err = |r: Result<Vec<u64>, arbor_engine::EngineError>| r.unwrap_err().to_string();
+    assert!(err(e.submit(vec![], vec![SamplingParams::greedy(5)])).contains("empty prompt"));
+    assert!(err(e.submit(vec![1; 64], vec![SamplingParams::greedy(5)])).contains("64 tokens"));
+    assert!(err(e.submit(vec![1], vec![])).contains("n = 0"));
+    let bad_stop = SamplingParams {
+        stop_tokens: vec![100_000],
+        ..SamplingParams::greedy(5)
+    };
+    assert!(err(e.submit(vec![1], vec![bad_stop])).contains("stop_tokens"));
+    assert!(err(e.submit(vec![9999], vec![SamplingParams::greedy(5)])).contains("9999"));
+    let stop_str = SamplingParams {
+        stop_strings: vec!["x".into()],
+        ..SamplingParams::greedy(5)
+    };
+    assert!(err(e.submit(vec![1], vec![stop_str])).contains("tokenizer"));
+    assert!(err(e.fork(777, vec![SamplingParams::greedy(1)])).contains("777"));
+    // A prompt that can never fit the 6-block pool fails alone.
+    let big = e
+        .submit((0..30).collect(), vec![SamplingParams::greedy(5)])
+        .unwrap()[0];
+    // A sequence that fits at first but outgrows the pool fails when it does.
+    let grows = e
+        .submit(vec![4, 5], vec![SamplingParams::greedy(40)])
+        .unwrap()[0];
+    let out = e.run(|_| {}).unwrap();
+    let get = |id| out.iter().find(|c| c.id == id).unwrap();
+    assert_eq!(get(good).finish_reason, FinishReason::Length);
+    assert_eq!(get(good).tokens, dense_greedy(&m, &[1, 2, 3], 5));
+    assert_eq!(get(big).finish_reason, FinishReason::Error);
+    assert!(get(big).error.as_ref().unwrap().contains("pool too small"));
+    assert_eq!(get(grows).finish_reason, FinishReason::Error);
+    assert_eq!(
+        get(grows).tokens,
+        dense_greedy(&m, &[4, 5], get(grows).tokens.len())
+    );
+}
