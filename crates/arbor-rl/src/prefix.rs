@@ -1,0 +1,815 @@
+//! Prefix Sampling (PS): replay prefixes of the policy's own trajectories to
+//! steer skewed groups toward a 50% pass rate.
+//!
+//! A group of `N` binary rewards with `k` successes falls in a *bucket*
+//! `k/N`. All-fail (`0/N`) and all-pass (`N/N`) groups carry no contrast and
+//! are dropped; balanced groups (`|k/N - 1/2| <= band`, default band `1/8`,
+//! so `3/8..5/8` for `N = 8`) are kept as they are; skewed groups (`1/8`,
+//! `2/8`, `6/8`, `7/8`) are replaced one for one by `N` re-rollouts that
+//! continue from a replayed prefix:
+//!
+//! - hard bucket (`k/N < 1/2`): the prefix comes from a *successful*
+//!   trajectory of the group (a head start);
+//! - easy bucket (`k/N > 1/2`): from a *failed* one (a handicap).
+//!
+//! The prefix length is `ratio * len` of the source's generated tokens,
+//! snapped to an action/turn boundary (agents) or a token boundary (math);
+//! replayed tokens are masked in the loss ([`crate::tree::TokenKind::Replayed`]).
+//! Each bucket `b` has its own ratio, driven by an EMA of the bucket's
+//! re-rollout pass rate (one update per step):
+//!
+//! ```text
+//! ema_b   <- d * ema_b + (1 - d) * pass_rate_b          (first observation: ema_b = pass_rate_b)
+//! ratio_b <- clamp(ratio_b + eta * sign_b * (0.5 - ema_b), r_min, r_max)
+//! sign_b  = +1 for hard buckets (longer success prefix raises the pass rate)
+//!           -1 for easy buckets (longer failure prefix lowers it)
+//! ```
+//!
+//! `eta = 0` gives the fixed-ratio ablation. [`TokenLedger`] keeps the
+//! step's generated-token budget equal to the baseline's and reports
+//! generated and replayed tokens separately.
+//!
+//! Why 50%: for `N` Bernoulli(`p`) rewards, `p = 1/2` maximises all four of
+//! [`reward_entropy`], [`filter_survival`], [`rloo_advantage_energy`] and
+//! [`expected_contrastive_pairs`] (property-tested).
+
+use std::collections::BTreeMap;
+
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{check_range, Result, RlError};
+
+fn check_p(p: f64) -> Result<()> {
+    if (0.0..=1.0).contains(&p) {
+        Ok(())
+    } else {
+        Err(RlError::input("p", format!("{p} is not a probability")))
+    }
+}
+
+/// Reward entropy `H(p) = -p ln p - (1-p) ln(1-p)` (nats; `H(0) = H(1) = 0`).
+pub fn reward_entropy(p: f64) -> Result<f64> {
+    check_p(p)?;
+    let h = |x: f64| if x > 0.0 { -x * x.ln() } else { 0.0 };
+    Ok(h(p) + h(1.0 - p))
+}
+
+/// Probability that a group of `n` survives group filtering (is neither
+/// all-fail nor all-pass): `1 - p^n - (1-p)^n`.
+pub fn filter_survival(p: f64, n: u32) -> Result<f64> {
+    check_p(p)?;
+    if n == 0 {
+        return Err(RlError::input("n", "a group needs at least one member"));
+    }
+    let n = n as i32;
+    Ok(1.0 - p.powi(n) - (1.0 - p).powi(n))
+}
+
+/// RLOO advantage energy: `E[A_i^2]` of the leave-one-out advantage
+/// `A_i = r_i - mean_{j != i} r_j` (mean zero), which is
+/// `Var(r_i) + Var(r_i)/(n-1) = p(1-p) * n/(n-1)`.
+pub fn rloo_advantage_energy(p: f64, n: u32) -> Result<f64> {
+    check_p(p)?;
+    if n < 2 {
+        return Err(RlError::input("n", "leave-one-out needs n >= 2"));
+    }
+    let n = f64::from(n);
+    Ok(p * (1.0 - p) * n / (n - 1.0))
+}
+
+/// Success/failure pairs in a group with `k` successes of `n`: `k(n-k)`.
+pub fn contrastive_pairs(k: u32, n: u32) -> Result<u64> {
+    if k > n {
+        return Err(RlError::input(
+            "k",
+            format!("{k} successes in a group of {n}"),
+        ));
+    }
+    Ok(u64::from(k) * u64::from(n - k))
+}
+
+/// Expected contrastive pairs for `k ~ Binomial(n, p)`:
+/// `E[k(n-k)] = n(n-1) p(1-p)`.
+pub fn expected_contrastive_pairs(p: f64, n: u32) -> Result<f64> {
+    check_p(p)?;
+    let n = f64::from(n);
+    Ok(n * (n - 1.0) * p * (1.0 - p))
+}
+
+/// Which way a skewed group must be pushed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Direction {
+    /// Pass rate below 1/2: replay a successful prefix.
+    Hard,
+    /// Pass rate above 1/2: replay a failed prefix.
+    Easy,
+}
+
+impl Direction {
+    /// `sign_b` of the controller: `+1` hard, `-1` easy.
+    pub fn sign(self) -> f64 {
+        match self {
+            Direction::Hard => 1.0,
+            Direction::Easy => -1.0,
+        }
+    }
+
+    /// The outcome a prefix source must have.
+    pub fn source_success(self) -> bool {
+        self == Direction::Hard
+    }
+}
+
+/// A pass-rate bucket `successes / group_size`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Bucket {
+    pub successes: u32,
+    pub group_size: u32,
+}
+
+impl Bucket {
+    /// `k / N`.
+    pub fn pass_rate(&self) -> f64 {
+        f64::from(self.successes) / f64::from(self.group_size)
+    }
+
+    /// Hard below 1/2, easy above (a skewed bucket is never exactly 1/2).
+    pub fn direction(&self) -> Direction {
+        if 2 * self.successes < self.group_size {
+            Direction::Hard
+        } else {
+            Direction::Easy
+        }
+    }
+}
+
+impl std::fmt::Display for Bucket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.successes, self.group_size)
+    }
+}
+
+/// What a group's pass rate says about it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GroupClass {
+    AllFail,
+    AllPass,
+    /// Close enough to 1/2: used as is.
+    Balanced,
+    /// A skew bucket for Prefix Sampling.
+    Skewed(Bucket),
+}
+
+/// Classifies `k` successes of `n`: skewed iff `0 < k < n` and
+/// `|k/n - 1/2| > band`.
+pub fn classify(successes: u32, group_size: u32, band: f64) -> Result<GroupClass> {
+    check_range("band", band, 0.0, 0.5)?;
+    if group_size == 0 || successes > group_size {
+        return Err(RlError::input(
+            "group",
+            format!("{successes} successes in a group of {group_size}"),
+        ));
+    }
+    let b = Bucket {
+        successes,
+        group_size,
+    };
+    Ok(if successes == 0 {
+        GroupClass::AllFail
+    } else if successes == group_size {
+        GroupClass::AllPass
+    } else if (b.pass_rate() - 0.5).abs() > band + 1e-12 {
+        GroupClass::Skewed(b)
+    } else {
+        GroupClass::Balanced
+    })
+}
+
+/// Where a prefix may be cut.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CutGranularity {
+    /// Any token boundary (single-turn math).
+    #[default]
+    Tokens,
+    /// Only the source's listed action/turn (or line) boundaries.
+    Boundaries,
+}
+
+/// A finished trajectory of the group, as a candidate prefix source.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SourceTrajectory {
+    /// Verified outcome.
+    pub success: bool,
+    /// Generated (response) tokens.
+    pub len: usize,
+    /// Allowed cut points (token offsets into the response) for
+    /// [`CutGranularity::Boundaries`]; ignored for `Tokens`.
+    pub boundaries: Vec<usize>,
+}
+
+/// The prefix length for `ratio` of a `len`-token response: the allowed cut
+/// nearest to `ratio * len` (ties to the shorter), strictly inside
+/// `(0, len)` so that something is replayed and something is left to
+/// generate. `None` when no such cut exists.
+pub fn snap_cut(
+    len: usize,
+    ratio: f64,
+    granularity: CutGranularity,
+    boundaries: &[usize],
+) -> Result<Option<usize>> {
+    check_range("ratio", ratio, 0.0, 1.0)?;
+    let target = ratio * len as f64;
+    Ok(match granularity {
+        CutGranularity::Tokens => (len >= 2).then(|| (target.round() as usize).clamp(1, len - 1)),
+        CutGranularity::Boundaries => boundaries
+            .iter()
+            .copied()
+            .filter(|&b| b > 0 && b < len)
+            .min_by(|&a, &b| {
+                let (da, db) = ((a as f64 - target).abs(), (b as f64 - target).abs());
+                da.total_cmp(&db).then(a.cmp(&b))
+            }),
+    })
+}
+
+/// Settings of the per-bucket ratio controller.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ControllerConfig {
+    /// Pass rate to hold (0.5).
+    pub target: f64,
+    /// EMA decay `d` in `[0, 1)`.
+    pub ema_decay: f64,
+    /// Proportional gain `eta >= 0` (0: fixed ratio).
+    pub eta: f64,
+    pub r_min: f64,
+    pub r_max: f64,
+    /// Ratio of a bucket before its first update.
+    pub initial_ratio: f64,
+}
+
+impl Default for ControllerConfig {
+    fn default() -> Self {
+        ControllerConfig {
+            target: 0.5,
+            ema_decay: 0.8,
+            eta: 0.25,
+            r_min: 0.05,
+            r_max: 0.95,
+            initial_ratio: 0.5,
+        }
+    }
+}
+
+impl ControllerConfig {
+    /// The fixed-ratio ablation: every bucket replays `ratio` forever.
+    pub fn fixed(ratio: f64) -> Self {
+        ControllerConfig {
+            eta: 0.0,
+            r_min: 0.0,
+            r_max: 1.0,
+            initial_ratio: ratio,
+            ..ControllerConfig::default()
+        }
+    }
+
+    /// Checks the ranges.
+    pub fn validate(&self) -> Result<()> {
+        check_range("target", self.target, 0.0, 1.0)?;
+        check_range("ema_decay", self.ema_decay, 0.0, 0.999_999)?;
+        check_range("eta", self.eta, 0.0, 10.0)?;
+        check_range("r_min", self.r_min, 0.0, 1.0)?;
+        check_range("r_max", self.r_max, self.r_min, 1.0)?;
+        check_range("initial_ratio", self.initial_ratio, self.r_min, self.r_max)
+    }
+}
+
+/// Controller state of one bucket.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BucketState {
+    pub ratio: f64,
+    pub ema: Option<f64>,
+    pub updates: u64,
+}
+
+/// Per-bucket EMA controller of the prefix ratio.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PrefixController {
+    cfg: ControllerConfig,
+    buckets: BTreeMap<Bucket, BucketState>,
+}
+
+impl PrefixController {
+    /// A controller with no bucket seen yet.
+    pub fn new(cfg: ControllerConfig) -> Result<Self> {
+        cfg.validate()?;
+        Ok(PrefixController {
+            cfg,
+            buckets: BTreeMap::new(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ControllerConfig {
+        &self.cfg
+    }
+
+    /// The current ratio of a bucket.
+    pub fn ratio(&self, b: Bucket) -> f64 {
+        self.buckets
+            .get(&b)
+            .map_or(self.cfg.initial_ratio, |s| s.ratio)
+    }
+
+    /// The state of every bucket seen so far.
+    pub fn buckets(&self) -> &BTreeMap<Bucket, BucketState> {
+        &self.buckets
+    }
+
+    /// One update with a step's re-rollout outcomes of bucket `b`.
+    pub fn observe(&mut self, b: Bucket, successes: u64, trials: u64) -> Result<()> {
+        if trials == 0 || successes > trials {
+            return Err(RlError::input(
+                "observation",
+                format!("{successes} successes in {trials} re-rollouts of bucket {b}"),
+            ));
+        }
+        let pass = successes as f64 / trials as f64;
+        let c = self.cfg;
+        let st = self.buckets.entry(b).or_insert(BucketState {
+            ratio: c.initial_ratio,
+            ema: None,
+            updates: 0,
+        });
+        let ema = match st.ema {
+            None => pass,
+            Some(e) => c.ema_decay * e + (1.0 - c.ema_decay) * pass,
+        };
+        st.ema = Some(ema);
+        st.ratio =
+            (st.ratio + c.eta * b.direction().sign() * (c.target - ema)).clamp(c.r_min, c.r_max);
+        st.updates += 1;
+        Ok(())
+    }
+}
+
+/// Settings of the Prefix Sampling planner.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PsConfig {
+    pub group_size: u32,
+    /// Half-width of the balanced band around 1/2.
+    pub band: f64,
+    pub granularity: CutGranularity,
+    pub controller: ControllerConfig,
+    /// Seed of the source choice.
+    pub seed: u64,
+}
+
+impl PsConfig {
+    /// Defaults for groups of `group_size` (band 1/8, token cuts).
+    pub fn new(group_size: u32, seed: u64) -> Self {
+        PsConfig {
+            group_size,
+            band: 0.125,
+            granularity: CutGranularity::Tokens,
+            controller: ControllerConfig::default(),
+            seed,
+        }
+    }
+}
+
+/// One planned re-rollout: continue from the first `cut` tokens of member
+/// `source`'s response.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Rerollout {
+    pub source: usize,
+    pub cut: usize,
+    /// The bucket ratio the cut was snapped from.
+    pub ratio: f64,
+}
+
+/// What to do with a group.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GroupPlan {
+    /// All-fail or all-pass: no contrast, filtered out.
+    Drop,
+    /// Balanced (or skewed without a usable source): train on it as is.
+    Keep,
+    /// Replace the group one for one with these re-rollouts.
+    Replay {
+        bucket: Bucket,
+        rerollouts: Vec<Rerollout>,
+    },
+}
+
+/// Plans re-rollouts for skewed groups and feeds their outcomes back to the
+/// controller once per step.
+#[derive(Clone, Debug)]
+pub struct PrefixSampler {
+    cfg: PsConfig,
+    controller: PrefixController,
+    rng: StdRng,
+    /// This step's re-rollout outcomes per bucket: (successes, trials).
+    pending: BTreeMap<Bucket, (u64, u64)>,
+}
+
+impl PrefixSampler {
+    /// A sampler for groups of `cfg.group_size`.
+    pub fn new(cfg: PsConfig) -> Result<Self> {
+        if cfg.group_size < 2 {
+            return Err(RlError::config(
+                "group_size",
+                "groups need at least 2 members",
+            ));
+        }
+        check_range("band", cfg.band, 0.0, 0.5)?;
+        Ok(PrefixSampler {
+            controller: PrefixController::new(cfg.controller)?,
+            rng: StdRng::seed_from_u64(cfg.seed),
+            cfg,
+            pending: BTreeMap::new(),
+        })
+    }
+
+    /// The controller (ratios and EMAs per bucket).
+    pub fn controller(&self) -> &PrefixController {
+        &self.controller
+    }
+
+    /// Plans a group. Sources are the members with the outcome the bucket
+    /// needs, shuffled by the seeded RNG and used round-robin (project
+    /// choice), so every source contributes when several exist.
+    pub fn plan(&mut self, group: &[SourceTrajectory]) -> Result<GroupPlan> {
+        if group.len() != self.cfg.group_size as usize {
+            return Err(RlError::input(
+                "group",
+                format!("{} members, expected {}", group.len(), self.cfg.group_size),
+            ));
+        }
+        let k = group.iter().filter(|t| t.success).count() as u32;
+        let bucket = match classify(k, self.cfg.group_size, self.cfg.band)? {
+            GroupClass::AllFail | GroupClass::AllPass => return Ok(GroupPlan::Drop),
+            GroupClass::Balanced => return Ok(GroupPlan::Keep),
+            GroupClass::Skewed(b) => b,
+        };
+        let want = bucket.direction().source_success();
+        let ratio = self.controller.ratio(bucket);
+        let mut sources = Vec::new();
+        for (i, t) in group.iter().enumerate() {
+            if t.success == want {
+                if let Some(cut) = snap_cut(t.len, ratio, self.cfg.granularity, &t.boundaries)? {
+                    sources.push((i, cut));
+                }
+            }
+        }
+        if sources.is_empty() {
+            return Ok(GroupPlan::Keep);
+        }
+        sources.shuffle(&mut self.rng);
+        let rerollouts = (0..group.len())
+            .map(|j| {
+                let (source, cut) = sources[j % sources.len()];
+                Rerollout { source, cut, ratio }
+            })
+            .collect();
+        Ok(GroupPlan::Replay { bucket, rerollouts })
+    }
+
+    /// Records outcomes of re-rollouts planned for `bucket` this step.
+    pub fn record(&mut self, bucket: Bucket, successes: u64, trials: u64) -> Result<()> {
+        if successes > trials {
+            return Err(RlError::input(
+                "record",
+                format!("{successes} successes in {trials} re-rollouts"),
+            ));
+        }
+        let e = self.pending.entry(bucket).or_insert((0, 0));
+        e.0 += successes;
+        e.1 += trials;
+        Ok(())
+    }
+
+    /// Ends the step: one controller update per bucket that had
+    /// re-rollouts. Returns the step's pass rate per bucket.
+    pub fn end_step(&mut self) -> Result<BTreeMap<Bucket, f64>> {
+        let mut out = BTreeMap::new();
+        for (b, (s, n)) in std::mem::take(&mut self.pending) {
+            if n > 0 {
+                self.controller.observe(b, s, n)?;
+                out.insert(b, s as f64 / n as f64);
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Generated vs replayed tokens of a step, against a generated-token budget
+/// held equal to the baseline's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenLedger {
+    /// Generated-token budget (`None`: unlimited).
+    pub budget: Option<u64>,
+    /// Tokens the policy generated (first-pass rollouts and continuations).
+    pub generated: u64,
+    /// Prefix tokens replayed (not generated, masked in the loss).
+    pub replayed: u64,
+    pub rollouts: u64,
+    pub rerollouts: u64,
+}
+
+impl TokenLedger {
+    /// A ledger with a generated-token budget.
+    pub fn with_budget(budget: u64) -> Self {
+        TokenLedger {
+            budget: Some(budget),
+            ..TokenLedger::default()
+        }
+    }
+
+    /// Generated tokens left (`u64::MAX` when unlimited).
+    pub fn remaining(&self) -> u64 {
+        self.budget
+            .map_or(u64::MAX, |b| b.saturating_sub(self.generated))
+    }
+
+    /// True if `tokens` more generated tokens fit in the budget.
+    pub fn fits(&self, tokens: u64) -> bool {
+        tokens <= self.remaining()
+    }
+
+    fn charge(&mut self, generated: u64) -> Result<()> {
+        if !self.fits(generated) {
+            return Err(RlError::input(
+                "generated tokens",
+                format!(
+                    "{generated} exceed the {} left in the budget",
+                    self.remaining()
+                ),
+            ));
+        }
+        self.generated += generated;
+        Ok(())
+    }
+
+    /// Charges a first-pass rollout.
+    pub fn charge_rollout(&mut self, generated: u64) -> Result<()> {
+        self.charge(generated)?;
+        self.rollouts += 1;
+        Ok(())
+    }
+
+    /// Charges a re-rollout: its continuation is generated, its prefix
+    /// replayed.
+    pub fn charge_rerollout(&mut self, generated: u64, replayed: u64) -> Result<()> {
+        self.charge(generated)?;
+        self.replayed += replayed;
+        self.rerollouts += 1;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    type Curve = fn(f64, u32) -> f64;
+
+    fn curves() -> Vec<(&'static str, Curve)> {
+        vec![
+            ("entropy", |p, _| reward_entropy(p).unwrap()),
+            ("survival", |p, n| filter_survival(p, n).unwrap()),
+            ("rloo", |p, n| rloo_advantage_energy(p, n).unwrap()),
+            ("pairs", |p, n| expected_contrastive_pairs(p, n).unwrap()),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        #[test]
+        fn why_half_functions_peak_at_one_half(p in 0.0f64..=1.0, q in 0.0f64..=1.0, n in 2u32..17) {
+            for (name, f) in curves() {
+                let peak = f(0.5, n);
+                prop_assert!(f(p, n) <= peak + 1e-12, "{name}: f({p}) > f(0.5)");
+                // Symmetric, and non-increasing in the distance from 1/2.
+                prop_assert!((f(p, n) - f(1.0 - p, n)).abs() < 1e-12, "{name} not symmetric");
+                let (near, far) = if (p - 0.5).abs() <= (q - 0.5).abs() { (p, q) } else { (q, p) };
+                prop_assert!(f(near, n) + 1e-12 >= f(far, n), "{name}: not unimodal at {near}, {far}");
+                if (p - 0.5).abs() > 1e-6 {
+                    prop_assert!(f(p, n) < peak, "{name}: 0.5 is not the strict maximum");
+                }
+            }
+        }
+
+        #[test]
+        fn contrastive_pairs_peak_at_half_the_group(k in 0u32..=16, n in 2u32..17) {
+            prop_assume!(k <= n);
+            let best = contrastive_pairs(n / 2, n).unwrap();
+            prop_assert!(contrastive_pairs(k, n).unwrap() <= best);
+        }
+    }
+
+    /// The closed forms against enumeration over `k ~ Binomial(n, p)`.
+    #[test]
+    fn closed_forms_match_enumeration() {
+        for n in 2u32..9 {
+            for &p in &[0.1, 0.37, 0.5, 0.8] {
+                let mut pk = vec![0.0; n as usize + 1];
+                // Binomial pmf by repeated convolution.
+                pk[0] = 1.0;
+                for _ in 0..n {
+                    for k in (0..=n as usize).rev() {
+                        pk[k] = pk[k] * (1.0 - p) + if k > 0 { pk[k - 1] * p } else { 0.0 };
+                    }
+                }
+                let nf = f64::from(n);
+                let (mut pairs, mut energy, mut surv) = (0.0, 0.0, 0.0);
+                for (k, w) in pk.iter().enumerate() {
+                    let kf = k as f64;
+                    pairs += w * kf * (nf - kf);
+                    if k > 0 && k < n as usize {
+                        surv += w;
+                    }
+                    // A_i for a success: 1 - (k-1)/(n-1); for a failure: -k/(n-1).
+                    let a1 = 1.0 - (kf - 1.0) / (nf - 1.0);
+                    let a0 = -kf / (nf - 1.0);
+                    energy += w * (kf * a1 * a1 + (nf - kf) * a0 * a0) / nf;
+                }
+                assert!((pairs - expected_contrastive_pairs(p, n).unwrap()).abs() < 1e-12);
+                assert!((energy - rloo_advantage_energy(p, n).unwrap()).abs() < 1e-12);
+                assert!((surv - filter_survival(p, n).unwrap()).abs() < 1e-12);
+            }
+        }
+        assert!(reward_entropy(1.5).is_err() && rloo_advantage_energy(0.5, 1).is_err());
+        assert!(contrastive_pairs(3, 2).is_err());
+    }
+
+    #[test]
+    fn buckets_for_groups_of_eight() {
+        let skewed: Vec<u32> = (0..=8)
+            .filter(|&k| matches!(classify(k, 8, 0.125).unwrap(), GroupClass::Skewed(_)))
+            .collect();
+        assert_eq!(skewed, vec![1, 2, 6, 7]);
+        assert_eq!(classify(0, 8, 0.125).unwrap(), GroupClass::AllFail);
+        assert_eq!(classify(8, 8, 0.125).unwrap(), GroupClass::AllPass);
+        assert_eq!(classify(4, 8, 0.125).unwrap(), GroupClass::Balanced);
+        let b = Bucket {
+            successes: 2,
+            group_size: 8,
+        };
+        assert_eq!(b.direction(), Direction::Hard);
+        assert_eq!(
+            Bucket {
+                successes: 6,
+                group_size: 8
+            }
+            .direction(),
+            Direction::Easy
+        );
+        assert!(classify(9, 8, 0.125).is_err());
+    }
+
+    #[test]
+    fn cuts_snap_to_boundaries() {
+        assert_eq!(
+            snap_cut(100, 0.33, CutGranularity::Tokens, &[]).unwrap(),
+            Some(33)
+        );
+        assert_eq!(
+            snap_cut(100, 0.0, CutGranularity::Tokens, &[]).unwrap(),
+            Some(1)
+        );
+        assert_eq!(
+            snap_cut(100, 1.0, CutGranularity::Tokens, &[]).unwrap(),
+            Some(99)
+        );
+        assert_eq!(snap_cut(1, 0.5, CutGranularity::Tokens, &[]).unwrap(), None);
+        let b = [0, 20, 45, 70, 100];
+        assert_eq!(
+            snap_cut(100, 0.32, CutGranularity::Boundaries, &b).unwrap(),
+            Some(20)
+        );
+        assert_eq!(
+            snap_cut(100, 0.34, CutGranularity::Boundaries, &b).unwrap(),
+            Some(45)
+        );
+        // Tie (32.5 from 20 and 45) goes to the shorter prefix.
+        assert_eq!(
+            snap_cut(100, 0.325, CutGranularity::Boundaries, &b).unwrap(),
+            Some(20)
+        );
+        assert_eq!(
+            snap_cut(100, 0.99, CutGranularity::Boundaries, &b).unwrap(),
+            Some(70)
+        );
+        assert_eq!(
+            snap_cut(100, 0.5, CutGranularity::Boundaries, &[0, 100]).unwrap(),
+            None
+        );
+        assert!(snap_cut(100, 1.5, CutGranularity::Tokens, &[]).is_err());
+    }
+
+    fn member(success: bool) -> SourceTrajectory {
+        SourceTrajectory {
+            success,
+            len: 40,
+            boundaries: vec![10, 20, 30],
+        }
+    }
+
+    #[test]
+    fn planner_picks_sources_by_direction() {
+        let mut cfg = PsConfig::new(8, 3);
+        cfg.granularity = CutGranularity::Boundaries;
+        let mut ps = PrefixSampler::new(cfg).unwrap();
+        // 2/8 hard: sources must be the two successes.
+        let mut g: Vec<_> = (0..8).map(|i| member(i == 2 || i == 5)).collect();
+        let GroupPlan::Replay { bucket, rerollouts } = ps.plan(&g).unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            bucket,
+            Bucket {
+                successes: 2,
+                group_size: 8
+            }
+        );
+        assert_eq!(rerollouts.len(), 8);
+        assert!(rerollouts
+            .iter()
+            .all(|r| (r.source == 2 || r.source == 5) && r.cut == 20));
+        assert_eq!(rerollouts.iter().filter(|r| r.source == 2).count(), 4);
+        // 7/8 easy: the one failure.
+        g = (0..8).map(|i| i != 6).map(member).collect();
+        let GroupPlan::Replay { rerollouts, .. } = ps.plan(&g).unwrap() else {
+            panic!()
+        };
+        assert!(rerollouts.iter().all(|r| r.source == 6));
+        g = (0..8).map(|i| i < 4).map(member).collect();
+        assert_eq!(ps.plan(&g).unwrap(), GroupPlan::Keep);
+        g = (0..8).map(|_| true).map(member).collect();
+        assert_eq!(ps.plan(&g).unwrap(), GroupPlan::Drop);
+        assert!(ps.plan(&g[..3]).is_err());
+    }
+
+    #[test]
+    fn controller_moves_ratio_toward_target_and_stays_bounded() {
+        let cfg = ControllerConfig {
+            ema_decay: 0.5,
+            eta: 0.5,
+            ..Default::default()
+        };
+        let mut c = PrefixController::new(cfg).unwrap();
+        let hard = Bucket {
+            successes: 1,
+            group_size: 8,
+        };
+        let easy = Bucket {
+            successes: 7,
+            group_size: 8,
+        };
+        c.observe(hard, 1, 10).unwrap(); // pass 0.1 < 0.5: longer success prefix
+        assert!((c.ratio(hard) - (0.5 + 0.5 * 0.4)).abs() < 1e-12);
+        c.observe(easy, 9, 10).unwrap(); // pass 0.9 > 0.5: longer failure prefix
+        assert!((c.ratio(easy) - (0.5 + 0.5 * 0.4)).abs() < 1e-12);
+        for _ in 0..100 {
+            c.observe(hard, 0, 10).unwrap();
+        }
+        assert_eq!(c.ratio(hard), cfg.r_max);
+        // EMA: 0.5 * 0.1 + 0.5 * 0.5 after one more observation of 0.5.
+        let mut c2 = PrefixController::new(cfg).unwrap();
+        c2.observe(hard, 1, 10).unwrap();
+        c2.observe(hard, 5, 10).unwrap();
+        assert!((c2.buckets()[&hard].ema.unwrap() - 0.3).abs() < 1e-12);
+        assert!(c.observe(hard, 3, 2).is_err());
+        let fixed = ControllerConfig::fixed(0.3);
+        let mut f = PrefixController::new(fixed).unwrap();
+        f.observe(hard, 0, 10).unwrap();
+        assert_eq!(f.ratio(hard), 0.3);
+        assert!(PrefixController::new(ControllerConfig {
+            r_min: 0.9,
+            r_max: 0.1,
+            ..cfg
+        })
+        .is_err());
+    }
+
+    #[test]
+    fn ledger_holds_the_budget() {
+        let mut l = TokenLedger::with_budget(100);
+        l.charge_rollout(60).unwrap();
+        l.charge_rerollout(30, 50).unwrap();
+        assert!(l.charge_rerollout(11, 5).is_err());
+        assert_eq!(
+            (l.generated, l.replayed, l.rollouts, l.rerollouts),
+            (90, 50, 1, 1)
+        );
+        assert!(l.fits(10) && !l.fits(11));
+    }
+}
