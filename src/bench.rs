@@ -18,6 +18,230 @@ pub enum BenchCommand {
     /// Training forward and forward+backward of the policy (+ shared value
     /// head) through the chunked logprob path: tokens/s and peak memory.
     Model(ModelBenchArgs),
+    /// Generation throughput of the paged engine: a batch of prompts, greedy,
+    /// a fixed number of new tokens each.
+    Generate(GenBenchArgs),
+    /// Fork throughput: one long prompt, N sampled continuations sharing its
+    /// KV (prefill computed once).
+    Fork(ForkBenchArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct GenBenchArgs {
+    /// Shape preset with random weights: smollm2-135m or qwen3-0.6b.
+    #[arg(long, default_value = "smollm2-135m", conflicts_with = "model")]
+    pub preset: String,
+    /// A real checkpoint instead (directory or HF id).
+    #[arg(long, value_name = "PATH_OR_ID")]
+    pub model: Option<String>,
+    /// Prompts in the batch.
+    #[arg(long, default_value_t = 32)]
+    pub batch: usize,
+    /// Tokens per prompt.
+    #[arg(long, default_value_t = 64)]
+    pub prompt_len: usize,
+    /// New tokens per sequence (EOS ignored).
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ForkBenchArgs {
+    #[arg(long, default_value = "smollm2-135m", conflicts_with = "model")]
+    pub preset: String,
+    #[arg(long, value_name = "PATH_OR_ID")]
+    pub model: Option<String>,
+    /// Samples forked from the one prompt.
+    #[arg(long, default_value_t = 8)]
+    pub n: usize,
+    #[arg(long, default_value_t = 512)]
+    pub prompt_len: usize,
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct GenBenchResult {
+    bench: &'static str,
+    model: String,
+    dtype: String,
+    sequences: usize,
+    prompt_len: usize,
+    new_tokens: usize,
+    threads: usize,
+    seconds: f64,
+    generated_tokens: u64,
+    generated_tokens_per_s: f64,
+    prefill_computed: u64,
+    prefill_cached: u64,
+    prefill_forked: u64,
+    preemptions: u64,
+    kv_pool_mib: f64,
+    peak_rss_mib: f64,
+}
+
+fn load_for_bench(
+    preset: &str,
+    model: &Option<String>,
+    dtype: &str,
+) -> Result<(arbor_model::Transformer, String)> {
+    let dtype = parse_dtype(dtype)?;
+    let dev = Device::Cpu;
+    match model {
+        Some(m) => {
+            let lm = arbor_model::LoadedModel::load(
+                m,
+                &arbor_model::LoadOptions { dtype, device: dev },
+            )?;
+            Ok((lm.model, m.clone()))
+        }
+        None => {
+            let cfg = preset_config(preset)?;
+            let p = ParamLoader::frozen(ParamSource::Random, dtype, &dev);
+            Ok((
+                arbor_model::Transformer::load(&cfg, &p)?,
+                format!("{preset} (random weights)"),
+            ))
+        }
+    }
+}
+
+fn preset_config(preset: &str) -> Result<ModelConfig> {
+    Ok(match preset {
+        "smollm2-135m" => ModelConfig::smollm2_135m(),
+        "qwen3-0.6b" => ModelConfig::qwen3_0_6b(),
+        other => bail!("unknown --preset `{other}` (smollm2-135m, qwen3-0.6b)"),
+    })
+}
+
+/// Deterministic pseudo-random prompt tokens.
+fn bench_prompt(len: usize, salt: u64, vocab: usize) -> Vec<u32> {
+    (0..len as u64)
+        .map(|i| {
+            ((i.wrapping_add(salt * 7919)).wrapping_mul(2654435761) % (vocab as u64 - 10) + 10)
+                as u32
+        })
+        .collect()
+}
+
+fn run_engine_bench(
+    bench: &'static str,
+    model: &arbor_model::Transformer,
+    name: String,
+    dtype: &str,
+    jobs: Vec<(Vec<u32>, Vec<arbor_engine::SamplingParams>)>,
+    json: bool,
+) -> Result<()> {
+    let cfg = arbor_engine::EngineConfig {
+        max_seqs: 512,
+        max_batch_tokens: 4096,
+        ..Default::default()
+    };
+    let mut engine = arbor_engine::Engine::new(model, None, cfg)?;
+    let sequences: usize = jobs.iter().map(|j| j.1.len()).sum();
+    let prompt_len = jobs[0].0.len();
+    let new_tokens = jobs[0].1[0].max_tokens;
+    let start = Instant::now();
+    for (p, s) in jobs {
+        engine.submit(p, s)?;
+    }
+    let done = engine.run(|_| {})?;
+    let seconds = start.elapsed().as_secs_f64();
+    if let Some(c) = done.iter().find(|c| c.error.is_some()) {
+        bail!("sequence {} failed: {:?}", c.id, c.error);
+    }
+    let st = engine.stats().clone();
+    let r = GenBenchResult {
+        bench,
+        model: name,
+        dtype: dtype.to_string(),
+        sequences,
+        prompt_len,
+        new_tokens,
+        threads: std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
+        seconds,
+        generated_tokens: st.generated,
+        generated_tokens_per_s: st.generated as f64 / seconds,
+        prefill_computed: st.prefill_computed,
+        prefill_cached: st.prefill_cached,
+        prefill_forked: st.prefill_forked,
+        preemptions: st.preemptions,
+        kv_pool_mib: engine.kv_bytes() as f64 / (1 << 20) as f64,
+        peak_rss_mib: rss_mib().1,
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        println!("bench                  {}", r.bench);
+        println!("model                  {}", r.model);
+        println!(
+            "sequences x tokens     {} x ({} prompt + {} new)",
+            r.sequences, r.prompt_len, r.new_tokens
+        );
+        println!("threads                {}", r.threads);
+        println!("wall time              {:.2} s", r.seconds);
+        println!(
+            "generated              {} tokens, {:.1} tokens/s",
+            r.generated_tokens, r.generated_tokens_per_s
+        );
+        println!("prefill computed       {} tokens", r.prefill_computed);
+        println!("prefill from cache     {} tokens", r.prefill_cached);
+        println!("prefill shared by fork {} tokens", r.prefill_forked);
+        println!("preemptions            {}", r.preemptions);
+        println!("KV pool                {:.0} MiB", r.kv_pool_mib);
+        println!("peak RSS               {:.0} MiB", r.peak_rss_mib);
+    }
+    Ok(())
+}
+
+fn generate_bench(a: GenBenchArgs) -> Result<()> {
+    if a.batch == 0 || a.prompt_len == 0 || a.max_tokens == 0 {
+        bail!("--batch, --prompt-len and --max-tokens must be >= 1");
+    }
+    let (model, name) = load_for_bench(&a.preset, &a.model, &a.dtype)?;
+    let vocab = model.cfg.vocab_size;
+    let jobs = (0..a.batch)
+        .map(|i| {
+            let p = arbor_engine::SamplingParams::greedy(a.max_tokens);
+            (bench_prompt(a.prompt_len, i as u64, vocab), vec![p])
+        })
+        .collect();
+    run_engine_bench("generate", &model, name, &a.dtype, jobs, a.json)
+}
+
+fn fork_bench(a: ForkBenchArgs) -> Result<()> {
+    if a.n == 0 || a.prompt_len == 0 || a.max_tokens == 0 {
+        bail!("--n, --prompt-len and --max-tokens must be >= 1");
+    }
+    let (model, name) = load_for_bench(&a.preset, &a.model, &a.dtype)?;
+    let vocab = model.cfg.vocab_size;
+    let samples = (0..a.n)
+        .map(|j| arbor_engine::SamplingParams {
+            temperature: 1.0,
+            max_tokens: a.max_tokens,
+            seed: j as u64,
+            ..Default::default()
+        })
+        .collect();
+    run_engine_bench(
+        "fork",
+        &model,
+        name,
+        &a.dtype,
+        vec![(bench_prompt(a.prompt_len, 1, vocab), samples)],
+        a.json,
+    )
 }
 
 #[derive(Debug, Args)]
@@ -65,6 +289,8 @@ struct ModelBenchResult {
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Model(a) => model_bench(a),
+        BenchCommand::Generate(a) => generate_bench(a),
+        BenchCommand::Fork(a) => fork_bench(a),
     }
 }
 
@@ -97,11 +323,7 @@ fn model_bench(a: ModelBenchArgs) -> Result<()> {
             (cfg, m.clone(), Some(Checkpoint::open(&files.weights)?))
         }
         None => {
-            let cfg = match a.preset.as_str() {
-                "smollm2-135m" => ModelConfig::smollm2_135m(),
-                "qwen3-0.6b" => ModelConfig::qwen3_0_6b(),
-                other => bail!("unknown --preset `{other}` (smollm2-135m, qwen3-0.6b)"),
-            };
+            let cfg = preset_config(&a.preset)?;
             (cfg, format!("{} (random weights)", a.preset), None)
         }
     };

@@ -4,6 +4,7 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod generate;
 mod score;
 
 /// Arbor: reinforcement learning from verifiable rewards for Qwen-family
@@ -23,6 +24,9 @@ enum Command {
     /// Score a token sequence: next-token log-probabilities and greedy argmax
     /// at every position.
     Score(score::ScoreArgs),
+    /// Generate completions with the paged engine (continuous batching,
+    /// shared prompt KV for --n samples).
+    Generate(generate::GenerateArgs),
     /// Print a model's resolved files, validated config and parameter count.
     Info(score::InfoArgs),
     /// Benchmarks (results are printed; record the ones you cite in
@@ -49,6 +53,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Score(a) => score::run(a),
         Command::Info(a) => score::info(a),
+        Command::Generate(a) => generate::run(a),
         Command::Bench(b) => bench::run(b),
     }
 }

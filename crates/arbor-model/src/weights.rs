@@ -19,6 +19,8 @@ pub struct ModelFiles {
     pub weights: Vec<PathBuf>,
     pub tokenizer: Option<PathBuf>,
     pub tokenizer_config: Option<PathBuf>,
+    /// `generation_config.json` (default stop tokens, sampling defaults).
+    pub generation_config: Option<PathBuf>,
 }
 
 const INDEX: &str = "model.safetensors.index.json";
@@ -96,6 +98,7 @@ impl ModelFiles {
             weights,
             tokenizer: opt("tokenizer.json"),
             tokenizer_config: opt("tokenizer_config.json"),
+            generation_config: opt("generation_config.json"),
         })
     }
 
@@ -162,7 +165,34 @@ impl ModelFiles {
             weights,
             tokenizer: fetch("tokenizer.json", false)?,
             tokenizer_config: fetch("tokenizer_config.json", false)?,
+            generation_config: fetch("generation_config.json", false)?,
         })
+    }
+}
+
+impl ModelFiles {
+    /// Stop tokens for generation: `eos_token_id` of `generation_config.json`
+    /// when present, else of `config.json` (`config_eos`).
+    pub fn eos_token_ids(&self, config_eos: &[u32]) -> Result<Vec<u32>> {
+        let Some(p) = &self.generation_config else {
+            return Ok(config_eos.to_vec());
+        };
+        let text = std::fs::read_to_string(p).map_err(|e| ModelError::io(p, e))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| ModelError::json(p, &e))?;
+        let bad = || ModelError::ConfigKey {
+            path: p.clone(),
+            key: "eos_token_id".into(),
+            msg: "expected a token id or a list of token ids".into(),
+        };
+        match v.get("eos_token_id") {
+            None | Some(serde_json::Value::Null) => Ok(config_eos.to_vec()),
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .map(|x| x.as_u64().map(|n| n as u32).ok_or_else(bad))
+                .collect(),
+            Some(x) => Ok(vec![x.as_u64().ok_or_else(bad)? as u32]),
+        }
     }
 }
 
