@@ -33,6 +33,17 @@
 //! the spec's form slightly over-scores busy nodes. Both are available
 //! ([`AsyncGain`]); the default follows the spec.
 //!
+//! Which outcomes count in `n` ([`Evidence`], project choice): the spec says
+//! "completed continuations observed below c". The default reads this as the
+//! *on-policy* outcomes of `c` (continuations launched at `c` or above it
+//! that passed through `c`; see [`crate::tree`]): they are Bernoulli draws
+//! of `c`'s value, so the Beta update is a true posterior, they are exactly
+//! the continuations whose in-flight count is `m` (so `n + m` is the count
+//! once the pending ones land), and the spec's own credit section warns that
+//! leaves below `c` reached through branching elsewhere are not on-policy
+//! samples from `c`. The literal reading, every terminal outcome in the
+//! subtree, is [`Evidence::Subtree`] (compared in `arbor bench audit`).
+//!
 //! Selection ([`Allocator`]): candidates are non-terminal, resumable nodes
 //! with a positive score and fewer than `max_in_flight_per_node` (2)
 //! continuations in flight; at most `worker_capacity` continuations run over
@@ -77,14 +88,13 @@ impl Posterior {
     }
 
     /// Posterior of a tree node (`None` if the critic has not scored it).
-    pub fn of(node: &Node, kappa: f64) -> Option<Self> {
+    pub fn of(node: &Node, kappa: f64, evidence: Evidence) -> Option<Self> {
         let v = node.value()?;
-        Some(Posterior::new(
-            kappa,
-            v,
-            f64::from(node.completed()),
-            node.reward_sum(),
-        ))
+        let (n, sum) = match evidence {
+            Evidence::OnPolicy => (node.completed(), node.reward_sum()),
+            Evidence::Subtree => (node.subtree_completed(), node.subtree_reward_sum()),
+        };
+        Some(Posterior::new(kappa, v, f64::from(n), sum))
     }
 
     /// `E = mu*(1-mu)/(a+1)`: posterior variance, the expected squared error
@@ -123,6 +133,17 @@ pub enum AsyncGain {
     Lookahead,
 }
 
+/// Which terminal outcomes form a node's evidence `n`, `cbar`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Evidence {
+    /// Continuations through the node launched at it or above it.
+    #[default]
+    OnPolicy,
+    /// Every terminal outcome in the node's subtree.
+    Subtree,
+}
+
 /// A scoring rule for the allocator: higher priority is launched first.
 pub trait Selector {
     /// Short name for reports.
@@ -148,18 +169,29 @@ impl<S: Selector + ?Sized> Selector for Box<S> {
 pub struct Focus {
     kappa: f64,
     async_gain: AsyncGain,
+    evidence: Evidence,
 }
 
 impl Focus {
-    /// FOCUS with prior strength `kappa > 0`.
+    /// FOCUS with prior strength `kappa > 0` and on-policy evidence.
     pub fn new(kappa: f64, async_gain: AsyncGain) -> Result<Self> {
         check_positive("kappa", kappa)?;
-        Ok(Focus { kappa, async_gain })
+        Ok(Focus {
+            kappa,
+            async_gain,
+            evidence: Evidence::OnPolicy,
+        })
+    }
+
+    /// Chooses which outcomes count as evidence.
+    pub fn with_evidence(mut self, evidence: Evidence) -> Self {
+        self.evidence = evidence;
+        self
     }
 
     /// The score of a node (`None` without a critic value).
     pub fn score(&self, node: &Node) -> Option<f64> {
-        let post = Posterior::of(node, self.kappa)?;
+        let post = Posterior::of(node, self.kappa, self.evidence)?;
         let m = f64::from(node.in_flight());
         Some(match self.async_gain {
             AsyncGain::EffectiveCount => post.gain(m),
@@ -178,7 +210,8 @@ impl Selector for Focus {
 }
 
 /// Ablation: spread the budget evenly; priority `-(n + m)` (the node with
-/// the least evidence, completed or pending, goes first; ties at random).
+/// the least on-policy evidence, completed or pending, goes first; ties at
+/// random).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Uniform;
 
@@ -204,8 +237,8 @@ impl Selector for RandomSelect {
     }
 }
 
-/// Ablation: the critic's raw residual `|cbar - v|` as the score, without
-/// the posterior's calibration for evidence size. With no outcome yet
+/// Ablation: the critic's raw residual `|cbar - v|` (on-policy `cbar`) as
+/// the score, without the posterior's calibration for evidence size. With no outcome yet
 /// (`n = 0`) the residual is undefined; the score is then the expected
 /// residual of one outcome under the critic's own prediction,
 /// `E|X - v| = 2*v*(1-v)` for `X ~ Bernoulli(v)` (project choice).
@@ -233,15 +266,18 @@ pub enum SelectorKind {
     Random,
     Uniform,
     RawResidual,
+    /// FOCUS with [`Evidence::Subtree`] (the literal reading of the spec).
+    FocusSubtree,
 }
 
 impl SelectorKind {
-    /// All four, FOCUS first.
-    pub const ALL: [SelectorKind; 4] = [
+    /// All of them, FOCUS first.
+    pub const ALL: [SelectorKind; 5] = [
         SelectorKind::Focus,
         SelectorKind::Random,
         SelectorKind::Uniform,
         SelectorKind::RawResidual,
+        SelectorKind::FocusSubtree,
     ];
 
     /// The selector (FOCUS with prior strength `kappa`, spec async form).
@@ -251,6 +287,9 @@ impl SelectorKind {
             SelectorKind::Random => Box::new(RandomSelect),
             SelectorKind::Uniform => Box::new(Uniform),
             SelectorKind::RawResidual => Box::new(RawResidual),
+            SelectorKind::FocusSubtree => Box::new(
+                Focus::new(kappa, AsyncGain::EffectiveCount)?.with_evidence(Evidence::Subtree),
+            ),
         })
     }
 
@@ -261,6 +300,7 @@ impl SelectorKind {
             SelectorKind::Random => "random",
             SelectorKind::Uniform => "uniform",
             SelectorKind::RawResidual => "raw_residual",
+            SelectorKind::FocusSubtree => "focus_subtree",
         }
     }
 }
@@ -771,7 +811,7 @@ mod tests {
             per_node in 1u32..3,
             tokens in any::<bool>(),
             total in 1u64..40,
-            kind in 0usize..4,
+            kind in 0usize..5,
             seed in any::<u64>(),
             ops in prop::collection::vec(op(), 1..60),
         ) {

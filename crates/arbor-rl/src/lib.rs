@@ -21,12 +21,14 @@
 //!
 //! Specs: `shared/spec/focus.md`, `shared/spec/prefix-sampling.md`.
 
+pub mod audit;
 pub mod baselines;
 pub mod credit;
 pub mod error;
 pub mod focus;
 pub mod ppo;
 pub mod prefix;
+pub mod sim;
 pub mod tree;
 
 pub use error::{Result, RlError};

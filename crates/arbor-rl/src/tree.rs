@@ -12,9 +12,19 @@
 //! Generation is asynchronous: a *continuation* is launched from a node with
 //! [`RolloutTree::begin`] (the node's in-flight count `m` rises by one) and
 //! later [`RolloutTree::complete`]d with the path it produced (added as a new
-//! branch under the node) or [`RolloutTree::abort`]ed. Every node keeps the
-//! number `n` of terminal outcomes in its subtree and their sum, so the
-//! posterior quantities of FOCUS are `O(1)` to read.
+//! branch under the node) or [`RolloutTree::abort`]ed.
+//!
+//! Every node keeps two outcome tallies, so the posterior quantities of
+//! FOCUS are `O(1)` to read:
+//!
+//! - on-policy evidence `n`, `n*cbar` ([`Node::completed`]): the terminal
+//!   outcomes of the continuations that passed through the node *having been
+//!   launched at it or above it*, i.e. the continuation that created the node
+//!   and every continuation launched from it. Each is a sample of the node's
+//!   value under the policy. Outcomes of continuations launched at
+//!   descendants are not: the allocator chose to branch there.
+//! - subtree totals ([`Node::subtree_completed`]): every terminal outcome
+//!   below the node, however it got there.
 //!
 //! Nodes live in one arena per tree (many episodes per step); a child always
 //! has a larger id than its parent, so a reverse scan of the ids visits every
@@ -269,6 +279,8 @@ pub struct Node {
     reward: Option<f64>,
     completed: u32,
     reward_sum: f64,
+    subtree_completed: u32,
+    subtree_reward_sum: f64,
     in_flight: u32,
     origin: Option<NodeId>,
 }
@@ -320,7 +332,8 @@ impl Node {
     pub fn is_terminal(&self) -> bool {
         self.reward.is_some()
     }
-    /// `n`: terminal outcomes in this node's subtree (itself included).
+    /// `n`: on-policy terminal outcomes of this node (continuations through
+    /// it launched at it or above it; a terminal counts itself).
     pub fn completed(&self) -> u32 {
         self.completed
     }
@@ -328,9 +341,17 @@ impl Node {
     pub fn reward_sum(&self) -> f64 {
         self.reward_sum
     }
-    /// `cbar`, the mean outcome below this node (`None` while `n = 0`).
+    /// `cbar`, the mean on-policy outcome (`None` while `n = 0`).
     pub fn outcome_mean(&self) -> Option<f64> {
         (self.completed > 0).then(|| self.reward_sum / f64::from(self.completed))
+    }
+    /// Every terminal outcome in this node's subtree (itself included).
+    pub fn subtree_completed(&self) -> u32 {
+        self.subtree_completed
+    }
+    /// Sum of the subtree's terminal outcomes.
+    pub fn subtree_reward_sum(&self) -> f64 {
+        self.subtree_reward_sum
     }
     /// `m`: continuations launched from this node and still running.
     pub fn in_flight(&self) -> u32 {
@@ -399,6 +420,10 @@ impl<'de> Deserialize<'de> for RolloutTree {
         tree.validate().map_err(serde::de::Error::custom)?;
         Ok(tree)
     }
+}
+
+fn same_sum(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-9 * (1.0 + a.abs())
 }
 
 fn check_value(what: &'static str, v: f64) -> Result<()> {
@@ -512,6 +537,8 @@ impl RolloutTree {
             reward: None,
             completed: 0,
             reward_sum: 0.0,
+            subtree_completed: 0,
+            subtree_reward_sum: 0.0,
             in_flight: 0,
             origin: None,
         });
@@ -614,9 +641,10 @@ impl RolloutTree {
 
     /// Finishes a continuation: adds `steps` as a chain under the launch
     /// node (every new node records the launch node as its origin), releases
-    /// `m`, and if the last step is terminal adds its outcome to `n` and the
-    /// outcome sum of every node from the terminal up to the root. Returns
-    /// the new node ids, top to bottom. Nothing changes on error.
+    /// `m`, and if the last step is terminal adds its outcome to the
+    /// on-policy evidence of the launch node and of every new node, and to
+    /// the subtree totals of every node from the terminal up to the root.
+    /// Returns the new node ids, top to bottom. Nothing changes on error.
     pub fn complete(&mut self, ticket: Ticket, steps: Vec<Step>) -> Result<Vec<NodeId>> {
         self.check_ticket(ticket)?;
         Self::check_steps(&steps)?;
@@ -645,6 +673,8 @@ impl RolloutTree {
                 reward: st.terminal_reward,
                 completed: 0,
                 reward_sum: 0.0,
+                subtree_completed: 0,
+                subtree_reward_sum: 0.0,
                 in_flight: 0,
                 origin: Some(ticket.node),
             });
@@ -652,11 +682,16 @@ impl RolloutTree {
             parent = id;
         }
         if let Some(r) = self.st.nodes[parent.index()].reward {
-            let mut cur = Some(parent);
-            while let Some(c) = cur {
+            for c in std::iter::once(ticket.node).chain(ids.iter().copied()) {
                 let n = &mut self.st.nodes[c.index()];
                 n.completed += 1;
                 n.reward_sum += r;
+            }
+            let mut cur = Some(parent);
+            while let Some(c) = cur {
+                let n = &mut self.st.nodes[c.index()];
+                n.subtree_completed += 1;
+                n.subtree_reward_sum += r;
                 cur = n.parent;
             }
         }
@@ -789,8 +824,13 @@ impl RolloutTree {
                     {
                         return bad(format!("{id}: inconsistent with its parent {p}"));
                     }
-                    if n.origin.is_none_or(|o| o.index() >= i) {
-                        return bad(format!("{id}: missing or invalid origin"));
+                    // A continuation's nodes form a chain hanging from its
+                    // launch node: the origin is the parent or the parent's.
+                    if n.origin != Some(p) && (n.origin != pn.origin || pn.origin.is_none()) {
+                        return bad(format!(
+                            "{id}: origin {:?} is neither its parent nor its parent's origin",
+                            n.origin
+                        ));
                     }
                 }
             }
@@ -813,10 +853,10 @@ impl RolloutTree {
                 counts[i].1 += r;
             }
             let (c, s) = counts[i];
-            if c != n.completed || (s - n.reward_sum).abs() > 1e-9 * (1.0 + s.abs()) {
+            if c != n.subtree_completed || !same_sum(s, n.subtree_reward_sum) {
                 return bad(format!(
-                    "{id}: outcome count {}/{} does not match its subtree ({c}/{s})",
-                    n.completed, n.reward_sum
+                    "{id}: subtree outcome count {}/{} does not match its subtree ({c}/{s})",
+                    n.subtree_completed, n.subtree_reward_sum
                 ));
             }
             if flights[i] != n.in_flight {
@@ -828,6 +868,30 @@ impl RolloutTree {
             if let Some(p) = n.parent {
                 counts[p.index()].0 += c;
                 counts[p.index()].1 += s;
+            }
+        }
+        // On-policy evidence: each terminal counts on its continuation's
+        // chain and at the continuation's launch node.
+        let mut onp = vec![(0u32, 0.0f64); len];
+        for (i, n) in st.nodes.iter().enumerate() {
+            let (Some(r), Some(o)) = (n.reward, n.origin) else {
+                continue;
+            };
+            let mut cur = i;
+            while st.nodes[cur].origin == Some(o) {
+                onp[cur].0 += 1;
+                onp[cur].1 += r;
+                cur = st.nodes[cur].parent.map_or(o.index(), |p| p.index());
+            }
+            onp[o.index()].0 += 1;
+            onp[o.index()].1 += r;
+        }
+        for (i, ((c, s), n)) in onp.into_iter().zip(&st.nodes).enumerate() {
+            if c != n.completed || !same_sum(s, n.reward_sum) {
+                return bad(format!(
+                    "n{i}: on-policy outcome count {}/{} does not match the tree ({c}/{s})",
+                    n.completed, n.reward_sum
+                ));
             }
         }
         Ok(())
@@ -883,13 +947,22 @@ pub(crate) mod tests {
             (0, 1, Some(1.0))
         );
         assert_eq!(
+            a.completed(),
+            1,
+            "the creating continuation passed through it"
+        );
+        assert_eq!(
             t.context_tokens(ids[1]).unwrap(),
             vec![7, 7, 7, 0, 1, 0, 1, 2]
         );
         assert_eq!(t.edge_reward(ids[1]).unwrap(), 1.0);
         t.add_path(ids[0], vec![step(1).terminal(0.0)]).unwrap();
-        assert_eq!(t.node(root).unwrap().outcome_mean(), Some(0.5));
+        // Launched below the root: on-policy for ids[0], not for the root.
+        let r = t.node(root).unwrap();
+        assert_eq!((r.outcome_mean(), r.subtree_completed()), (Some(1.0), 2));
+        assert_eq!(r.subtree_reward_sum(), 1.0);
         assert_eq!(t.node(ids[0]).unwrap().completed(), 2);
+        assert_eq!(t.node(ids[0]).unwrap().outcome_mean(), Some(0.5));
         t.validate().unwrap();
     }
 
