@@ -2,8 +2,8 @@
 //! expected to shrink the critic's error the most.
 //!
 //! For a node `c` with critic prediction `v = V_phi(c)` (clamped to
-//! `[0, 1]`), `n` completed outcomes below it with mean `cbar`, and `m`
-//! continuations in flight from it, the value of `c` gets the Beta prior
+//! `[0, 1]`), `n` completed outcomes with mean `cbar` (which ones:
+//! [`Evidence`], below), and `m` continuations in flight from it, the value of `c` gets the Beta prior
 //! `Beta(kappa*v, kappa*(1-v))` and, after the `n` Bernoulli outcomes,
 //!
 //! ```text

@@ -20,6 +20,32 @@
 //! - [`sim`]: a simulated Prefix Sampling run.
 //!
 //! Specs: `shared/spec/focus.md`, `shared/spec/prefix-sampling.md`.
+//!
+//! One FOCUS step, end to end:
+//!
+//! ```
+//! use arbor_rl::credit::{focus_credit, loss_rows, CreditConfig, Sharing};
+//! use arbor_rl::focus::{Allocator, AllocatorConfig, AsyncGain, Budget, Focus};
+//! use arbor_rl::{RolloutTree, Segment, Step};
+//!
+//! let mut tree = RolloutTree::new();
+//! let root = tree.add_episode("task-1", vec![1, 2, 3], Some(0.5))?;
+//! let cfg = AllocatorConfig::new(4, Budget::Continuations(3), 7);
+//! let mut alloc = Allocator::new(cfg, Focus::new(1.0, AsyncGain::EffectiveCount)?)?;
+//! while !alloc.is_done() {
+//!     for ticket in alloc.fill(&mut tree)? {
+//!         // The harness generates from ticket.node() and reports the path.
+//!         let act = Segment::policy(&[10, 11], &[-0.3, -0.2])?;
+//!         let done = Segment::policy(&[12], &[-0.1])?;
+//!         let steps = vec![Step::new(act).value(0.6), Step::new(done).terminal(1.0)];
+//!         alloc.complete(&mut tree, ticket, steps)?;
+//!     }
+//! }
+//! let credit = focus_credit(&tree, &CreditConfig::default())?;
+//! let rows = loss_rows(&tree, &credit.tokens, Some(&credit.backup.gbar), Sharing::Once)?;
+//! assert_eq!(rows.len(), 3);
+//! # Ok::<(), arbor_rl::RlError>(())
+//! ```
 
 pub mod audit;
 pub mod baselines;

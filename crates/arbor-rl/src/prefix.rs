@@ -607,6 +607,60 @@ mod tests {
             }
         }
 
+                #[test]
+        fn ledger_never_exceeds_its_budget(
+            budget in 0u64..2_000,
+            charges in prop::collection::vec((0u64..300, 0u64..300, any::<bool>()), 0..40),
+        ) {
+            let mut l = TokenLedger::with_budget(budget);
+            for (g, r, re) in charges {
+                let before = l;
+                let res = if re { l.charge_rerollout(g, r) } else { l.charge_rollout(g) };
+                prop_assert_eq!(res.is_ok(), before.generated + g <= budget);
+                if res.is_err() {
+                    prop_assert_eq!(l, before);
+                }
+                prop_assert!(l.generated <= budget);
+            }
+        }
+
+        #[test]
+        fn plans_replace_skewed_groups_one_for_one(
+            outcomes in prop::collection::vec(any::<bool>(), 8),
+            lens in prop::collection::vec(2usize..200, 8),
+            seed in any::<u64>(),
+            tokens in any::<bool>(),
+        ) {
+            let mut cfg = PsConfig::new(8, seed);
+            if !tokens {
+                cfg.granularity = CutGranularity::Boundaries;
+            }
+            let mut ps = PrefixSampler::new(cfg).unwrap();
+            let group: Vec<SourceTrajectory> = outcomes
+                .iter()
+                .zip(&lens)
+                .map(|(&success, &len)| SourceTrajectory {
+                    success,
+                    len,
+                    boundaries: (0..len).step_by(7).collect(),
+                })
+                .collect();
+            let k = outcomes.iter().filter(|x| **x).count() as u32;
+            match ps.plan(&group).unwrap() {
+                GroupPlan::Replay { bucket, rerollouts } => {
+                    prop_assert_eq!(bucket.successes, k);
+                    prop_assert_eq!(rerollouts.len(), 8);
+                    for r in rerollouts {
+                        let src = &group[r.source];
+                        prop_assert_eq!(src.success, bucket.direction().source_success());
+                        prop_assert!(r.cut > 0 && r.cut < src.len);
+                    }
+                }
+                GroupPlan::Drop => prop_assert!(k == 0 || k == 8),
+                GroupPlan::Keep => prop_assert!(k > 0 && k < 8),
+            }
+        }
+
         #[test]
         fn contrastive_pairs_peak_at_half_the_group(k in 0u32..=16, n in 2u32..17) {
             prop_assume!(k <= n);

@@ -193,9 +193,10 @@ impl PsSimReport {
             })
     }
 
-    /// Mean of a per-step quantity after the warm-up.
+    /// Mean of a per-step quantity after the warm-up (NaN if no step is
+    /// left).
     pub fn post_warmup_mean(&self, f: impl Fn(&PsStepStats) -> u64) -> f64 {
-        let s = &self.steps[self.config.warmup..];
+        let s = self.steps.get(self.config.warmup..).unwrap_or(&[]);
         s.iter().map(|x| f(x) as f64).sum::<f64>() / s.len() as f64
     }
 }
