@@ -16,7 +16,6 @@
 use arbor_kv::CopyOp;
 use arbor_model::{AttentionBackend, ModelConfig, ModelError};
 use candle_core::{DType, Tensor};
-use rayon::prelude::*;
 
 /// Paged K/V storage of every layer.
 #[derive(Debug, Clone)]
@@ -103,30 +102,6 @@ pub struct PagedAttention<'a> {
     pub batch: &'a PagedBatch,
 }
 
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let mut ca = a.chunks_exact(8);
-    let mut cb = b.chunks_exact(8);
-    for (x, y) in (&mut ca).zip(&mut cb) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
-        s += x * y;
-    }
-    s
-}
-
-#[inline]
-fn axpy(out: &mut [f32], a: f32, x: &[f32]) {
-    for (o, v) in out.iter_mut().zip(x) {
-        *o += a * v;
-    }
-}
-
 impl AttentionBackend for PagedAttention<'_> {
     fn attend(
         &mut self,
@@ -145,7 +120,6 @@ impl AttentionBackend for PagedAttention<'_> {
                 self.batch.len()
             )));
         }
-        let g = nh / nkv;
         let dt = q.dtype();
         let qv: Vec<f32> = q.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?; // [nh, t, d]
         let kv: Vec<f32> = k.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?; // [nkv, t, d]
@@ -163,47 +137,17 @@ impl AttentionBackend for PagedAttention<'_> {
                 }
             }
         }
-        let kc = &self.cache.k[layer];
-        let vc = &self.cache.v[layer];
-        let bs = self.cache.block_size;
-        let scale = 1.0 / (d as f32).sqrt();
-        let batch = self.batch;
-        let mut out = vec![0f32; t * nh * d];
-        out.par_chunks_mut(nh * d).enumerate().for_each(|(i, o)| {
-            let table = &batch.tables[batch.token_seq[i]];
-            let ctx = batch.positions[i] as usize + 1;
-            let mut scores = vec![0f32; g * ctx];
-            for kvh in 0..nkv {
-                for j in 0..ctx {
-                    let slot = table[j / bs] as usize * bs + j % bs;
-                    let kr = &kc[slot * row + kvh * d..][..d];
-                    for r in 0..g {
-                        let h = kvh * g + r;
-                        scores[r * ctx + j] = dot(&qv[(h * t + i) * d..][..d], kr) * scale;
-                    }
-                }
-                for r in 0..g {
-                    let s = &mut scores[r * ctx..(r + 1) * ctx];
-                    let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let mut z = 0.0;
-                    for x in s.iter_mut() {
-                        *x = (*x - m).exp();
-                        z += *x;
-                    }
-                    let inv = 1.0 / z;
-                    for x in s.iter_mut() {
-                        *x *= inv;
-                    }
-                }
-                for j in 0..ctx {
-                    let slot = table[j / bs] as usize * bs + j % bs;
-                    let vr = &vc[slot * row + kvh * d..][..d];
-                    for r in 0..g {
-                        let h = kvh * g + r;
-                        axpy(&mut o[h * d..(h + 1) * d], scores[r * ctx + j], vr);
-                    }
-                }
-            }
+        let out = arbor_ops::paged_attention(arbor_ops::PagedAttentionArgs {
+            q: &qv,
+            k_cache: &self.cache.k[layer],
+            v_cache: &self.cache.v[layer],
+            n_heads: nh,
+            n_kv: nkv,
+            head_dim: d,
+            block_size: self.cache.block_size,
+            positions: &self.batch.positions,
+            token_seq: &self.batch.token_seq,
+            tables: &self.batch.tables,
         });
         Ok(Tensor::from_vec(out, (1, t, nh * d), q.device())?.to_dtype(dt)?)
     }
