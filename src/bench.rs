@@ -24,6 +24,10 @@ pub enum BenchCommand {
     /// Fork throughput: one long prompt, N sampled continuations sharing its
     /// KV (prefill computed once).
     Fork(ForkBenchArgs),
+    /// FOCUS audit-tree diagnostic: MSE of value estimates vs rollout budget
+    /// (FOCUS, random, uniform, raw residual; constant and random critic).
+    /// Table, PNG, JSON.
+    Audit(crate::bench_audit::AuditArgs),
 }
 
 #[derive(Debug, Args)]
@@ -291,6 +295,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Model(a) => model_bench(a),
         BenchCommand::Generate(a) => generate_bench(a),
         BenchCommand::Fork(a) => fork_bench(a),
+        BenchCommand::Audit(a) => crate::bench_audit::run(a),
     }
 }
 
