@@ -1,0 +1,31 @@
+//! # arbor-env
+//!
+//! Everything a rollout talks to besides the model:
+//!
+//! - [`env`]: the multi-turn interface ([`Env`]: reset, step, fork, fresh),
+//!   [`Episode`] (transcript, per-segment spans with loss-mask kinds, fork,
+//!   replay-through-execution), [`Trajectory`] records;
+//! - [`asynch`]: many episodes at once on tokio, and a threaded lock-step
+//!   batch step for synchronous trainers;
+//! - [`vocab`]: the fixed 32-token vocabulary of the small synthetic tasks;
+//! - [`synthetic`]: built-in tasks (running sum; a stateful register tool),
+//!   token or text surface, seeded, binary reward;
+//! - [`chat`]: plain and Qwen3 chat scaffolding of observations;
+//! - [`toolcall`]: robust Qwen `<tool_call>` parsing.
+//!
+//! Specs: `shared/spec/focus.md` (segments, compaction),
+//! `shared/spec/prefix-sampling.md` (replay through execution).
+
+pub mod asynch;
+pub mod chat;
+pub mod env;
+pub mod error;
+pub mod synthetic;
+pub mod toolcall;
+pub mod vocab;
+
+pub use env::{
+    replay, Action, Env, Episode, Observation, SegmentSpans, Span, StepOutcome, Trajectory, Turn,
+};
+pub use error::{EnvError, Result};
+pub use vocab::SmallVocab;
