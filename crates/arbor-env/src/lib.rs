@@ -11,15 +11,20 @@
 //! - [`synthetic`]: built-in tasks (running sum; a stateful register tool),
 //!   token or text surface, seeded, binary reward;
 //! - [`chat`]: plain and Qwen3 chat scaffolding of observations;
-//! - [`toolcall`]: robust Qwen `<tool_call>` parsing.
+//! - [`toolcall`]: robust Qwen `<tool_call>` parsing;
+//! - [`math`]: answer extraction, normalisation, equivalence, dataset
+//!   loaders and a single-turn math env;
+//! - [`data`]: JSONL reading (plain or gzip) with `file:line` errors.
 //!
 //! Specs: `shared/spec/focus.md` (segments, compaction),
 //! `shared/spec/prefix-sampling.md` (replay through execution).
 
 pub mod asynch;
 pub mod chat;
+pub mod data;
 pub mod env;
 pub mod error;
+pub mod math;
 pub mod synthetic;
 pub mod toolcall;
 pub mod vocab;
