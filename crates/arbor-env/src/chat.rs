@@ -79,22 +79,34 @@ impl ChatFormat {
     /// (one `<tool_response>` block each, in one user turn, as the Qwen3
     /// template groups consecutive tool messages).
     pub fn tool_responses(&self, prev_action: &str, contents: &[String]) -> String {
+        self.tool_responses_with(prev_action, contents, None)
+    }
+
+    /// Tool responses followed, in the same user turn, by a harness `note`
+    /// (e.g. the request to write a compaction summary).
+    pub fn tool_responses_with(
+        &self,
+        prev_action: &str,
+        contents: &[String],
+        note: Option<&str>,
+    ) -> String {
+        let mut blocks = String::new();
+        for c in contents {
+            blocks.push_str(&format!("\n<tool_response>\n{c}\n</tool_response>"));
+        }
+        if let Some(n) = note {
+            blocks.push_str(&format!("\n{n}"));
+        }
         match self {
-            ChatFormat::Plain => {
-                let mut s = plain_sep(prev_action).to_string();
-                for c in contents {
-                    s.push_str(&format!("<tool_response>\n{c}\n</tool_response>\n"));
-                }
-                s
-            }
-            ChatFormat::Qwen => {
-                let mut s = format!("{}<|im_start|>user", close_turn(prev_action));
-                for c in contents {
-                    s.push_str(&format!("\n<tool_response>\n{c}\n</tool_response>"));
-                }
-                s.push_str("<|im_end|>\n<|im_start|>assistant\n");
-                s
-            }
+            ChatFormat::Plain => format!(
+                "{}{}\n",
+                plain_sep(prev_action),
+                &blocks[1.min(blocks.len())..]
+            ),
+            ChatFormat::Qwen => format!(
+                "{}<|im_start|>user{blocks}<|im_end|>\n<|im_start|>assistant\n",
+                close_turn(prev_action)
+            ),
         }
     }
 
@@ -198,6 +210,10 @@ mod tests {
             "<|im_end|>\n<|im_start|>user\n<tool_response>\na\n</tool_response>\n<tool_response>\nb\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
         );
         assert_eq!(f.close("x"), "<|im_end|>\n");
+        assert_eq!(
+            f.tool_responses_with("x<|im_end|>", &["a".into()], Some("note")),
+            "\n<|im_start|>user\n<tool_response>\na\n</tool_response>\nnote<|im_end|>\n<|im_start|>assistant\n"
+        );
         assert_eq!(f.close("x<|im_end|>"), "\n");
     }
 
@@ -222,5 +238,9 @@ mod tests {
         assert_eq!(f.user("3", "next"), "\nnext\n");
         assert_eq!(f.user("3\n", "next"), "next\n");
         assert_eq!(f.close("3"), "");
+        assert_eq!(
+            f.tool_responses("3", &["a".into()]),
+            "\n<tool_response>\na\n</tool_response>\n"
+        );
     }
 }

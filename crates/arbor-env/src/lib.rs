@@ -12,6 +12,9 @@
 //!   token or text surface, seeded, binary reward;
 //! - [`chat`]: plain and Qwen3 chat scaffolding of observations;
 //! - [`toolcall`]: robust Qwen `<tool_call>` parsing;
+//! - [`harness`]: the tool harness (schema-checked tool calls, output
+//!   truncation, context budget with policy-written compaction or an
+//!   in-memory workspace);
 //! - [`math`]: answer extraction, normalisation, equivalence, dataset
 //!   loaders and a single-turn math env;
 //! - [`data`]: JSONL reading (plain or gzip) with `file:line` errors.
@@ -24,6 +27,7 @@ pub mod chat;
 pub mod data;
 pub mod env;
 pub mod error;
+pub mod harness;
 pub mod math;
 pub mod synthetic;
 pub mod toolcall;
