@@ -72,6 +72,13 @@ impl EnvError {
         }
     }
 
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        EnvError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
     pub(crate) fn task(spec: impl Into<String>, msg: impl Into<String>) -> Self {
         EnvError::Task {
             spec: spec.into(),

@@ -29,6 +29,7 @@ pub mod env;
 pub mod error;
 pub mod harness;
 pub mod math;
+pub mod swe;
 pub mod synthetic;
 pub mod toolcall;
 pub mod vocab;

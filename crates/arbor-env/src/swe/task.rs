@@ -1,0 +1,1233 @@
+//! SWE-style tasks: a repository, an issue, hidden tests; tools to run
+//! commands, view, create and edit files, list, search and submit; rewards
+//! from the hidden tests (SWE-bench style) or file localization (LocBench
+//! Acc@k). Run them as an [`Env`](crate::Env) with [`swe_env`] (the tool
+//! harness adds tool-call parsing and context management).
+
+use std::collections::BTreeSet;
+use std::path::{Component, Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tempfile::TempDir;
+
+use super::sandbox::{chown_for_sandbox, Sandbox, WORKDIR};
+use crate::data::{read_jsonl, Row};
+use crate::error::{EnvError, Result};
+use crate::harness::{truncate_middle, Harness, HarnessConfig, ToolReply, ToolTask};
+use crate::toolcall::ToolCall;
+
+/// Default test command; `{test}` is replaced by the shell-quoted test id.
+pub const DEFAULT_TEST_CMD: &str = "python3 -m pytest -q -p no:cacheprovider {test}";
+
+/// A SWE-bench-style instance.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SweInstance {
+    /// Unique id.
+    pub instance_id: String,
+    /// Repository name (`owner/name`); its clone is looked up in the repos
+    /// directory as `owner/name`, `owner__name` or the instance id.
+    pub repo: String,
+    /// Commit to check out (empty: the directory as it is).
+    #[serde(default)]
+    pub base_commit: String,
+    /// The issue text.
+    pub problem_statement: String,
+    /// The gold patch (unified diff).
+    #[serde(default)]
+    pub patch: String,
+    /// The hidden tests (unified diff applied at evaluation only).
+    #[serde(default)]
+    pub test_patch: String,
+    /// Tests that must go from failing to passing.
+    #[serde(rename = "FAIL_TO_PASS", default)]
+    pub fail_to_pass: Vec<String>,
+    /// Tests that must keep passing.
+    #[serde(rename = "PASS_TO_PASS", default)]
+    pub pass_to_pass: Vec<String>,
+    /// Test command with `{test}` (Arbor extension; default
+    /// [`DEFAULT_TEST_CMD`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub test_cmd: Option<String>,
+}
+
+impl SweInstance {
+    fn from_row(row: &Row) -> Result<Self> {
+        Ok(SweInstance {
+            instance_id: row.str_field("instance_id")?,
+            repo: row.str_field("repo")?,
+            base_commit: row.opt_str_field("base_commit")?.unwrap_or_default(),
+            problem_statement: row.str_field("problem_statement")?,
+            patch: row.opt_str_field("patch")?.unwrap_or_default(),
+            test_patch: row.opt_str_field("test_patch")?.unwrap_or_default(),
+            fail_to_pass: row.str_list_field("FAIL_TO_PASS")?,
+            pass_to_pass: match row.fields.get("PASS_TO_PASS") {
+                None => Vec::new(),
+                Some(_) => row.str_list_field("PASS_TO_PASS")?,
+            },
+            test_cmd: row.opt_str_field("test_cmd")?,
+        })
+    }
+
+    /// The files the gold patch touches, in order of appearance.
+    pub fn gold_files(&self) -> Vec<String> {
+        patch_files(&self.patch)
+    }
+}
+
+/// The files a unified diff touches (`+++ b/...` or `diff --git` lines).
+pub fn patch_files(patch: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for line in patch.lines() {
+        let f = if let Some(rest) = line.strip_prefix("diff --git a/") {
+            rest.split(" b/").next().map(str::to_string)
+        } else {
+            line.strip_prefix("+++ b/").map(|r| r.trim().to_string())
+        };
+        if let Some(f) = f {
+            if !out.contains(&f) {
+                out.push(f);
+            }
+        }
+    }
+    out
+}
+
+/// Reads SWE-bench-style instances (JSONL, `.gz` accepted).
+pub fn load_instances(path: &Path) -> Result<Vec<SweInstance>> {
+    read_jsonl(path)?
+        .iter()
+        .map(SweInstance::from_row)
+        .collect()
+}
+
+/// How an episode is rewarded.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SweReward {
+    /// 1 iff every FAIL_TO_PASS and PASS_TO_PASS test passes after the
+    /// hidden tests are applied.
+    Tests,
+    /// 1 iff every gold-patch file is among the first `k` submitted files
+    /// (LocBench Acc@k).
+    Localization { k: usize },
+}
+
+/// Configuration of SWE tasks.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SweConfig {
+    /// The executor.
+    pub sandbox: Sandbox,
+    /// The reward.
+    pub reward: SweReward,
+    /// Longest file view / listing / search result shown, chars.
+    pub max_view_chars: usize,
+}
+
+impl SweConfig {
+    /// Test rewards with the given executor.
+    pub fn tests(sandbox: Sandbox) -> Self {
+        SweConfig {
+            sandbox,
+            reward: SweReward::Tests,
+            max_view_chars: 20_000,
+        }
+    }
+}
+
+/// The outcome of running the hidden tests.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Evaluation {
+    /// The reward (1 or 0).
+    pub reward: f64,
+    /// Tests that passed.
+    pub passed: Vec<String>,
+    /// Tests that failed (with the last lines of their output).
+    pub failed: Vec<(String, String)>,
+    /// Why evaluation could not run the tests (hidden tests did not apply).
+    pub error: Option<String>,
+}
+
+/// Single-quotes `s` for bash.
+pub fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "'\\''"))
+}
+
+fn run_host(cmd: &mut Command, what: &str) -> Result<()> {
+    let out = cmd
+        .output()
+        .map_err(|e| EnvError::Sandbox(format!("{what}: {e}")))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(EnvError::Sandbox(format!(
+            "{what}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )))
+    }
+}
+
+/// Copies the contents of directory `src` into the new directory `dst`
+/// (copy-on-write where the filesystem supports it), preserving modes and
+/// ownership.
+pub fn copy_tree(src: &Path, dst: &Path) -> Result<()> {
+    std::fs::create_dir_all(dst).map_err(|e| EnvError::io(dst, e))?;
+    let mut from = src.as_os_str().to_owned();
+    from.push("/.");
+    run_host(
+        Command::new("cp")
+            .arg("-a")
+            .arg("--reflink=auto")
+            .arg(from)
+            .arg(dst),
+        &format!("copying {} to {}", src.display(), dst.display()),
+    )
+}
+
+/// Canonical bytes of a directory tree (sorted paths, kinds, executable
+/// bits, contents, symlink targets), skipping `.git`.
+pub fn tree_bytes(root: &Path) -> Result<Vec<u8>> {
+    fn walk(root: &Path, dir: &Path, out: &mut Vec<u8>) -> Result<()> {
+        let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(|e| EnvError::io(dir, e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .collect();
+        entries.sort();
+        for p in entries {
+            let rel = p
+                .strip_prefix(root)
+                .unwrap_or(&p)
+                .to_string_lossy()
+                .into_owned();
+            if rel == ".git" {
+                continue;
+            }
+            let md = std::fs::symlink_metadata(&p).map_err(|e| EnvError::io(&p, e))?;
+            out.extend_from_slice(rel.as_bytes());
+            out.push(0);
+            if md.file_type().is_symlink() {
+                out.extend_from_slice(b"L");
+                let t = std::fs::read_link(&p).map_err(|e| EnvError::io(&p, e))?;
+                out.extend_from_slice(t.to_string_lossy().as_bytes());
+            } else if md.is_dir() {
+                out.extend_from_slice(b"D");
+                walk(root, &p, out)?;
+            } else {
+                use std::os::unix::fs::PermissionsExt;
+                let exec = md.permissions().mode() & 0o111 != 0;
+                out.extend_from_slice(if exec { b"X" } else { b"F" });
+                let c = std::fs::read(&p).map_err(|e| EnvError::io(&p, e))?;
+                out.extend_from_slice(&(c.len() as u64).to_le_bytes());
+                out.extend_from_slice(&c);
+            }
+            out.push(0);
+        }
+        Ok(())
+    }
+    let mut out = Vec::new();
+    walk(root, root, &mut out)?;
+    Ok(out)
+}
+
+/// The pristine checkout of an instance, shared by its episodes and forks.
+#[derive(Debug)]
+struct Base {
+    _dir: TempDir,
+    path: PathBuf,
+}
+
+impl Base {
+    fn materialize(inst: &SweInstance, source: &Path) -> Result<Base> {
+        let dir = tempfile::Builder::new()
+            .prefix("arbor-swe-base")
+            .tempdir()
+            .map_err(|e| EnvError::Sandbox(format!("temp dir: {e}")))?;
+        let path = dir.path().join("ws");
+        if !inst.base_commit.is_empty() && source.join(".git").exists() {
+            run_host(
+                Command::new("git")
+                    .env("GIT_TERMINAL_PROMPT", "0")
+                    .args(["clone", "-q", "--no-hardlinks", "--no-checkout"])
+                    .arg(source)
+                    .arg(&path),
+                &format!("cloning {}", source.display()),
+            )?;
+            run_host(
+                Command::new("git")
+                    .arg("-C")
+                    .arg(&path)
+                    .args([
+                        "-c",
+                        "advice.detachedHead=false",
+                        "checkout",
+                        "-q",
+                        "--detach",
+                    ])
+                    .arg(&inst.base_commit),
+                &format!("checking out {} in {}", inst.base_commit, source.display()),
+            )?;
+        } else {
+            copy_tree(source, &path)?;
+        }
+        chown_for_sandbox(&path)?;
+        Ok(Base { _dir: dir, path })
+    }
+}
+
+/// A workspace directory (a copy of the base).
+#[derive(Debug)]
+struct Workspace {
+    _dir: TempDir,
+    path: PathBuf,
+}
+
+impl Workspace {
+    fn copy_of(src: &Path) -> Result<Workspace> {
+        let dir = tempfile::Builder::new()
+            .prefix("arbor-swe-ws")
+            .tempdir()
+            .map_err(|e| EnvError::Sandbox(format!("temp dir: {e}")))?;
+        let path = dir.path().join("ws");
+        copy_tree(src, &path)?;
+        Ok(Workspace { _dir: dir, path })
+    }
+}
+
+/// One SWE task instance with its workspace.
+#[derive(Debug)]
+pub struct SweTask {
+    inst: Arc<SweInstance>,
+    cfg: Arc<SweConfig>,
+    base: Arc<Base>,
+    ws: Option<Workspace>,
+    submitted: Option<Value>,
+    evaluation: Option<Evaluation>,
+    calls: Vec<String>,
+}
+
+impl SweTask {
+    /// The task for `inst` with its repository clone at `source` (a
+    /// directory, or a git repository checked out at `base_commit`).
+    pub fn new(inst: SweInstance, source: &Path, cfg: SweConfig) -> Result<SweTask> {
+        if !source.is_dir() {
+            return Err(EnvError::task(
+                &inst.instance_id,
+                format!("repository directory {} does not exist", source.display()),
+            ));
+        }
+        let base = Base::materialize(&inst, source)?;
+        Ok(SweTask {
+            inst: Arc::new(inst),
+            cfg: Arc::new(cfg),
+            base: Arc::new(base),
+            ws: None,
+            submitted: None,
+            evaluation: None,
+            calls: Vec::new(),
+        })
+    }
+
+    /// Finds the clone of `inst.repo` under `repos`: `repos/owner/name`,
+    /// `repos/owner__name`, or `repos/<instance_id>`.
+    pub fn locate(inst: &SweInstance, repos: &Path) -> Result<PathBuf> {
+        let tries = [
+            repos.join(&inst.repo),
+            repos.join(inst.repo.replace('/', "__")),
+            repos.join(&inst.instance_id),
+        ];
+        tries.iter().find(|p| p.is_dir()).cloned().ok_or_else(|| {
+            EnvError::task(
+                &inst.instance_id,
+                format!(
+                    "no clone of `{}` found (tried {})",
+                    inst.repo,
+                    tries
+                        .iter()
+                        .map(|p| p.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            )
+        })
+    }
+
+    /// The instance.
+    pub fn instance(&self) -> &SweInstance {
+        &self.inst
+    }
+
+    /// The current workspace directory on the host (`None` before reset).
+    pub fn workspace(&self) -> Option<&Path> {
+        self.ws.as_ref().map(|w| w.path.as_path())
+    }
+
+    /// The last evaluation (after `submit`).
+    pub fn evaluation(&self) -> Option<&Evaluation> {
+        self.evaluation.as_ref()
+    }
+
+    fn ws(&self) -> Result<&Path> {
+        self.workspace()
+            .ok_or_else(|| EnvError::protocol(&self.inst.instance_id, "no workspace before reset"))
+    }
+
+    /// Applies a unified diff to the workspace with `git apply` in the
+    /// sandbox (used by oracle checks; the policy edits with tools).
+    pub fn apply_patch(&self, patch: &str) -> Result<super::sandbox::RunOutput> {
+        apply_in(&self.cfg.sandbox, self.ws()?, patch)
+    }
+
+    /// Runs the hidden tests on a copy of the workspace.
+    pub fn evaluate(&self) -> Result<Evaluation> {
+        let ws = self.ws()?;
+        let copy = Workspace::copy_of(ws)?;
+        let sb = &self.cfg.sandbox;
+        if !self.inst.test_patch.is_empty() {
+            let o = apply_in(sb, &copy.path, &self.inst.test_patch)?;
+            if !o.success() {
+                return Ok(Evaluation {
+                    reward: 0.0,
+                    passed: Vec::new(),
+                    failed: Vec::new(),
+                    error: Some(format!("the hidden tests do not apply: {}", o.render())),
+                });
+            }
+        }
+        let cmd = self.inst.test_cmd.as_deref().unwrap_or(DEFAULT_TEST_CMD);
+        let mut passed = Vec::new();
+        let mut failed = Vec::new();
+        for t in self.inst.fail_to_pass.iter().chain(&self.inst.pass_to_pass) {
+            let o = sb.run(&copy.path, &cmd.replace("{test}", &shell_quote(t)))?;
+            if o.success() {
+                passed.push(t.clone());
+            } else {
+                let r = o.render();
+                let tail: Vec<&str> = r.lines().rev().take(5).collect();
+                failed.push((
+                    t.clone(),
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n"),
+                ));
+            }
+        }
+        let total = self.inst.fail_to_pass.len() + self.inst.pass_to_pass.len();
+        Ok(Evaluation {
+            reward: if failed.is_empty() && total > 0 {
+                1.0
+            } else {
+                0.0
+            },
+            passed,
+            failed,
+            error: (total == 0).then(|| "the instance lists no tests".to_string()),
+        })
+    }
+
+    /// A workspace path from a tool argument: relative to the workspace
+    /// root (or absolute under [`WORKDIR`]); no `..`, no symlinks on the way.
+    fn resolve(&self, p: &str) -> std::result::Result<PathBuf, String> {
+        let ws = self.ws().map_err(|e| e.to_string())?;
+        let rel = p
+            .strip_prefix(WORKDIR)
+            .map(|r| r.trim_start_matches('/'))
+            .unwrap_or(p);
+        let rel = Path::new(rel);
+        let mut full = ws.to_path_buf();
+        for c in rel.components() {
+            match c {
+                Component::Normal(n) => {
+                    full.push(n);
+                    if std::fs::symlink_metadata(&full).is_ok_and(|m| m.file_type().is_symlink()) {
+                        return Err(format!("`{p}`: refusing to follow a symbolic link"));
+                    }
+                }
+                Component::CurDir => {}
+                _ => {
+                    return Err(format!(
+                        "`{p}`: paths must stay inside {WORKDIR} (relative, no `..`)"
+                    ))
+                }
+            }
+        }
+        Ok(full)
+    }
+
+    fn rel(&self, p: &Path) -> String {
+        let ws = self.workspace().unwrap_or(Path::new(""));
+        p.strip_prefix(ws)
+            .unwrap_or(p)
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    fn view(&self, c: &ToolCall) -> std::result::Result<String, String> {
+        let path = self.resolve(c.str_arg("path")?)?;
+        let md = std::fs::metadata(&path).map_err(|e| format!("`{}`: {e}", self.rel(&path)))?;
+        if md.is_dir() {
+            return self.listing(&path, 2);
+        }
+        let bytes = std::fs::read(&path).map_err(|e| format!("`{}`: {e}", self.rel(&path)))?;
+        let text = String::from_utf8_lossy(&bytes);
+        let lines: Vec<&str> = text.lines().collect();
+        let (start, end) = match (c.opt_int_arg("start_line")?, c.opt_int_arg("end_line")?) {
+            (None, None) => (1, lines.len()),
+            (s, e) => {
+                let s = s.unwrap_or(1).max(1) as usize;
+                let e = match e {
+                    Some(e) if e < 0 => lines.len(),
+                    Some(e) => (e as usize).min(lines.len()),
+                    None => lines.len(),
+                };
+                if s > e.max(1) || s > lines.len().max(1) {
+                    return Err(format!(
+                        "line range {s}..{e} is outside the file ({} lines)",
+                        lines.len()
+                    ));
+                }
+                (s, e)
+            }
+        };
+        let body: String = lines
+            .iter()
+            .enumerate()
+            .skip(start - 1)
+            .take(end + 1 - start)
+            .map(|(i, l)| format!("{:>6}\t{l}\n", i + 1))
+            .collect();
+        Ok(truncate_middle(&body, self.cfg.max_view_chars))
+    }
+
+    fn listing(&self, dir: &Path, depth: usize) -> std::result::Result<String, String> {
+        fn walk(dir: &Path, depth: usize, root: &Path, out: &mut Vec<String>) {
+            let Ok(rd) = std::fs::read_dir(dir) else {
+                return;
+            };
+            let mut es: Vec<PathBuf> = rd.filter_map(|e| e.ok().map(|e| e.path())).collect();
+            es.sort();
+            for p in es {
+                let name = p
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                if name.starts_with('.') || out.len() >= 1000 {
+                    continue;
+                }
+                let rel = p
+                    .strip_prefix(root)
+                    .unwrap_or(&p)
+                    .to_string_lossy()
+                    .into_owned();
+                let is_dir = std::fs::symlink_metadata(&p).is_ok_and(|m| m.is_dir());
+                out.push(if is_dir { format!("{rel}/") } else { rel });
+                if is_dir && depth > 1 {
+                    walk(&p, depth - 1, root, out);
+                }
+            }
+        }
+        let ws = self.ws().map_err(|e| e.to_string())?;
+        let mut out = Vec::new();
+        walk(dir, depth, ws, &mut out);
+        Ok(truncate_middle(&out.join("\n"), self.cfg.max_view_chars))
+    }
+
+    fn create(&self, c: &ToolCall) -> std::result::Result<String, String> {
+        let path = self.resolve(c.str_arg("path")?)?;
+        let text = c.str_arg("file_text")?;
+        if path.is_dir() {
+            return Err(format!("`{}` is a directory", self.rel(&path)));
+        }
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| e.to_string())?;
+        }
+        let existed = path.exists();
+        std::fs::write(&path, text).map_err(|e| format!("`{}`: {e}", self.rel(&path)))?;
+        let ws = self.ws().map_err(|e| e.to_string())?;
+        let mut p = path.clone();
+        while p != ws {
+            chown_for_sandbox_one(&p);
+            if !p.pop() {
+                break;
+            }
+        }
+        Ok(format!(
+            "{} {}",
+            if existed { "overwrote" } else { "created" },
+            self.rel(&path)
+        ))
+    }
+
+    fn str_replace(&self, c: &ToolCall) -> std::result::Result<String, String> {
+        let path = self.resolve(c.str_arg("path")?)?;
+        let old = c.str_arg("old_str")?;
+        let new = c.opt_str_arg("new_str")?.unwrap_or("");
+        if old.is_empty() {
+            return Err("`old_str` must not be empty".into());
+        }
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| format!("`{}`: {e}", self.rel(&path)))?;
+        match text.matches(old).count() {
+            1 => {
+                let updated = text.replacen(old, new, 1);
+                std::fs::write(&path, &updated).map_err(|e| e.to_string())?;
+                let line = updated[..updated.find(new).unwrap_or(0)]
+                    .lines()
+                    .count()
+                    .max(1);
+                Ok(format!("edited {} at line {line}", self.rel(&path)))
+            }
+            0 => Err(format!("`old_str` does not occur in {}", self.rel(&path))),
+            n => Err(format!(
+                "`old_str` occurs {n} times in {}; include more context to make it unique",
+                self.rel(&path)
+            )),
+        }
+    }
+
+    fn search(&self, c: &ToolCall) -> std::result::Result<String, String> {
+        let pat = c.str_arg("pattern")?;
+        let re = regex::Regex::new(pat)
+            .or_else(|_| regex::Regex::new(&regex::escape(pat)))
+            .map_err(|e| e.to_string())?;
+        let root = match c.opt_str_arg("path")? {
+            Some(p) => self.resolve(p)?,
+            None => self.ws().map_err(|e| e.to_string())?.to_path_buf(),
+        };
+        let mut hits = Vec::new();
+        let mut stack = vec![root];
+        while let Some(p) = stack.pop() {
+            let Ok(md) = std::fs::symlink_metadata(&p) else {
+                continue;
+            };
+            if md.is_dir() {
+                if p.file_name().is_some_and(|n| n == ".git") {
+                    continue;
+                }
+                if let Ok(rd) = std::fs::read_dir(&p) {
+                    let mut es: Vec<PathBuf> =
+                        rd.filter_map(|e| e.ok().map(|e| e.path())).collect();
+                    es.sort();
+                    stack.extend(es.into_iter().rev());
+                }
+            } else if md.is_file() && md.len() < 2 << 20 {
+                let Ok(text) = std::fs::read_to_string(&p) else {
+                    continue;
+                };
+                for (i, l) in text.lines().enumerate() {
+                    if re.is_match(l) {
+                        hits.push(format!("{}:{}:{}", self.rel(&p), i + 1, l));
+                    }
+                }
+            }
+            if hits.len() >= 200 {
+                break;
+            }
+        }
+        Ok(if hits.is_empty() {
+            "no matches".into()
+        } else {
+            truncate_middle(&hits.join("\n"), self.cfg.max_view_chars)
+        })
+    }
+
+    fn submit(&mut self, c: &ToolCall) -> Result<ToolReply> {
+        match self.cfg.reward {
+            SweReward::Tests => {
+                let e = self.evaluate()?;
+                let msg = format!(
+                    "submitted: {} tests passed, {} failed{}",
+                    e.passed.len(),
+                    e.failed.len(),
+                    e.error
+                        .as_deref()
+                        .map(|x| format!(" ({x})"))
+                        .unwrap_or_default()
+                );
+                let r = e.reward;
+                self.submitted = Some(json!({}));
+                self.evaluation = Some(e);
+                Ok(ToolReply::finish(msg, r))
+            }
+            SweReward::Localization { k } => {
+                let files: Vec<String> = match c.arguments.get("files") {
+                    Some(Value::Array(a)) => a
+                        .iter()
+                        .filter_map(Value::as_str)
+                        .map(|s| {
+                            s.trim_start_matches("/workspace/")
+                                .trim_start_matches("./")
+                                .to_string()
+                        })
+                        .collect(),
+                    _ => {
+                        return Ok(ToolReply::error(
+                            "`submit` needs `files`: a ranked list of file paths",
+                        ))
+                    }
+                };
+                let gold: BTreeSet<String> = self.inst.gold_files().into_iter().collect();
+                let top: BTreeSet<String> = files.iter().take(k).cloned().collect();
+                let hit = !gold.is_empty() && gold.is_subset(&top);
+                self.submitted = Some(json!({ "files": files }));
+                Ok(ToolReply::finish(
+                    format!("submitted {} files", files.len()),
+                    if hit { 1.0 } else { 0.0 },
+                ))
+            }
+        }
+    }
+
+    fn changed_files(&self) -> Vec<String> {
+        let (Some(ws), base) = (self.workspace(), &self.base.path) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        let mut stack = vec![PathBuf::new()];
+        while let Some(rel) = stack.pop() {
+            let (a, b) = (ws.join(&rel), base.join(&rel));
+            if rel.as_os_str() == ".git" {
+                continue;
+            }
+            let md = std::fs::symlink_metadata(&a);
+            if md.as_ref().is_ok_and(|m| m.file_type().is_symlink()) {
+                // Never follow links the sandbox may have planted.
+                if std::fs::read_link(&a).ok() != std::fs::read_link(&b).ok() {
+                    out.push(rel.display().to_string());
+                }
+            } else if md.is_ok_and(|m| m.is_dir()) {
+                if let Ok(rd) = std::fs::read_dir(&a) {
+                    for e in rd.flatten() {
+                        stack.push(rel.join(e.file_name()));
+                    }
+                }
+                if let Ok(rd) = std::fs::read_dir(&b) {
+                    for e in rd.flatten() {
+                        if !a.join(e.file_name()).exists() {
+                            out.push(format!("-{}", rel.join(e.file_name()).display()));
+                        }
+                    }
+                }
+            } else if std::fs::read(&a).ok() != std::fs::read(&b).ok() {
+                out.push(rel.display().to_string());
+            }
+        }
+        out.sort();
+        out
+    }
+}
+
+fn chown_for_sandbox_one(p: &Path) {
+    if super::sandbox::effective_uid() == Some(0) {
+        let _ = std::os::unix::fs::lchown(
+            p,
+            Some(super::sandbox::NOBODY),
+            Some(super::sandbox::NOBODY),
+        );
+    }
+}
+
+fn apply_in(sb: &Sandbox, dir: &Path, patch: &str) -> Result<super::sandbox::RunOutput> {
+    let name = ".arbor.patch";
+    let pf = dir.join(name);
+    std::fs::write(&pf, patch).map_err(|e| EnvError::io(&pf, e))?;
+    chown_for_sandbox_one(&pf);
+    let o = sb.run(
+        dir,
+        &format!("git apply --whitespace=nowarn {name}; s=$?; rm -f {name}; exit $s"),
+    )?;
+    let _ = std::fs::remove_file(&pf);
+    Ok(o)
+}
+
+fn tool(name: &str, desc: &str, props: Value, required: &[&str]) -> Value {
+    json!({"type": "function", "function": {"name": name, "description": desc,
+        "parameters": {"type": "object", "properties": props, "required": required}}})
+}
+
+impl ToolTask for SweTask {
+    fn id(&self) -> &str {
+        &self.inst.instance_id
+    }
+
+    fn prompt(&self) -> String {
+        let what = match self.cfg.reward {
+            SweReward::Tests => {
+                "Resolve the issue below: edit the code so the issue is fixed. \
+                Hidden tests are run when you call `submit`."
+            }
+            SweReward::Localization { .. } => {
+                "Find the files that must change to resolve the \
+                issue below, then call `submit` with `files`, ranked from most to least likely."
+            }
+        };
+        format!(
+            "You are working in the repository at {WORKDIR} ({}). {what} Use the tools to \
+             inspect files, run commands and edit.\n\n<issue>\n{}\n</issue>",
+            self.inst.repo,
+            self.inst.problem_statement.trim()
+        )
+    }
+
+    fn tools(&self) -> Vec<Value> {
+        let submit = match self.cfg.reward {
+            SweReward::Tests => tool(
+                "submit",
+                "Submit your changes for evaluation (ends the episode).",
+                json!({}),
+                &[],
+            ),
+            SweReward::Localization { .. } => tool(
+                "submit",
+                "Submit the ranked list of files to change (ends the episode).",
+                json!({"files": {"type": "array", "items": {"type": "string"}}}),
+                &["files"],
+            ),
+        };
+        vec![
+            tool(
+                "bash",
+                "Run a bash command in the repository (sandboxed, no network).",
+                json!({"command": {"type": "string"}}),
+                &["command"],
+            ),
+            tool(
+                "view",
+                "Show a file with line numbers (optionally a line range), or list a directory.",
+                json!({"path": {"type": "string"}, "start_line": {"type": "integer"}, "end_line": {"type": "integer"}}),
+                &["path"],
+            ),
+            tool(
+                "create",
+                "Create or overwrite a file.",
+                json!({"path": {"type": "string"}, "file_text": {"type": "string"}}),
+                &["path", "file_text"],
+            ),
+            tool(
+                "str_replace",
+                "Replace the single occurrence of old_str in a file by new_str.",
+                json!({"path": {"type": "string"}, "old_str": {"type": "string"}, "new_str": {"type": "string"}}),
+                &["path", "old_str"],
+            ),
+            tool(
+                "list",
+                "List files under a directory (two levels).",
+                json!({"path": {"type": "string"}}),
+                &[],
+            ),
+            tool(
+                "search",
+                "Search file contents for a regular expression; prints path:line:text.",
+                json!({"pattern": {"type": "string"}, "path": {"type": "string"}}),
+                &["pattern"],
+            ),
+            submit,
+        ]
+    }
+
+    fn reset(&mut self) -> Result<()> {
+        self.ws = None;
+        self.ws = Some(Workspace::copy_of(&self.base.path)?);
+        self.submitted = None;
+        self.evaluation = None;
+        self.calls.clear();
+        Ok(())
+    }
+
+    fn call(&mut self, c: &ToolCall) -> Result<ToolReply> {
+        self.calls.push(c.name.clone());
+        let r = match c.name.as_str() {
+            "bash" => {
+                let cmd = match c.str_arg("command") {
+                    Ok(s) => s.to_string(),
+                    Err(e) => return Ok(ToolReply::error(e)),
+                };
+                let o = self.cfg.sandbox.run(self.ws()?, &cmd)?;
+                return Ok(if o.success() {
+                    ToolReply::ok(o.render())
+                } else {
+                    ToolReply::error(o.render())
+                });
+            }
+            "view" => self.view(c),
+            "create" => self.create(c),
+            "str_replace" => self.str_replace(c),
+            "list" => match c.opt_str_arg("path") {
+                Ok(p) => self
+                    .resolve(p.unwrap_or("."))
+                    .and_then(|d| self.listing(&d, 2)),
+                Err(e) => Err(e),
+            },
+            "search" => self.search(c),
+            "submit" => return self.submit(c),
+            other => Err(format!("unknown tool `{other}`")),
+        };
+        Ok(match r {
+            Ok(s) => ToolReply::ok(s),
+            Err(e) => ToolReply::error(e),
+        })
+    }
+
+    fn fork(&self) -> Option<Box<dyn ToolTask>> {
+        let ws = match &self.ws {
+            Some(w) => Some(Workspace::copy_of(&w.path).ok()?),
+            None => None,
+        };
+        Some(Box::new(SweTask {
+            inst: Arc::clone(&self.inst),
+            cfg: Arc::clone(&self.cfg),
+            base: Arc::clone(&self.base),
+            ws,
+            submitted: self.submitted.clone(),
+            evaluation: self.evaluation.clone(),
+            calls: self.calls.clone(),
+        }))
+    }
+
+    fn fresh(&self) -> Result<Box<dyn ToolTask>> {
+        Ok(Box::new(SweTask {
+            inst: Arc::clone(&self.inst),
+            cfg: Arc::clone(&self.cfg),
+            base: Arc::clone(&self.base),
+            ws: None,
+            submitted: None,
+            evaluation: None,
+            calls: Vec::new(),
+        }))
+    }
+
+    fn summary(&self) -> String {
+        let changed = self.changed_files();
+        let eval = match &self.evaluation {
+            Some(e) => format!(
+                "; hidden tests: {} passed, {} failed{}",
+                e.passed.len(),
+                e.failed.len(),
+                e.failed
+                    .iter()
+                    .map(|(t, out)| format!("\n  FAILED {t}: {out}"))
+                    .collect::<String>()
+            ),
+            None => String::new(),
+        };
+        format!(
+            "{}: {} files changed [{}]; tools used [{}]; {}{eval}",
+            self.inst.instance_id,
+            changed.len(),
+            changed.join(", "),
+            self.calls.join(", "),
+            match &self.submitted {
+                Some(v) => format!("submitted {v}"),
+                None => "not submitted".into(),
+            }
+        )
+    }
+
+    fn state_bytes(&self) -> Result<Vec<u8>> {
+        let mut b = match self.workspace() {
+            Some(ws) => tree_bytes(ws)?,
+            None => Vec::new(),
+        };
+        b.push(0);
+        b.extend(serde_json::to_vec(&(&self.submitted, &self.calls)).unwrap_or_default());
+        Ok(b)
+    }
+}
+
+/// A SWE task as an [`Env`](crate::Env) through the tool harness.
+pub fn swe_env(task: SweTask, harness: HarnessConfig) -> Harness {
+    Harness::new(Box::new(task), harness)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::env::{Action, Episode};
+    use crate::swe::sandbox::tests::sandbox_or_skip;
+
+    const BUGGY: &str = "def add(a, b):\n    return a - b\n";
+    const FIXED: &str = "def add(a, b):\n    return a + b\n";
+
+    fn instance() -> SweInstance {
+        SweInstance {
+            instance_id: "toy-1".into(),
+            repo: "toy/calc".into(),
+            base_commit: String::new(),
+            problem_statement: "add(2, 3) returns -1 instead of 5.".into(),
+            patch: "diff --git a/calc.py b/calc.py\n--- a/calc.py\n+++ b/calc.py\n@@ -1,2 +1,2 @@\n def add(a, b):\n-    return a - b\n+    return a + b\n".into(),
+            test_patch: "diff --git a/test_calc.py b/test_calc.py\nnew file mode 100644\n--- /dev/null\n+++ b/test_calc.py\n@@ -0,0 +1,2 @@\n+from calc import add\n+assert add(2, 3) == 5\n".into(),
+            fail_to_pass: vec!["test_calc.py".into()],
+            pass_to_pass: vec![],
+            test_cmd: Some("python3 {test}".into()),
+        }
+    }
+
+    fn repo() -> TempDir {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("calc.py"), BUGGY).unwrap();
+        std::fs::create_dir(d.path().join("docs")).unwrap();
+        std::fs::write(d.path().join("docs/README"), "calc\n").unwrap();
+        d
+    }
+
+    fn call(name: &str, args: Value) -> Action {
+        Action::Text(ToolCall::new(name, args).render())
+    }
+
+    fn env(sb: Sandbox, reward: SweReward, src: &Path) -> Harness {
+        let mut cfg = SweConfig::tests(sb);
+        cfg.reward = reward;
+        swe_env(
+            SweTask::new(instance(), src, cfg).unwrap(),
+            HarnessConfig::default(),
+        )
+    }
+
+    #[test]
+    fn oracle_buggy_zero_fixed_one() {
+        let Some(sb) = sandbox_or_skip("swe oracle") else {
+            return;
+        };
+        let src = repo();
+        let mut t = SweTask::new(instance(), src.path(), SweConfig::tests(sb)).unwrap();
+        t.reset().unwrap();
+        let e = t.evaluate().unwrap();
+        assert_eq!(e.reward, 0.0, "{e:?}");
+        assert!(
+            !t.workspace().unwrap().join("test_calc.py").exists(),
+            "tests stay hidden"
+        );
+        assert!(t
+            .apply_patch(&t.instance().patch.clone())
+            .unwrap()
+            .success());
+        assert_eq!(t.evaluate().unwrap().reward, 1.0);
+        assert_eq!(t.instance().gold_files(), vec!["calc.py"]);
+    }
+
+    #[test]
+    fn tools_and_path_safety() {
+        let Some(sb) = sandbox_or_skip("swe tools") else {
+            return;
+        };
+        let src = repo();
+        let mut ep = Episode::new(Box::new(env(sb, SweReward::Tests, src.path())));
+        let o = ep.reset().unwrap();
+        assert!(
+            o.text.contains("add(2, 3) returns -1") && o.text.contains("\"name\": \"str_replace\"")
+        );
+        let obs = |ep: &mut Episode, a: Action| {
+            let out = ep.step(a).unwrap();
+            (out.observation.text, out.error)
+        };
+        let (t, e) = obs(
+            &mut ep,
+            call(
+                "view",
+                json!({"path": "calc.py", "start_line": 2, "end_line": 2}),
+            ),
+        );
+        assert!(e.is_none() && t.contains("     2\t    return a - b"), "{t}");
+        let (t, _) = obs(&mut ep, call("view", json!({"path": "/workspace"})));
+        assert!(t.contains("calc.py\ndocs/\ndocs/README"), "{t}");
+        let (t, _) = obs(&mut ep, call("search", json!({"pattern": "return a [-+]"})));
+        assert!(t.contains("calc.py:2:    return a - b"), "{t}");
+        for bad in ["../x", "/etc/passwd", "docs/../../x"] {
+            let (_, e) = obs(&mut ep, call("view", json!({"path": bad})));
+            assert!(e.unwrap().contains("must stay inside"), "{bad}");
+        }
+        let (_, e) = obs(
+            &mut ep,
+            call("bash", json!({"command": "ln -s /etc/passwd leak"})),
+        );
+        assert!(e.is_none());
+        let (_, e) = obs(&mut ep, call("view", json!({"path": "leak"})));
+        assert!(e.unwrap().contains("symbolic link"));
+        let (_, e) = obs(
+            &mut ep,
+            call("create", json!({"path": "leak", "file_text": "x"})),
+        );
+        assert!(e.unwrap().contains("symbolic link"));
+        let (_, e) = obs(
+            &mut ep,
+            call(
+                "str_replace",
+                json!({"path": "calc.py", "old_str": "a", "new_str": "b"}),
+            ),
+        );
+        assert!(e.unwrap().contains("occurs"));
+        let (_, e) = obs(
+            &mut ep,
+            call("str_replace", json!({"path": "calc.py", "old_str": "nope"})),
+        );
+        assert!(e.unwrap().contains("does not occur"));
+        let (t, e) = obs(
+            &mut ep,
+            call(
+                "str_replace",
+                json!({"path": "calc.py", "old_str": "a - b", "new_str": "a + b"}),
+            ),
+        );
+        assert!(e.is_none() && t.contains("edited calc.py at line 2"), "{t}");
+        let (t, e) = obs(
+            &mut ep,
+            call(
+                "create",
+                json!({"path": "new/mod.py", "file_text": "X = 1\n"}),
+            ),
+        );
+        assert!(e.is_none() && t.contains("created new/mod.py"));
+        let (t, e) = obs(
+            &mut ep,
+            call(
+                "bash",
+                json!({"command": "python3 -c 'import calc, new.mod; print(calc.add(2, 3))'"}),
+            ),
+        );
+        assert!(e.is_none() && t.contains("5\n[exit code 0]"), "{t}");
+        let (t, e) = obs(&mut ep, call("bash", json!({"command": "exit 4"})));
+        assert!(e.is_some() && t.contains("[exit code 4]"));
+        let out = ep.step(call("submit", json!({}))).unwrap();
+        assert!(out.done);
+        assert_eq!(out.reward, 1.0);
+        let s = ep.env().summary();
+        assert!(
+            s.contains("3 files changed [calc.py, leak, new/mod.py]") && s.contains("1 passed"),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn replay_is_byte_equal_and_forks_are_independent() {
+        let Some(sb) = sandbox_or_skip("swe replay") else {
+            return;
+        };
+        let src = repo();
+        let mut ep = Episode::new(Box::new(env(sb, SweReward::Tests, src.path())));
+        ep.reset().unwrap();
+        for a in [
+            call(
+                "create",
+                json!({"path": "notes.txt", "file_text": "plan\n"}),
+            ),
+            call(
+                "bash",
+                json!({"command": "echo step >> notes.txt; sed -i 's/a - b/a + b/' calc.py; chmod +x notes.txt; cat notes.txt"}),
+            ),
+            call("view", json!({"path": "calc.py"})),
+        ] {
+            ep.step(a).unwrap();
+        }
+        let mut fork = ep.fork().unwrap();
+        let re = ep.replay_prefix(ep.actions().len()).unwrap();
+        assert_eq!(re.turns(), ep.turns(), "history is byte-equal");
+        let a = ep.env().state_bytes().unwrap();
+        assert_eq!(
+            re.env().state_bytes().unwrap(),
+            a,
+            "workspace is byte-equal"
+        );
+        fork.step(call("bash", json!({"command": "rm -rf /workspace/*"})))
+            .unwrap();
+        assert_eq!(
+            ep.env().state_bytes().unwrap(),
+            a,
+            "the fork did not touch its sibling"
+        );
+        let out = fork.step(call("submit", json!({}))).unwrap();
+        assert_eq!(out.reward, 0.0);
+        let out = ep.step(call("submit", json!({}))).unwrap();
+        assert_eq!(out.reward, 1.0);
+        // The next episode starts from the pristine repository.
+        ep.reset().unwrap();
+        let out = ep.step(call("submit", json!({}))).unwrap();
+        assert_eq!(out.reward, 0.0);
+    }
+
+    #[test]
+    fn localization_reward() {
+        let Some(sb) = sandbox_or_skip("swe localization") else {
+            return;
+        };
+        let src = repo();
+        let mut ep = Episode::new(Box::new(env(
+            sb.clone(),
+            SweReward::Localization { k: 1 },
+            src.path(),
+        )));
+        ep.reset().unwrap();
+        let out = ep
+            .step(call("submit", json!({"files": ["docs/README", "calc.py"]})))
+            .unwrap();
+        assert_eq!(out.reward, 0.0);
+        let mut ep = Episode::new(Box::new(env(
+            sb,
+            SweReward::Localization { k: 5 },
+            src.path(),
+        )));
+        ep.reset().unwrap();
+        let out = ep
+            .step(call(
+                "submit",
+                json!({"files": ["docs/README", "/workspace/calc.py"]}),
+            ))
+            .unwrap();
+        assert_eq!(out.reward, 1.0);
+    }
+
+    #[test]
+    fn git_repo_at_base_commit_and_instance_files() {
+        let Some(sb) = sandbox_or_skip("swe git") else {
+            return;
+        };
+        let src = repo();
+        let git = |args: &[&str]| {
+            let o = Command::new("git")
+                .arg("-C")
+                .arg(src.path())
+                .args(["-c", "user.name=t", "-c", "user.email=t@t"])
+                .args(args)
+                .output()
+                .unwrap();
+            assert!(o.status.success(), "{o:?}");
+            String::from_utf8(o.stdout).unwrap()
+        };
+        git(&["init", "-q"]);
+        git(&["add", "."]);
+        git(&["commit", "-q", "-m", "one"]);
+        let first = git(&["rev-parse", "HEAD"]).trim().to_string();
+        std::fs::write(src.path().join("calc.py"), FIXED).unwrap();
+        git(&["commit", "-q", "-am", "two"]);
+        let mut inst = instance();
+        inst.base_commit = first;
+        let mut t = SweTask::new(inst.clone(), src.path(), SweConfig::tests(sb)).unwrap();
+        t.reset().unwrap();
+        assert_eq!(
+            std::fs::read_to_string(t.workspace().unwrap().join("calc.py")).unwrap(),
+            BUGGY
+        );
+        let o = t
+            .call(&ToolCall::new(
+                "bash",
+                json!({"command": "git log --oneline | wc -l"}),
+            ))
+            .unwrap();
+        assert!(o.content.starts_with("1\n"), "{o:?}");
+        // Instance JSONL with list fields as JSON strings (SWE-bench style).
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("inst.jsonl");
+        let mut row = serde_json::to_value(&inst).unwrap();
+        row["FAIL_TO_PASS"] = json!("[\"test_calc.py\"]");
+        std::fs::write(&p, format!("{row}\n{{\"instance_id\": \"x\"}}\n")).unwrap();
+        let e = load_instances(&p).unwrap_err().to_string();
+        assert!(e.contains("inst.jsonl:2: field `repo`: missing"), "{e}");
+        std::fs::write(&p, format!("{row}\n")).unwrap();
+        let v = load_instances(&p).unwrap();
+        assert_eq!(v[0].fail_to_pass, vec!["test_calc.py"]);
+        let repos = tempfile::tempdir().unwrap();
+        std::fs::create_dir(repos.path().join("toy__calc")).unwrap();
+        assert!(SweTask::locate(&v[0], repos.path())
+            .unwrap()
+            .ends_with("toy__calc"));
+        assert!(SweTask::locate(&v[0], dir.path()).is_err());
+    }
+}
