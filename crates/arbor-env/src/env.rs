@@ -207,6 +207,12 @@ pub trait Env: Send {
     fn state_bytes(&self) -> Result<Vec<u8>>;
 }
 
+impl std::fmt::Debug for dyn Env {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Env({})", self.task_id())
+    }
+}
+
 /// Rebuilds a state by resetting `env` and re-executing `actions` through its
 /// parser and executor, in order. Returns the initial observation and the
 /// outcomes of every step. An action after the episode ended is an error.

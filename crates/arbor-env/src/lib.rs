@@ -17,6 +17,11 @@
 //!   in-memory workspace);
 //! - [`math`]: answer extraction, normalisation, equivalence, dataset
 //!   loaders and a single-turn math env;
+//! - [`swe`]: the bubblewrap sandbox, SWE-bench-style repository tasks
+//!   (tools, hidden-test and localization rewards, CoW forks) and the
+//!   HumanEval-derived task builder;
+//! - [`tasks`]: opening a task from a spec string and replaying recorded
+//!   trajectories (`arbor replay`);
 //! - [`data`]: JSONL reading (plain or gzip) with `file:line` errors.
 //!
 //! Specs: `shared/spec/focus.md` (segments, compaction),
@@ -31,6 +36,7 @@ pub mod harness;
 pub mod math;
 pub mod swe;
 pub mod synthetic;
+pub mod tasks;
 pub mod toolcall;
 pub mod vocab;
 
