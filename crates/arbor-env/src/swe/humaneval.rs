@@ -62,6 +62,39 @@ pub struct Mutant {
     pub new_line: String,
 }
 
+/// `line` with the contents of its string literals replaced by `_` (quotes
+/// kept, same byte length).
+fn mask_strings(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut quote: Option<char> = None;
+    let mut escaped = false;
+    for c in line.chars() {
+        match quote {
+            Some(q) => {
+                if escaped {
+                    escaped = false;
+                    out.extend(std::iter::repeat_n('_', c.len_utf8()));
+                } else if c == '\\' {
+                    escaped = true;
+                    out.push('_');
+                } else if c == q {
+                    quote = None;
+                    out.push(c);
+                } else {
+                    out.extend(std::iter::repeat_n('_', c.len_utf8()));
+                }
+            }
+            None => {
+                if c == '"' || c == '\'' {
+                    quote = Some(c);
+                }
+                out.push(c);
+            }
+        }
+    }
+    out
+}
+
 fn is_code(line: &str) -> bool {
     let t = line.trim();
     !t.is_empty() && !t.starts_with('#') && !t.starts_with("\"\"\"") && !t.starts_with("'''")
@@ -84,13 +117,14 @@ pub fn mutants(body: &str) -> Vec<Mutant> {
     let cmp = regex::Regex::new(r"(?:<=|>=|==|!=|<|>)").ok();
     let int = regex::Regex::new(r"\b\d+\b").ok();
     for (i, l) in lines.iter().enumerate().filter(|(_, l)| is_code(l)) {
-        if l.contains('"') || l.contains('\'') {
-            // Keep string literals intact: operators inside them are not code.
-            continue;
-        }
+        // Operators are searched in `code` (string contents blanked out, same
+        // byte offsets) and spliced into the original line.
+        let code = mask_strings(l);
+        let splice =
+            |start: usize, end: usize, rep: &str| format!("{}{rep}{}", &l[..start], &l[end..]);
         if let Some(m) = cmp.as_ref().and_then(|r| {
-            r.find_iter(l).find(|m| {
-                let b = l.as_bytes();
+            r.find_iter(&code).find(|m| {
+                let b = code.as_bytes();
                 let prev = m.start().checked_sub(1).map(|j| b[j]);
                 let next = b.get(m.end()).copied();
                 !matches!(prev, Some(b'<' | b'>' | b'-' | b'=' | b'!'))
@@ -105,38 +139,54 @@ pub fn mutants(body: &str) -> Vec<Mutant> {
                 "==" => "!=",
                 _ => "==",
             };
-            push(
-                "compare",
-                i,
-                format!("{}{rep}{}", &l[..m.start()], &l[m.end()..]),
-            );
+            push("compare", i, splice(m.start(), m.end(), rep));
         }
-        if let Some(j) = l.find(" + ") {
-            push("arith", i, format!("{} - {}", &l[..j], &l[j + 3..]));
-        } else if let Some(j) = l.find(" - ") {
-            push("arith", i, format!("{} + {}", &l[..j], &l[j + 3..]));
+        if let Some(j) = code.find(" + ") {
+            push("arith", i, splice(j, j + 3, " - "));
+        } else if let Some(j) = code.find(" - ") {
+            push("arith", i, splice(j, j + 3, " + "));
         }
-        if let Some(m) = int.as_ref().and_then(|r| r.find(l)) {
-            let prev = m.start().checked_sub(1).map(|j| l.as_bytes()[j]);
+        if let Some(m) = int.as_ref().and_then(|r| r.find(&code)) {
+            let prev = m.start().checked_sub(1).map(|j| code.as_bytes()[j]);
             if !prev.is_some_and(|c| c.is_ascii_alphabetic() || c == b'_' || c == b'.') {
                 if let Ok(n) = m.as_str().parse::<u64>() {
                     push(
                         "off_by_one",
                         i,
-                        format!("{}{}{}", &l[..m.start()], n + 1, &l[m.end()..]),
+                        splice(m.start(), m.end(), &(n + 1).to_string()),
                     );
                 }
             }
         }
-        if l.contains(" and ") {
-            push("bool_op", i, l.replacen(" and ", " or ", 1));
-        } else if l.contains(" or ") {
-            push("bool_op", i, l.replacen(" or ", " and ", 1));
+        if let Some(j) = code.find(" and ") {
+            push("bool_op", i, splice(j, j + 5, " or "));
+        } else if let Some(j) = code.find(" or ") {
+            push("bool_op", i, splice(j, j + 4, " and "));
         }
-        if l.contains("True") {
-            push("bool_const", i, l.replacen("True", "False", 1));
-        } else if l.contains("False") {
-            push("bool_const", i, l.replacen("False", "True", 1));
+        if let Some(j) = code.find("True") {
+            push("bool_const", i, splice(j, j + 4, "False"));
+        } else if let Some(j) = code.find("False") {
+            push("bool_const", i, splice(j, j + 5, "True"));
+        }
+        for (a, b) in [
+            ("min(", "max("),
+            ("max(", "min("),
+            (".lower()", ".upper()"),
+            (".upper()", ".lower()"),
+            (".startswith(", ".endswith("),
+            (".endswith(", ".startswith("),
+        ] {
+            if let Some(j) = code.find(a) {
+                if !code[..j].ends_with(|c: char| c.is_ascii_alphanumeric() || c == '_') {
+                    push("swap_call", i, splice(j, j + a.len(), b));
+                    break;
+                }
+            }
+        }
+        if code.trim_start().starts_with("return") || code.contains(" for ") {
+            if let Some(j) = code.find(" if ").filter(|_| code.contains(" for ")) {
+                push("negate_cond", i, splice(j, j + 4, " if not "));
+            }
         }
         let t = l.trim_start();
         let indent = &l[..l.len() - t.len()];
@@ -464,7 +514,7 @@ mod tests {
 
     #[test]
     fn mutation_operators() {
-        let body = "    if a < b and c:\n        return x + 1\n    return False\n    s = \"a < b\"\n    f = lambda: x >> 2\n";
+        let body = "    if a < b and c:\n        return x + 1\n    return False\n    s = \"a < b\"\n    f = lambda: x >> 2\n    return [min(x) for x in y if x.lower() == 'a < b']\n";
         let m = mutants(body);
         let ops: Vec<(&str, &str)> = m
             .iter()
