@@ -110,7 +110,7 @@ fn load_for_bench(
         }
         None => {
             let cfg = preset_config(preset)?;
-            let p = ParamLoader::frozen(ParamSource::Random, dtype, &dev);
+            let p = ParamLoader::frozen(ParamSource::Random { seed: 0 }, dtype, &dev);
             Ok((
                 arbor_model::Transformer::load(&cfg, &p)?,
                 format!("{preset} (random weights)"),
@@ -334,7 +334,7 @@ fn model_bench(a: ModelBenchArgs) -> Result<()> {
     };
     let source = || match &ckpt {
         Some(c) => ParamSource::Checkpoint(c),
-        None => ParamSource::Random,
+        None => ParamSource::Random { seed: 0 },
     };
     let (pv, cv) = (VarMap::new(), VarMap::new());
     let pl = ParamLoader::trainable(source(), dtype, &dev, pv.clone());

@@ -171,8 +171,7 @@ fn table(r: &AuditReport) -> String {
 
 /// One panel per (critic, metric): mean MSE vs continuations per selector.
 fn plot(r: &AuditReport, path: &Path) -> Result<()> {
-    plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())
-        .map_err(|_| anyhow!("cannot load the embedded DejaVu Sans font"))?;
+    crate::plot::register_font()?;
     let e = |e: &dyn std::fmt::Display| anyhow!("plotting: {e}");
     let root =
         BitMapBackend::new(path, (1600, 560 * r.config.critics.len() as u32)).into_drawing_area();

@@ -6,7 +6,9 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod bench_audit;
 mod generate;
+mod plot;
 mod score;
+mod train;
 
 /// Arbor: reinforcement learning from verifiable rewards for Qwen-family
 /// models, candle-native.
@@ -22,6 +24,12 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Train with RL (FOCUS or GRPO) on a built-in task. Without a config,
+    /// runs the embedded quickstart (tiny Qwen3-architecture model, CPU, a
+    /// few minutes).
+    Train(train::TrainArgs),
+    /// Render a run directory's metrics as PNG curves and a markdown table.
+    Report(train::ReportArgs),
     /// Score a token sequence: next-token log-probabilities and greedy argmax
     /// at every position.
     Score(score::ScoreArgs),
@@ -52,6 +60,8 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
+        Command::Train(a) => train::run(a),
+        Command::Report(a) => train::report(a),
         Command::Score(a) => score::run(a),
         Command::Info(a) => score::info(a),
         Command::Generate(a) => generate::run(a),

@@ -143,7 +143,11 @@ fn score_text_chat_uses_real_tokenizer_and_template() {
     let dev = candle_core::Device::Cpu;
     let model = Transformer::load(
         &cfg,
-        &ParamLoader::frozen(ParamSource::Random, candle_core::DType::F32, &dev),
+        &ParamLoader::frozen(
+            ParamSource::Random { seed: 1 },
+            candle_core::DType::F32,
+            &dev,
+        ),
     )
     .unwrap();
     let dir = tempfile::tempdir().unwrap();

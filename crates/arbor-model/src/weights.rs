@@ -359,9 +359,10 @@ pub enum Init {
 pub enum ParamSource<'a> {
     /// A checkpoint on disk; every tensor must be present with the right shape.
     Checkpoint(&'a Checkpoint),
-    /// Fresh random weights (benchmarks, the quickstart's tiny model). Uses
-    /// candle's device RNG, seeded with [`Device::set_seed`].
-    Random,
+    /// Fresh random weights (benchmarks, the quickstart's tiny model),
+    /// reproducible: each tensor is drawn from its own RNG seeded by
+    /// `seed` and the tensor's name, whatever the loading order.
+    Random { seed: u64 },
 }
 
 /// Builds parameters for a model: loads or initialises each tensor and, when
@@ -414,7 +415,7 @@ impl<'a> ParamLoader<'a> {
     pub fn has(&self, name: &str) -> bool {
         match &self.source {
             ParamSource::Checkpoint(c) => c.contains(name),
-            ParamSource::Random => false,
+            ParamSource::Random { .. } => false,
         }
     }
 
@@ -422,7 +423,7 @@ impl<'a> ParamLoader<'a> {
     pub fn get(&self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
         let t = match &self.source {
             ParamSource::Checkpoint(c) => c.load(name, shape, self.dtype, &self.device)?,
-            ParamSource::Random => init_tensor(shape, init, self.dtype, &self.device)?,
+            ParamSource::Random { seed } => init_tensor(name, *seed, shape, init, self.dtype, &self.device)?,
         };
         self.register(name, t)
     }
@@ -433,7 +434,11 @@ impl<'a> ParamLoader<'a> {
         if self.has(name) {
             self.get(name, shape, init)
         } else {
-            let t = init_tensor(shape, init, self.dtype, &self.device)?;
+            let seed = match &self.source {
+                ParamSource::Random { seed } => *seed,
+                ParamSource::Checkpoint(_) => 0,
+            };
+            let t = init_tensor(name, seed, shape, init, self.dtype, &self.device)?;
             self.register(name, t)
         }
     }
@@ -454,13 +459,44 @@ impl<'a> ParamLoader<'a> {
     }
 }
 
-fn init_tensor(shape: &[usize], init: Init, dtype: DType, device: &Device) -> Result<Tensor> {
+fn init_tensor(name: &str, seed: u64, shape: &[usize], init: Init, dtype: DType, device: &Device) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
     let t = match init {
-        Init::Normal(std) => Tensor::randn(0f32, std as f32, shape, device)?.to_dtype(dtype)?,
+        Init::Normal(std) => {
+            // SplitMix64 stream seeded by (seed, name); Box-Muller normals.
+            let mut state = seed ^ crate::weights::fnv1a(name.as_bytes());
+            let mut next = move || {
+                state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                let mut z = state;
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+            };
+            let mut v = Vec::with_capacity(n);
+            while v.len() < n {
+                let (u1, u2) = (next().max(f64::MIN_POSITIVE), next());
+                let r = (-2.0 * u1.ln()).sqrt() * std;
+                let th = 2.0 * std::f64::consts::PI * u2;
+                v.push((r * th.cos()) as f32);
+                v.push((r * th.sin()) as f32);
+            }
+            v.truncate(n);
+            Tensor::from_vec(v, shape, device)?.to_dtype(dtype)?
+        }
         Init::Ones => Tensor::ones(shape, dtype, device)?,
         Init::Zeros => Tensor::zeros(shape, dtype, device)?,
     };
     Ok(t)
+}
+
+/// FNV-1a hash (stable across runs and platforms).
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for &b in bytes {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
 }
 
 /// Write `config.json` (HF keys) and `model.safetensors` into `dir`

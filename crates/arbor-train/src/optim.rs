@@ -1,0 +1,287 @@
+//! AdamW with f32 state, linear warm-up then cosine decay, global-norm
+//! gradient clipping and gradient accumulation.
+//!
+//! Update of parameter `p` with gradient `g` at step `t` (1-based), learning
+//! rate `lr_t`:
+//! `m = b1 m + (1-b1) g`, `v = b2 v + (1-b2) g^2`,
+//! `p <- p - lr_t (wd p + (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps))`.
+//! Schedule: `lr_t = lr * t / warmup` for `t <= warmup`, then
+//! `lr * (r + (1-r) (1 + cos(pi u)) / 2)` with `u` the fraction of the
+//! remaining steps done and `r = min_lr_ratio`.
+
+use std::collections::HashMap;
+
+use candle_core::{backprop::GradStore, DType, Tensor, Var};
+use serde::{Deserialize, Serialize};
+
+use crate::TrainError;
+
+/// Optimizer settings.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdamWConfig {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// Clip the global gradient norm to this (none when 0).
+    pub grad_clip: f64,
+    pub warmup_steps: u64,
+    /// Steps of the cosine schedule (0: constant after warm-up).
+    pub total_steps: u64,
+    pub min_lr_ratio: f64,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        AdamWConfig {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            grad_clip: 1.0,
+            warmup_steps: 0,
+            total_steps: 0,
+            min_lr_ratio: 0.1,
+        }
+    }
+}
+
+/// Statistics of one optimizer step.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct StepStats {
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+}
+
+/// Summed gradients of several micro-batches.
+#[derive(Debug, Default)]
+pub struct GradAccum {
+    sums: HashMap<candle_core::TensorId, Tensor>,
+}
+
+impl GradAccum {
+    /// Add the gradients of `vars` found in `grads`.
+    pub fn add(&mut self, vars: &[(String, Var)], grads: &GradStore) -> Result<(), TrainError> {
+        for (_, v) in vars {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                let id = v.as_tensor().id();
+                let sum = match self.sums.remove(&id) {
+                    Some(s) => (s + g)?,
+                    None => g.clone(),
+                };
+                self.sums.insert(id, sum);
+            }
+        }
+        Ok(())
+    }
+
+    pub fn get(&self, v: &Var) -> Option<&Tensor> {
+        self.sums.get(&v.as_tensor().id())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.sums.is_empty()
+    }
+}
+
+/// AdamW over a fixed list of named parameters.
+#[derive(Debug)]
+pub struct AdamW {
+    pub cfg: AdamWConfig,
+    vars: Vec<(String, Var)>,
+    m: Vec<Tensor>,
+    v: Vec<Tensor>,
+    step: u64,
+}
+
+impl AdamW {
+    pub fn new(mut vars: Vec<(String, Var)>, cfg: AdamWConfig) -> Result<Self, TrainError> {
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        let zeros = |v: &Var| Tensor::zeros(v.shape(), DType::F32, v.device());
+        let m = vars
+            .iter()
+            .map(|(_, v)| zeros(v))
+            .collect::<Result<Vec<_>, _>>()?;
+        let v = vars
+            .iter()
+            .map(|(_, v)| zeros(v))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(AdamW {
+            cfg,
+            vars,
+            m,
+            v,
+            step: 0,
+        })
+    }
+
+    pub fn vars(&self) -> &[(String, Var)] {
+        &self.vars
+    }
+
+    pub fn steps_done(&self) -> u64 {
+        self.step
+    }
+
+    /// Learning rate of (1-based) step `t`.
+    pub fn lr_at(&self, t: u64) -> f64 {
+        let c = &self.cfg;
+        if c.warmup_steps > 0 && t <= c.warmup_steps {
+            return c.lr * t as f64 / c.warmup_steps as f64;
+        }
+        if c.total_steps <= c.warmup_steps {
+            return c.lr;
+        }
+        let u = ((t - c.warmup_steps) as f64 / (c.total_steps - c.warmup_steps) as f64).min(1.0);
+        c.lr * (c.min_lr_ratio
+            + (1.0 - c.min_lr_ratio) * 0.5 * (1.0 + (std::f64::consts::PI * u).cos()))
+    }
+
+    /// One update from accumulated gradients (parameters without a gradient
+    /// are left unchanged but their moments still decay, as in PyTorch).
+    pub fn step(&mut self, grads: &GradAccum) -> Result<StepStats, TrainError> {
+        self.step += 1;
+        let t = self.step;
+        let lr = self.lr_at(t);
+        let mut sq = 0f64;
+        for (_, v) in &self.vars {
+            if let Some(g) = grads.get(v) {
+                sq += g
+                    .to_dtype(DType::F64)?
+                    .sqr()?
+                    .sum_all()?
+                    .to_scalar::<f64>()?;
+            }
+        }
+        let norm = sq.sqrt();
+        if !norm.is_finite() {
+            return Err(TrainError::NonFinite(format!(
+                "gradient norm {norm} at optimizer step {t}"
+            )));
+        }
+        let scale = if self.cfg.grad_clip > 0.0 && norm > self.cfg.grad_clip {
+            self.cfg.grad_clip / norm
+        } else {
+            1.0
+        };
+        let (b1, b2) = (self.cfg.beta1, self.cfg.beta2);
+        let bc1 = 1.0 - b1.powi(t as i32);
+        let bc2 = 1.0 - b2.powi(t as i32);
+        for (i, (_, var)) in self.vars.iter().enumerate() {
+            let Some(g) = grads.get(var) else { continue };
+            let g = (g.to_dtype(DType::F32)? * scale)?;
+            self.m[i] = ((&self.m[i] * b1)? + (&g * (1.0 - b1))?)?;
+            self.v[i] = ((&self.v[i] * b2)? + (g.sqr()? * (1.0 - b2))?)?;
+            let mhat = (&self.m[i] / bc1)?;
+            let vhat = (&self.v[i] / bc2)?;
+            let p = var.as_tensor().to_dtype(DType::F32)?;
+            let upd = ((mhat / (vhat.sqrt()? + self.cfg.eps)?)? + (&p * self.cfg.weight_decay)?)?;
+            let new = (p - (upd * lr)?)?.to_dtype(var.dtype())?;
+            var.set(&new)?;
+        }
+        Ok(StepStats {
+            lr,
+            grad_norm: norm,
+        })
+    }
+
+    /// Optimizer state as named tensors (`m.NAME`, `v.NAME`) plus the step.
+    pub fn state(&self) -> (HashMap<String, Tensor>, u64) {
+        let mut out = HashMap::new();
+        for (i, (name, _)) in self.vars.iter().enumerate() {
+            out.insert(format!("m.{name}"), self.m[i].clone());
+            out.insert(format!("v.{name}"), self.v[i].clone());
+        }
+        (out, self.step)
+    }
+
+    /// Restore [`state`](Self::state); every moment must be present.
+    pub fn load_state(
+        &mut self,
+        state: &HashMap<String, Tensor>,
+        step: u64,
+    ) -> Result<(), TrainError> {
+        for (i, (name, var)) in self.vars.iter().enumerate() {
+            for (prefix, slot) in [("m", &mut self.m[i]), ("v", &mut self.v[i])] {
+                let key = format!("{prefix}.{name}");
+                let t = state.get(&key).ok_or_else(|| {
+                    TrainError::Checkpoint(format!("optimizer state lacks `{key}`"))
+                })?;
+                if t.dims() != var.dims() {
+                    return Err(TrainError::Checkpoint(format!(
+                        "optimizer state `{key}` has shape {:?}, the parameter {:?}",
+                        t.dims(),
+                        var.dims()
+                    )));
+                }
+                *slot = t.to_dtype(DType::F32)?;
+            }
+        }
+        self.step = step;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Two steps against a hand computation in f64.
+    #[test]
+    fn matches_hand_computed_adamw() {
+        let p0 = [1.0f64, -2.0];
+        let var = Var::from_tensor(&Tensor::new(&[1.0f32, -2.0], &Device::Cpu).unwrap()).unwrap();
+        let cfg = AdamWConfig {
+            lr: 0.1,
+            weight_decay: 0.01,
+            grad_clip: 0.0,
+            ..Default::default()
+        };
+        let mut opt = AdamW::new(vec![("p".into(), var.clone())], cfg).unwrap();
+        let (mut m, mut v, mut p) = ([0.0f64; 2], [0.0f64; 2], p0);
+        for t in 1..=2 {
+            // loss = sum(p^2) / 2 + sum(p): grad = p + 1
+            let loss = ((var.as_tensor().sqr().unwrap().sum_all().unwrap() * 0.5).unwrap()
+                + var.as_tensor().sum_all().unwrap())
+            .unwrap();
+            let mut acc = GradAccum::default();
+            acc.add(&[("p".into(), var.clone())], &loss.backward().unwrap())
+                .unwrap();
+            opt.step(&acc).unwrap();
+            for i in 0..2 {
+                let g = p[i] + 1.0;
+                m[i] = 0.9 * m[i] + 0.1 * g;
+                v[i] = 0.999 * v[i] + 0.001 * g * g;
+                let mh = m[i] / (1.0 - 0.9f64.powi(t));
+                let vh = v[i] / (1.0 - 0.999f64.powi(t));
+                p[i] -= 0.1 * (mh / (vh.sqrt() + 1e-8) + 0.01 * p[i]);
+            }
+        }
+        let got: Vec<f32> = var.as_tensor().to_vec1().unwrap();
+        for i in 0..2 {
+            assert!((got[i] as f64 - p[i]).abs() < 1e-5, "{got:?} vs {p:?}");
+        }
+    }
+
+    #[test]
+    fn schedule_warms_up_then_decays() {
+        let var = Var::new(&[0f32], &Device::Cpu).unwrap();
+        let cfg = AdamWConfig {
+            lr: 1.0,
+            warmup_steps: 10,
+            total_steps: 110,
+            min_lr_ratio: 0.1,
+            ..Default::default()
+        };
+        let opt = AdamW::new(vec![("p".into(), var)], cfg).unwrap();
+        assert!((opt.lr_at(5) - 0.5).abs() < 1e-12);
+        assert!((opt.lr_at(10) - 1.0).abs() < 1e-12);
+        assert!((opt.lr_at(60) - 0.55).abs() < 1e-12);
+        assert!((opt.lr_at(110) - 0.1).abs() < 1e-12);
+    }
+}

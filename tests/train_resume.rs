@@ -1,0 +1,156 @@
+//! `arbor train` end to end: kill -9 in the middle of a run (including
+//! while a checkpoint may be being written), `--resume`, and the metrics of
+//! the following steps equal an uninterrupted run bit for bit; bad configs
+//! give one clear error naming the key.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const CONFIG: &str = r#"
+seed = 3
+steps = 6
+algo = "focus"
+prompts_per_step = 4
+samples_per_prompt = 4
+eval_every = 3
+eval_tasks = 8
+checkpoint_every = 2
+keep_last = 2
+critic_warmup_steps = 1
+
+[task]
+kind = "running_sum"
+difficulty = 3
+
+[warmup]
+steps = 10
+batch = 8
+
+[learner]
+critic = "separate"
+"#;
+
+fn arbor() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_arbor"))
+}
+
+/// metrics.jsonl without the wall-clock fields.
+fn metrics(dir: &Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let o = v.as_object_mut().unwrap();
+            o.retain(|k, _| !k.starts_with("time_"));
+            v
+        })
+        .collect()
+}
+
+fn run_to_end(cfg: &Path, out: &Path, resume: bool) {
+    let mut c = arbor();
+    c.arg("train").arg(cfg).arg("--out").arg(out);
+    if resume {
+        c.arg("--resume");
+    }
+    let o = c.output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+#[test]
+fn kill_9_then_resume_is_bit_exact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("cfg.toml");
+    std::fs::write(&cfg, CONFIG).unwrap();
+    let clean = tmp.path().join("clean");
+    run_to_end(&cfg, &clean, false);
+    let want = metrics(&clean);
+    assert_eq!(want.len(), 6);
+
+    // Kill at several moments: right when the first checkpoint appears, and
+    // a little after (possibly in the middle of writing the next one).
+    for delay_ms in [0u64, 40, 150] {
+        let out = tmp.path().join(format!("killed-{delay_ms}"));
+        let mut child = arbor()
+            .arg("train")
+            .arg(&cfg)
+            .arg("--out")
+            .arg(&out)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let t0 = Instant::now();
+        let first = out.join("checkpoints/step-00000002/trainer_state.json");
+        while !first.exists() && t0.elapsed() < Duration::from_secs(120) {
+            if child.try_wait().unwrap().is_some() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        let _ = child.kill(); // SIGKILL
+        let _ = child.wait();
+        let before = std::fs::read_to_string(out.join("metrics.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .count();
+        if delay_ms == 0 {
+            assert!(before < 6, "the run finished before it could be killed");
+        }
+        run_to_end(&cfg, &out, true);
+        let got = metrics(&out);
+        assert_eq!(got, want, "after a kill -9 at +{delay_ms} ms");
+        // Only complete checkpoints remain under their final names.
+        for e in std::fs::read_dir(out.join("checkpoints")).unwrap() {
+            let p = e.unwrap().path();
+            let name = p.file_name().unwrap().to_string_lossy().to_string();
+            if name.starts_with("step-") {
+                assert!(
+                    p.join("trainer_state.json").is_file(),
+                    "{name} is incomplete"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_configs_name_the_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    let check = |text: &str, needle: &str| {
+        let p = tmp.path().join("bad.toml");
+        std::fs::write(&p, text).unwrap();
+        let o = arbor()
+            .arg("train")
+            .arg(&p)
+            .arg("--out")
+            .arg(tmp.path().join("o"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains(needle) && err.contains("bad.toml"),
+            "expected `{needle}` in: {err}"
+        );
+        assert!(!err.contains("panicked"), "{err}");
+    };
+    check(&CONFIG.replace("seed = 3", "seed = 3\nsede = 4"), "sede");
+    check(&CONFIG.replace("steps = 6", "steps = \"six\""), "steps");
+    check(
+        &CONFIG.replace("prompts_per_step = 4", "prompts_per_step = 0"),
+        "prompts_per_step",
+    );
+    check(
+        &CONFIG.replace("difficulty = 3", "difficulty = 0"),
+        "task.difficulty",
+    );
+    check(
+        &CONFIG.replace("[warmup]", "[warmup]\nlearning = 1"),
+        "learning",
+    );
+    let o = arbor().arg("train").arg("/no/such.toml").output().unwrap();
+    assert!(String::from_utf8_lossy(&o.stderr).contains("/no/such.toml"));
+}
