@@ -2,7 +2,7 @@
 //!
 //! Everything a rollout talks to besides the model:
 //!
-//! - [`env`]: the multi-turn interface ([`Env`]: reset, step, fork, fresh),
+//! - [`env`](mod@env): the multi-turn interface ([`Env`]: reset, step, fork, fresh),
 //!   [`Episode`] (transcript, per-segment spans with loss-mask kinds, fork,
 //!   replay-through-execution), [`Trajectory`] records;
 //! - [`asynch`]: many episodes at once on tokio, and a threaded lock-step

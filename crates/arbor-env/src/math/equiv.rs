@@ -584,6 +584,10 @@ mod tests {
     #[test]
     fn integers_decimals_fractions() {
         assert!(equivalent("1,018", "1018"));
+        assert!(!equivalent(
+            "11,\\! 111,\\! 111,\\! 101",
+            "11,\\! 111,\\! 111,\\! 100"
+        ));
         assert!(equivalent("0.15", "\\frac{3}{20}"));
         assert!(equivalent(".35625", "0.35625"));
         assert!(equivalent("\\frac{1}{3}", "1/3"));

@@ -149,12 +149,17 @@ pub fn assignment(name: &str, k: usize) -> f64 {
     0.5 + 2.0 * (r.next_u64() >> 11) as f64 / (1u64 << 53) as f64
 }
 
-/// True when two floats agree to a relative 1e-6 (exactly for infinities).
+/// True when two floats agree: exactly when both are integers (below 2^53)
+/// or infinite, else to a relative 1e-6.
 pub fn close(a: f64, b: f64) -> bool {
     if a.is_nan() || b.is_nan() {
         return false;
     }
     if a.is_infinite() || b.is_infinite() {
+        return a == b;
+    }
+    let exact = |x: f64| x.fract() == 0.0 && x.abs() < 9.0e15;
+    if exact(a) && exact(b) {
         return a == b;
     }
     (a - b).abs() <= 1e-6 * a.abs().max(b.abs()) + 1e-12
@@ -461,6 +466,8 @@ mod tests {
             assert!(Expr::parse(s).is_none(), "{s}");
         }
         assert!(close(1.0, 1.0 + 1e-9));
+        assert!(!close(11111111100.0, 11111111101.0));
+        assert!(!close(1234567.0, 1234568.0));
         assert!(!close(1.0, 1.001));
         assert!(!close(f64::NAN, f64::NAN));
     }

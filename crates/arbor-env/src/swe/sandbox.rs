@@ -442,10 +442,13 @@ pub(crate) mod tests {
                 // bwrap may be installed but unusable (no user namespaces).
                 let dir = tempfile::tempdir().ok()?;
                 chown_for_sandbox(dir.path()).ok()?;
-                match s.run(dir.path(), "true") {
+                // The tests also need python3 inside the sandbox.
+                match s.run(dir.path(), "python3 -c pass") {
                     Ok(o) if o.success() => Some(s),
                     other => {
-                        println!("SKIP {what}: bubblewrap cannot start here: {other:?}");
+                        println!(
+                            "SKIP {what}: bubblewrap (with python3) cannot run here: {other:?}"
+                        );
                         None
                     }
                 }
