@@ -6,7 +6,9 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod bench_audit;
 mod generate;
+mod grade;
 mod plot;
+mod replay;
 mod score;
 mod train;
 
@@ -36,6 +38,11 @@ enum Command {
     /// Generate completions with the paged engine (continuous batching,
     /// shared prompt KV for --n samples).
     Generate(generate::GenerateArgs),
+    /// Grade a JSONL of model responses against reference answers.
+    Grade(grade::GradeArgs),
+    /// Replay a recorded action list through a task; print the final state
+    /// and reward.
+    Replay(replay::ReplayArgs),
     /// Print a model's resolved files, validated config and parameter count.
     Info(score::InfoArgs),
     /// Benchmarks (results are printed; record the ones you cite in
@@ -65,6 +72,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Score(a) => score::run(a),
         Command::Info(a) => score::info(a),
         Command::Generate(a) => generate::run(a),
+        Command::Grade(a) => grade::run(a),
+        Command::Replay(a) => replay::run(a),
         Command::Bench(b) => bench::run(b),
     }
 }
