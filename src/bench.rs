@@ -28,6 +28,9 @@ pub enum BenchCommand {
     /// (FOCUS, random, uniform, raw residual; constant and random critic).
     /// Table, PNG, JSON.
     Audit(crate::bench_audit::AuditArgs),
+    /// FOCUS vs Prefix Sampling vs GRPO on the built-in task from the same
+    /// warm-started policy, several seeds: reward vs generated tokens.
+    Algos(crate::bench_algos::AlgosArgs),
 }
 
 #[derive(Debug, Args)]
@@ -296,6 +299,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Generate(a) => generate_bench(a),
         BenchCommand::Fork(a) => fork_bench(a),
         BenchCommand::Audit(a) => crate::bench_audit::run(a),
+        BenchCommand::Algos(a) => crate::bench_algos::run(a),
     }
 }
 

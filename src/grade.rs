@@ -39,10 +39,13 @@ pub fn run(a: GradeArgs) -> Result<()> {
             writeln!(out, "{}", serde_json::to_string(r)?)?;
         }
     }
-    let acc = if n == 0 { 0.0 } else { correct as f64 / n as f64 };
-    let line = format!(
-        "accuracy {acc:.4} ({correct}/{n} correct; no answer extracted in {missing})"
-    );
+    let acc = if n == 0 {
+        0.0
+    } else {
+        correct as f64 / n as f64
+    };
+    let line =
+        format!("accuracy {acc:.4} ({correct}/{n} correct; no answer extracted in {missing})");
     if a.json {
         eprintln!("{line}");
     } else {

@@ -4,6 +4,7 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod bench_algos;
 mod bench_audit;
 mod generate;
 mod grade;

@@ -58,11 +58,10 @@ fn run_to_end(cfg: &Path, out: &Path, resume: bool) {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
-#[test]
-fn kill_9_then_resume_is_bit_exact() {
+fn kill_and_resume(config: &str, delays: &[u64]) {
     let tmp = tempfile::tempdir().unwrap();
     let cfg = tmp.path().join("cfg.toml");
-    std::fs::write(&cfg, CONFIG).unwrap();
+    std::fs::write(&cfg, config).unwrap();
     let clean = tmp.path().join("clean");
     run_to_end(&cfg, &clean, false);
     let want = metrics(&clean);
@@ -70,7 +69,7 @@ fn kill_9_then_resume_is_bit_exact() {
 
     // Kill at several moments: right when the first checkpoint appears, and
     // a little after (possibly in the middle of writing the next one).
-    for delay_ms in [0u64, 40, 150] {
+    for &delay_ms in delays {
         let out = tmp.path().join(format!("killed-{delay_ms}"));
         let mut child = arbor()
             .arg("train")
@@ -114,6 +113,20 @@ fn kill_9_then_resume_is_bit_exact() {
             }
         }
     }
+}
+
+#[test]
+fn kill_9_then_resume_is_bit_exact() {
+    kill_and_resume(CONFIG, &[0, 40, 150]);
+}
+
+#[test]
+fn kill_9_then_resume_is_bit_exact_with_prefix_sampling() {
+    // The PS controller state (per-bucket ratios and EMAs) is checkpointed too.
+    let ps = CONFIG
+        .replace("algo = \"focus\"", "algo = \"ps\"")
+        .replace("critic = \"separate\"", "critic = \"shared\"");
+    kill_and_resume(&ps, &[0]);
 }
 
 #[test]

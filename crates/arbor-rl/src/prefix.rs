@@ -240,6 +240,7 @@ pub fn snap_cut(
 
 /// Settings of the per-bucket ratio controller.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct ControllerConfig {
     /// Pass rate to hold (0.5).
     pub target: f64,
@@ -329,6 +330,25 @@ impl PrefixController {
     /// The state of every bucket seen so far.
     pub fn buckets(&self) -> &BTreeMap<Bucket, BucketState> {
         &self.buckets
+    }
+
+    /// A controller resumed from saved bucket states (e.g. a checkpoint's
+    /// list of [`buckets`](Self::buckets) entries).
+    pub fn restore(cfg: ControllerConfig, buckets: Vec<(Bucket, BucketState)>) -> Result<Self> {
+        cfg.validate()?;
+        for (b, st) in &buckets {
+            check_range("ratio", st.ratio, cfg.r_min, cfg.r_max)?;
+            if b.successes > b.group_size {
+                return Err(RlError::input(
+                    "bucket",
+                    format!("{b} has more successes than members"),
+                ));
+            }
+        }
+        Ok(PrefixController {
+            cfg,
+            buckets: buckets.into_iter().collect(),
+        })
     }
 
     /// One update with a step's re-rollout outcomes of bucket `b`.
@@ -435,6 +455,14 @@ impl PrefixSampler {
             cfg,
             pending: BTreeMap::new(),
         })
+    }
+
+    /// A sampler continuing with `controller` (resume, or a new step with a
+    /// fresh source-choice seed `cfg.seed`).
+    pub fn with_controller(cfg: PsConfig, controller: PrefixController) -> Result<Self> {
+        let mut s = PrefixSampler::new(cfg)?;
+        s.controller = controller;
+        Ok(s)
     }
 
     /// The controller (ratios and EMAs per bucket).

@@ -86,6 +86,9 @@ struct Cont {
     from: NodeId,
     context: Vec<u32>,
     env: Box<dyn TokenEpisode>,
+    /// Replayed prefix (Prefix Sampling): (action, observation) per segment,
+    /// already executed in `env`; masked in the loss.
+    replayed: Vec<(Vec<u32>, Vec<u32>)>,
     steps: Vec<SegmentRecord>,
     done: bool,
 }
@@ -135,7 +138,8 @@ fn run_conts(
             let out = cont.env.step(&c.tokens)?;
             cont.context.extend(&c.tokens);
             cont.context.extend(&out.observation);
-            let truncated = out.reward.is_none() && cont.steps.len() + 1 >= cfg.max_segments;
+            let segments = cont.replayed.len() + cont.steps.len() + 1;
+            let truncated = out.reward.is_none() && segments >= cfg.max_segments;
             let reward = if truncated { Some(0.0) } else { out.reward };
             let snapshot = cont.env.fork()?;
             cont.steps.push(SegmentRecord {
@@ -154,7 +158,15 @@ fn run_conts(
 /// Turn a finished continuation into tree steps, with critic values at each
 /// new intermediate state.
 fn to_steps(c: &Cont, values: &[f64]) -> Result<Vec<Step>, TrainError> {
-    let mut out = Vec::with_capacity(c.steps.len());
+    let mut out = Vec::with_capacity(c.replayed.len() + c.steps.len());
+    for (action, obs) in &c.replayed {
+        let mut seg = Segment::new();
+        seg.push(TokenKind::Replayed, action, None)?;
+        if !obs.is_empty() {
+            seg.push(TokenKind::Observation, obs, None)?;
+        }
+        out.push(Step::new(seg).value(0.5));
+    }
     for (k, r) in c.steps.iter().enumerate() {
         let mut seg = Segment::new();
         seg.push(TokenKind::Action, &r.action, Some(&r.logprobs))?;
@@ -261,6 +273,7 @@ pub fn grpo_step(
                 from: root,
                 context: t.prompt.clone(),
                 env: t.episode.fork()?,
+                replayed: Vec::new(),
                 steps: Vec::new(),
                 done: false,
             });
@@ -353,6 +366,7 @@ pub fn focus_step(
                 from,
                 context: tree.context_tokens(from)?,
                 env,
+                replayed: Vec::new(),
                 steps: Vec::new(),
                 done: false,
             });
@@ -412,6 +426,7 @@ pub fn evaluate(
             from: NodeId(0),
             context: t.prompt,
             env: t.episode,
+            replayed: Vec::new(),
             steps: Vec::new(),
             done: false,
         })
@@ -428,4 +443,147 @@ pub fn evaluate(
         .filter(|c| c.steps.last().and_then(|s| s.reward).unwrap_or(0.0) >= 1.0)
         .count();
     Ok(solved as f64 / n as f64)
+}
+
+/// Prefix Sampling: GRPO groups of `n`; all-fail / all-pass groups are
+/// dropped, balanced ones kept, and skewed ones replaced one for one by `n`
+/// re-rollouts that replay a prefix of one of the group's own trajectories
+/// (successful for hard groups, failed for easy ones) through the
+/// environment, then continue with the current policy. The prefix length is
+/// the bucket's controller ratio of the source's generated tokens, snapped to
+/// a segment boundary; replayed tokens are masked. Re-rollout outcomes feed
+/// the per-bucket controller (one update per step).
+pub fn ps_step(
+    engine: &mut Engine,
+    tasks: Vec<TaskInstance>,
+    n: usize,
+    sampler: &mut arbor_rl::prefix::PrefixSampler,
+    cfg: &RolloutConfig,
+    seed: &mut u64,
+) -> Result<StepRollouts, TrainError> {
+    use arbor_rl::prefix::{GroupPlan, SourceTrajectory};
+    let mut conts = Vec::new();
+    let mut meta = Vec::new(); // (task id, prompt) per group
+    for t in &tasks {
+        for _ in 0..n {
+            conts.push(Cont {
+                ticket: None,
+                from: NodeId(0),
+                context: t.prompt.clone(),
+                env: t.episode.fork()?,
+                replayed: Vec::new(),
+                steps: Vec::new(),
+                done: false,
+            });
+        }
+        meta.push((t.id.clone(), t.prompt.clone()));
+    }
+    let mut stats = RolloutStats {
+        episodes: conts.len(),
+        continuations: conts.len(),
+        ..Default::default()
+    };
+    run_conts(engine, &mut conts, cfg, seed, &mut stats)?;
+    let success = |c: &Cont| c.steps.last().and_then(|s| s.reward).unwrap_or(0.0) >= 1.0;
+
+    let mut tree = RolloutTree::new();
+    let mut keep: Vec<Cont> = Vec::new();
+    let mut keep_task: Vec<usize> = Vec::new();
+    let mut reroll: Vec<Cont> = Vec::new();
+    let mut reroll_meta: Vec<(usize, arbor_rl::prefix::Bucket)> = Vec::new();
+    let mut groups: Vec<Vec<Cont>> = Vec::new();
+    let mut it = conts.into_iter();
+    for _ in 0..tasks.len() {
+        groups.push(it.by_ref().take(n).collect());
+    }
+    for (g, group) in groups.into_iter().enumerate() {
+        let sources: Vec<SourceTrajectory> = group
+            .iter()
+            .map(|c| {
+                let mut acc = 0;
+                let boundaries = c
+                    .steps
+                    .iter()
+                    .map(|s| {
+                        acc += s.action.len();
+                        acc
+                    })
+                    .collect();
+                SourceTrajectory {
+                    success: success(c),
+                    len: acc,
+                    boundaries,
+                }
+            })
+            .collect();
+        match sampler.plan(&sources)? {
+            GroupPlan::Drop => {}
+            GroupPlan::Keep => {
+                keep_task.extend(std::iter::repeat_n(g, group.len()));
+                keep.extend(group);
+            }
+            GroupPlan::Replay { bucket, rerollouts } => {
+                for r in rerollouts {
+                    let src = &group[r.source];
+                    // Number of whole segments inside the cut.
+                    let mut acc = 0;
+                    let mut j = 0;
+                    while j < src.steps.len() && acc + src.steps[j].action.len() <= r.cut {
+                        acc += src.steps[j].action.len();
+                        j += 1;
+                    }
+                    if j == 0 {
+                        continue;
+                    }
+                    let mut context = meta[g].1.clone();
+                    let mut replayed = Vec::with_capacity(j);
+                    for s in &src.steps[..j] {
+                        context.extend(&s.action);
+                        context.extend(&s.observation);
+                        replayed.push((s.action.clone(), s.observation.clone()));
+                        stats.replayed_tokens += s.action.len() as u64;
+                    }
+                    reroll.push(Cont {
+                        ticket: None,
+                        from: NodeId(0),
+                        context,
+                        env: src.steps[j - 1].env_after.fork()?,
+                        replayed,
+                        steps: Vec::new(),
+                        done: false,
+                    });
+                    reroll_meta.push((g, bucket));
+                }
+            }
+        }
+    }
+    stats.continuations += reroll.len();
+    run_conts(engine, &mut reroll, cfg, seed, &mut stats)?;
+    let mut outcomes: std::collections::BTreeMap<arbor_rl::prefix::Bucket, (u64, u64)> =
+        Default::default();
+    for (c, (_, b)) in reroll.iter().zip(&reroll_meta) {
+        let e = outcomes.entry(*b).or_default();
+        e.0 += u64::from(success(c));
+        e.1 += 1;
+    }
+    for (b, (s, t)) in outcomes {
+        sampler.record(b, s, t)?;
+    }
+    sampler.end_step()?;
+    let all = keep
+        .iter()
+        .zip(keep_task.iter().copied())
+        .chain(reroll.iter().zip(reroll_meta.iter().map(|m| m.0)));
+    for (c, g) in all {
+        let root = tree.add_episode(meta[g].0.clone(), meta[g].1.clone(), None)?;
+        let values = vec![0.5; c.steps.len()];
+        tree.add_path(root, to_steps(c, &values)?)?;
+    }
+    let rows = if tree.is_empty() {
+        Vec::new()
+    } else {
+        let adv = Grpo::default().advantages(&tree)?;
+        loss_rows(&tree, &adv, None, Sharing::Once)?
+    };
+    Ok(StepRollouts::new(tree, rows, stats, Vec::new()))
 }

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::learner::{Learner, LearnerConfig};
 use crate::optim::AdamWConfig;
-use crate::rollout::{evaluate, focus_step, grpo_step, FocusConfig, StepRollouts};
+use crate::rollout::{evaluate, focus_step, grpo_step, ps_step, FocusConfig, StepRollouts};
 use crate::tasks::{TaskConfig, TaskSampler};
 use crate::TrainError;
 
@@ -25,6 +25,28 @@ pub enum Algo {
     Focus,
     /// GRPO groups of `samples_per_prompt` full rollouts.
     Grpo,
+    /// Prefix Sampling on GRPO groups: skewed groups are replaced by
+    /// re-rollouts from replayed prefixes of their own trajectories.
+    Ps,
+}
+
+/// Prefix Sampling settings.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PsSettings {
+    /// Half-width of the balanced band around 1/2 (groups inside are kept).
+    pub band: f64,
+    /// The per-bucket ratio controller (`eta = 0`: fixed ratios).
+    pub controller: arbor_rl::prefix::ControllerConfig,
+}
+
+impl Default for PsSettings {
+    fn default() -> Self {
+        PsSettings {
+            band: 0.125,
+            controller: arbor_rl::prefix::ControllerConfig::default(),
+        }
+    }
 }
 
 /// The policy model.
@@ -126,6 +148,8 @@ pub struct TrainConfig {
     pub learner: LearnerConfig,
     #[serde(default)]
     pub focus: FocusConfig,
+    #[serde(default)]
+    pub ps: PsSettings,
     /// First RL steps that train only the critic (FOCUS).
     #[serde(default)]
     pub critic_warmup_steps: u64,
@@ -180,9 +204,12 @@ impl TrainConfig {
                 "must be >= 1 (a budget of 0 generates nothing)",
             );
         }
-        if self.samples_per_prompt == 0 || (self.algo == Algo::Grpo && self.samples_per_prompt < 2)
+        if self.samples_per_prompt == 0 || (self.algo != Algo::Focus && self.samples_per_prompt < 2)
         {
-            return bad("samples_per_prompt", "must be >= 1 (>= 2 for GRPO groups)");
+            return bad(
+                "samples_per_prompt",
+                "must be >= 1 (>= 2 for GRPO and PS groups)",
+            );
         }
         if self.temperature.is_nan() || self.temperature <= 0.0 {
             return bad("temperature", "must be > 0 for RL sampling");
@@ -190,8 +217,14 @@ impl TrainConfig {
         if self.eval_every == 0 {
             return bad("eval_every", "must be >= 1");
         }
-        if self.learner.critic == CriticMode::Separate && self.algo == Algo::Grpo {
-            return bad("learner.critic", "GRPO has no critic; use `shared`");
+        if self.learner.critic == CriticMode::Separate && self.algo != Algo::Focus {
+            return bad(
+                "learner.critic",
+                "GRPO and PS train no critic; use `shared`",
+            );
+        }
+        if let Err(e) = self.ps.controller.validate() {
+            return bad("ps.controller", &e.to_string());
         }
         let TaskConfig::RunningSum { difficulty } = self.task;
         if difficulty == 0 || difficulty > 64 {
@@ -242,6 +275,9 @@ struct TrainerState {
     optimizer_step: u64,
     warmup_nll: Vec<f64>,
     initial_eval: Option<f64>,
+    /// Prefix Sampling controller state per bucket.
+    #[serde(default)]
+    ps_buckets: Vec<(arbor_rl::prefix::Bucket, arbor_rl::prefix::BucketState)>,
 }
 
 /// What a finished run reports.
@@ -391,6 +427,7 @@ impl Trainer {
                     optimizer_step: 0,
                     warmup_nll: Vec::new(),
                     initial_eval: None,
+                    ps_buckets: Vec::new(),
                 };
                 (learner, state)
             }
@@ -494,10 +531,42 @@ impl Trainer {
                         &mut seed,
                     )?
                 }
+                Algo::Ps => {
+                    use arbor_rl::prefix::{
+                        CutGranularity, PrefixController, PrefixSampler, PsConfig,
+                    };
+                    let pcfg = PsConfig {
+                        group_size: self.cfg.samples_per_prompt as u32,
+                        band: self.cfg.ps.band,
+                        granularity: CutGranularity::Boundaries,
+                        controller: self.cfg.ps.controller,
+                        seed: self.cfg.seed ^ step.wrapping_mul(0x9E37_79B9),
+                    };
+                    let ctl = PrefixController::restore(
+                        self.cfg.ps.controller,
+                        self.state.ps_buckets.clone(),
+                    )?;
+                    let mut sampler = PrefixSampler::with_controller(pcfg, ctl)?;
+                    let r = ps_step(
+                        &mut engine,
+                        tasks,
+                        self.cfg.samples_per_prompt,
+                        &mut sampler,
+                        &rcfg,
+                        &mut seed,
+                    )?;
+                    self.state.ps_buckets = sampler
+                        .controller()
+                        .buckets()
+                        .iter()
+                        .map(|(b, s)| (*b, *s))
+                        .collect();
+                    r
+                }
             };
             self.state.seed_counter = seed;
             let t0 = Instant::now();
-            let policy_on = self.cfg.algo == Algo::Grpo || step > self.cfg.critic_warmup_steps;
+            let policy_on = self.cfg.algo != Algo::Focus || step > self.cfg.critic_warmup_steps;
             let u = self.learner.update_with(&r.rows, policy_on)?;
             let train_s = t0.elapsed().as_secs_f64();
             // The weights changed: no KV computed before may be reused.
