@@ -1,6 +1,8 @@
 //! `arbor bench algos`: FOCUS vs Prefix Sampling vs GRPO on a built-in task
-//! from the same warm-started policy, several seeds, reward vs generated
-//! tokens. Prints a table, writes `algos.json` and `algos.png`.
+//! from the same warm-started policy, several seeds: held-out greedy pass
+//! rate vs generated tokens (training rewards are not comparable: Prefix
+//! Sampling steers its re-rollouts toward 50% by design). Prints a table,
+//! writes `algos.json` and `algos.png`.
 
 use std::path::PathBuf;
 
@@ -37,7 +39,8 @@ struct RunResult {
     final_reward: f64,
     generated_tokens: u64,
     replayed_tokens: u64,
-    /// (cumulative generated tokens, 10-step mean training reward) per step.
+    /// (cumulative generated tokens, greedy eval pass rate on held-out
+    /// tasks) at every evaluation, starting with the warm-started policy.
     curve: Vec<(u64, f64)>,
 }
 
@@ -47,8 +50,8 @@ struct AlgoSummary {
     final_eval_mean: f64,
     final_reward_mean: f64,
     generated_tokens_mean: f64,
-    /// Generated tokens at which the seed-mean curve first reaches GRPO's
-    /// final reward, and that as a fraction of GRPO's total.
+    /// Generated tokens at which the seed-mean eval pass rate first reaches
+    /// GRPO's final one, and that as a fraction of GRPO's total.
     tokens_to_grpo_final: Option<f64>,
     ratio_to_grpo: Option<f64>,
 }
@@ -94,30 +97,28 @@ pub fn run(a: AlgosArgs) -> Result<()> {
             let s = t.run(|_| {})?;
             let ms = read_metrics(&dir.join("metrics.jsonl"))?;
             let mut cum = 0;
-            let curve = ms
-                .iter()
-                .enumerate()
-                .map(|(i, m)| {
-                    cum += m.generated_tokens;
-                    let lo = i.saturating_sub(9);
-                    let mean =
-                        ms[lo..=i].iter().map(|x| x.reward).sum::<f64>() / (i - lo + 1) as f64;
-                    (cum, mean)
-                })
-                .collect::<Vec<_>>();
+            let mut curve = vec![(0u64, s.initial_eval_pass_rate)];
+            for m in &ms {
+                cum += m.generated_tokens;
+                if let Some(e) = m.eval_pass_rate {
+                    curve.push((cum, e));
+                }
+            }
+            let n = ms.len().min(10).max(1);
+            let final_reward = ms.iter().rev().take(n).map(|m| m.reward).sum::<f64>() / n as f64;
             results.push(RunResult {
                 algo: name.clone(),
                 seed,
                 initial_eval: s.initial_eval_pass_rate,
                 final_eval: s.final_eval_pass_rate,
-                final_reward: curve.last().map(|c| c.1).unwrap_or(0.0),
+                final_reward,
                 generated_tokens: cum,
                 replayed_tokens: ms.iter().map(|m| m.replayed_tokens).sum(),
                 curve,
             });
         }
     }
-    // Seed-mean curves on the step axis.
+    // Seed-mean eval curves (same evaluation steps for every run).
     let mean_curve = |algo: &str| -> Vec<(f64, f64)> {
         let runs: Vec<&RunResult> = results.iter().filter(|r| r.algo == algo).collect();
         let n = runs.iter().map(|r| r.curve.len()).min().unwrap_or(0);
@@ -152,7 +153,7 @@ pub fn run(a: AlgosArgs) -> Result<()> {
             ratio_to_grpo: reach.zip(grpo_final).map(|(t, (g, _))| t / g),
         });
     }
-    println!("| algo | seed | eval before | eval after | final reward (10-step mean) | generated tokens | replayed tokens |");
+    println!("| algo | seed | eval before | eval after | final training reward (last 10 steps) | generated tokens | replayed tokens |");
     println!("|---|---|---|---|---|---|---|");
     for r in &results {
         println!(
@@ -166,7 +167,7 @@ pub fn run(a: AlgosArgs) -> Result<()> {
             r.replayed_tokens
         );
     }
-    println!("\n| algo | mean eval after | mean final reward | mean generated tokens | tokens to GRPO's final reward | ratio to GRPO |");
+    println!("\n| algo | mean eval after | mean final training reward | mean generated tokens | tokens to GRPO's final eval | ratio to GRPO |");
     println!("|---|---|---|---|---|---|");
     for s in &summaries {
         println!(
@@ -214,7 +215,7 @@ fn plot(
     root.fill(&WHITE)?;
     let mut chart = ChartBuilder::on(&root)
         .caption(
-            "reward vs generated tokens (mean over seeds)",
+            "held-out greedy pass rate vs generated tokens (mean over seeds)",
             ("sans-serif", 22),
         )
         .margin(12)
@@ -224,7 +225,7 @@ fn plot(
     chart
         .configure_mesh()
         .x_desc("generated tokens")
-        .y_desc("training reward (10-step mean)")
+        .y_desc("eval pass rate")
         .draw()?;
     for (i, (name, pts)) in curves.into_iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();

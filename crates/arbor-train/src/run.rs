@@ -106,9 +106,15 @@ impl ModelSpec {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct WarmupConfig {
+    /// Most supervised steps.
     pub steps: u64,
     pub batch: usize,
     pub lr: f64,
+    /// Stop early once the greedy pass rate on the held-out eval tasks
+    /// reaches this (checked every `check_every` steps), so RL starts from a
+    /// comparable policy whatever the seed or machine.
+    pub stop_at_eval: Option<f64>,
+    pub check_every: u64,
 }
 
 impl Default for WarmupConfig {
@@ -117,6 +123,8 @@ impl Default for WarmupConfig {
             steps: 0,
             batch: 32,
             lr: 3e-3,
+            stop_at_eval: None,
+            check_every: 10,
         }
     }
 }
@@ -485,6 +493,14 @@ impl Trainer {
             let (nll, _) = self.learner.sft_step(&rows)?;
             self.state.warmup_nll.push(nll);
             progress(s + 1, nll);
+            if let Some(target) = w.stop_at_eval {
+                if (s + 1).is_multiple_of(w.check_every.max(1)) {
+                    let mut engine = Engine::new(&self.learner.model.policy, None, self.engine_cfg.clone())?;
+                    if self.eval(&mut engine)? >= target {
+                        break;
+                    }
+                }
+            }
         }
         // The RL optimizer starts fresh after the warm-up.
         let vars = self.learner.opt.vars().to_vec();
