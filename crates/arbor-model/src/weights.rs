@@ -423,7 +423,9 @@ impl<'a> ParamLoader<'a> {
     pub fn get(&self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
         let t = match &self.source {
             ParamSource::Checkpoint(c) => c.load(name, shape, self.dtype, &self.device)?,
-            ParamSource::Random { seed } => init_tensor(name, *seed, shape, init, self.dtype, &self.device)?,
+            ParamSource::Random { seed } => {
+                init_tensor(name, *seed, shape, init, self.dtype, &self.device)?
+            }
         };
         self.register(name, t)
     }
@@ -459,7 +461,14 @@ impl<'a> ParamLoader<'a> {
     }
 }
 
-fn init_tensor(name: &str, seed: u64, shape: &[usize], init: Init, dtype: DType, device: &Device) -> Result<Tensor> {
+fn init_tensor(
+    name: &str,
+    seed: u64,
+    shape: &[usize],
+    init: Init,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
     let n: usize = shape.iter().product();
     let t = match init {
         Init::Normal(std) => {

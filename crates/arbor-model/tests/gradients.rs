@@ -66,8 +66,18 @@ fn setup(arch: Arch, mode: CriticMode, seed: u64) -> Setup {
     let dev = Device::Cpu;
     let pvars = VarMap::new();
     let cvars = VarMap::new();
-    let pl = ParamLoader::trainable(ParamSource::Random { seed }, DType::F64, &dev, pvars.clone());
-    let cl = ParamLoader::trainable(ParamSource::Random { seed }, DType::F64, &dev, cvars.clone());
+    let pl = ParamLoader::trainable(
+        ParamSource::Random { seed },
+        DType::F64,
+        &dev,
+        pvars.clone(),
+    );
+    let cl = ParamLoader::trainable(
+        ParamSource::Random { seed },
+        DType::F64,
+        &dev,
+        cvars.clone(),
+    );
     let model = ActorCritic::load(&cfg, mode, &pl, &cl).unwrap();
     let mut rng = StdRng::seed_from_u64(seed);
     let mut vars: Vec<(String, Var)> = Vec::new();

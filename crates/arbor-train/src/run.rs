@@ -495,7 +495,8 @@ impl Trainer {
             progress(s + 1, nll);
             if let Some(target) = w.stop_at_eval {
                 if (s + 1).is_multiple_of(w.check_every.max(1)) {
-                    let mut engine = Engine::new(&self.learner.model.policy, None, self.engine_cfg.clone())?;
+                    let mut engine =
+                        Engine::new(&self.learner.model.policy, None, self.engine_cfg.clone())?;
                     if self.eval(&mut engine)? >= target {
                         break;
                     }
