@@ -104,7 +104,7 @@ pub fn run(a: AlgosArgs) -> Result<()> {
                     curve.push((cum, e));
                 }
             }
-            let n = ms.len().min(10).max(1);
+            let n = ms.len().clamp(1, 10);
             let final_reward = ms.iter().rev().take(n).map(|m| m.reward).sum::<f64>() / n as f64;
             results.push(RunResult {
                 algo: name.clone(),

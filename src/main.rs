@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod bench_algos;
 mod bench_audit;
+mod eval;
 mod generate;
 mod grade;
 mod plot;
@@ -39,6 +40,9 @@ enum Command {
     /// Generate completions with the paged engine (continuous batching,
     /// shared prompt KV for --n samples).
     Generate(generate::GenerateArgs),
+    /// Evaluate a model on a math dataset: accuracy, pass@k, tokens per
+    /// problem.
+    Eval(eval::EvalArgs),
     /// Grade a JSONL of model responses against reference answers.
     Grade(grade::GradeArgs),
     /// Replay a recorded action list through a task; print the final state
@@ -73,6 +77,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Score(a) => score::run(a),
         Command::Info(a) => score::info(a),
         Command::Generate(a) => generate::run(a),
+        Command::Eval(a) => eval::run(a),
         Command::Grade(a) => grade::run(a),
         Command::Replay(a) => replay::run(a),
         Command::Bench(b) => bench::run(b),

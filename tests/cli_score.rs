@@ -1,19 +1,9 @@
 //! `arbor score` end to end: the JSON contract against the HF fixtures, and
 //! clear errors (exit 1, no panic) on bad input.
 
-use std::path::PathBuf;
-use std::process::Command;
+mod common;
 
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("crates/arbor-model/tests/fixtures")
-}
-
-fn arbor(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_arbor"))
-        .args(args)
-        .output()
-        .unwrap()
-}
+use common::{arbor, fixtures, tiny_qwen3_with_tokenizer};
 
 fn reference(name: &str) -> serde_json::Value {
     serde_json::from_str(
@@ -127,36 +117,9 @@ fn score_errors_are_clear() {
 /// the tokenizer; skipped without it).
 #[test]
 fn score_text_chat_uses_real_tokenizer_and_template() {
-    let shared = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/data/tokenizers/qwen3");
-    if !shared.join("tokenizer.json").is_file() {
-        eprintln!("SKIP: ../shared/data/tokenizers/qwen3 not present");
+    let Some(dir) = tiny_qwen3_with_tokenizer() else {
         return;
-    }
-    use arbor_model::{ModelConfig, ParamLoader, ParamSource, Transformer};
-    let mut cfg = ModelConfig::qwen3_0_6b();
-    cfg.hidden_size = 8;
-    cfg.intermediate_size = 16;
-    cfg.num_hidden_layers = 1;
-    cfg.num_attention_heads = 2;
-    cfg.num_key_value_heads = 1;
-    cfg.head_dim = 4;
-    let dev = candle_core::Device::Cpu;
-    let model = Transformer::load(
-        &cfg,
-        &ParamLoader::frozen(
-            ParamSource::Random { seed: 1 },
-            candle_core::DType::F32,
-            &dev,
-        ),
-    )
-    .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    model
-        .save_pretrained(dir.path(), candle_core::DType::BF16)
-        .unwrap();
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(shared.join(f), dir.path().join(f)).unwrap();
-    }
+    };
     let chat: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(fixtures().join("chat/qwen3_chat.json")).unwrap(),
     )
