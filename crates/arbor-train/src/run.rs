@@ -51,10 +51,14 @@ impl Default for PsSettings {
 
 /// The policy model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub struct ModelSpec {
-    /// A tiny Qwen3-architecture model sized for the task's vocabulary,
-    /// randomly initialised from the run seed.
+    /// An HF checkpoint to train (directory or `org/name`); when set, the
+    /// size fields below are ignored. Without it, a tiny Qwen3-architecture
+    /// model sized for the built-in vocabulary is randomly initialised from
+    /// the run seed.
+    #[serde(default)]
+    pub path: Option<String>,
     pub hidden_size: usize,
     pub layers: usize,
     pub heads: usize,
@@ -66,6 +70,7 @@ pub struct ModelSpec {
 impl Default for ModelSpec {
     fn default() -> Self {
         ModelSpec {
+            path: None,
             hidden_size: 64,
             layers: 2,
             heads: 4,
@@ -234,9 +239,29 @@ impl TrainConfig {
         if let Err(e) = self.ps.controller.validate() {
             return bad("ps.controller", &e.to_string());
         }
-        let TaskConfig::RunningSum { difficulty } = self.task;
-        if difficulty == 0 || difficulty > 64 {
-            return bad("task.difficulty", "must be in 1..=64");
+        match &self.task {
+            TaskConfig::RunningSum { difficulty } => {
+                if *difficulty == 0 || *difficulty > 64 {
+                    return bad("task.difficulty", "must be in 1..=64");
+                }
+            }
+            TaskConfig::Math { max_tokens, .. } => {
+                if self.model.path.is_none() {
+                    return bad(
+                        "model.path",
+                        "math tasks need an HF model (with its tokenizer)",
+                    );
+                }
+                if *max_tokens == 0 {
+                    return bad("task.max_tokens", "must be >= 1");
+                }
+                if self.warmup.steps > 0 {
+                    return bad(
+                        "warmup.steps",
+                        "the supervised warm-up only exists for synthetic tasks; set 0",
+                    );
+                }
+            }
         }
         Ok(())
     }
@@ -380,11 +405,39 @@ impl Trainer {
     /// latest checkpoint there.
     pub fn new(cfg: TrainConfig, out_dir: &Path, resume: bool) -> Result<Self, TrainError> {
         std::fs::create_dir_all(out_dir)?;
-        let sampler = TaskSampler {
-            cfg: cfg.task.clone(),
-            base_seed: cfg.seed.wrapping_mul(1_000_003),
+        // The policy: an HF checkpoint, or the tiny random model.
+        let hf = match &cfg.model.path {
+            Some(spec) => {
+                let files = arbor_model::ModelFiles::resolve(spec)?;
+                let mcfg = ModelConfig::from_file(&files.config)?;
+                let tokenizer = files
+                    .tokenizer
+                    .as_ref()
+                    .map(arbor_model::Tokenizer::from_file)
+                    .transpose()?;
+                let eos = files.eos_token_ids(&mcfg.eos_token_ids)?;
+                Some((files, mcfg, tokenizer, eos))
+            }
+            None => None,
         };
-        let mcfg = cfg.model.config(sampler.vocab_size());
+        let (tokenizer, eos) = match &hf {
+            Some((_, _, t, e)) => (t.clone(), e.clone()),
+            None => (None, Vec::new()),
+        };
+        let sampler = TaskSampler::new(
+            cfg.task.clone(),
+            cfg.seed.wrapping_mul(1_000_003),
+            tokenizer,
+            eos,
+        )?;
+        let mcfg = match &hf {
+            Some((_, c, _, _)) => c.clone(),
+            None => cfg.model.config(sampler.vocab_size()),
+        };
+        let hf_ckpt = match &hf {
+            Some((files, _, _, _)) => Some(Checkpoint::open(&files.weights)?),
+            None => None,
+        };
         let dev = Device::Cpu;
         let mut ocfg = cfg.optimizer;
         ocfg.total_steps = cfg.steps * cfg.learner.epochs.max(1) as u64;
@@ -426,7 +479,15 @@ impl Trainer {
                 (learner, state)
             }
             None => {
-                let learner = Learner::new(&mcfg, None, None, cfg.seed, &dev, cfg.learner, ocfg)?;
+                let learner = Learner::new(
+                    &mcfg,
+                    hf_ckpt.as_ref(),
+                    None,
+                    cfg.seed,
+                    &dev,
+                    cfg.learner,
+                    ocfg,
+                )?;
                 let _ = std::fs::remove_file(out_dir.join("metrics.jsonl"));
                 let state = TrainerState {
                     step: 0,
@@ -466,7 +527,11 @@ impl Trainer {
     }
 
     fn eval(&self, engine: &mut Engine) -> Result<f64, TrainError> {
-        let tasks = (0..self.cfg.eval_tasks as u64)
+        let n = self
+            .sampler
+            .eval_len()
+            .map_or(self.cfg.eval_tasks, |l| l.min(self.cfg.eval_tasks));
+        let tasks = (0..n as u64)
             .map(|i| self.sampler.eval_task(i))
             .collect::<Result<Vec<_>, _>>()?;
         evaluate(engine, tasks, &self.sampler.rollout_config(0.0))

@@ -66,3 +66,20 @@ fn bad_ps_settings_name_the_key() {
     .unwrap_err();
     assert!(e.to_string().contains("samples_per_prompt"), "{e}");
 }
+
+/// Every shipped config parses and validates.
+#[test]
+fn shipped_configs_parse() {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+    let mut n = 0;
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "toml") {
+            let text = std::fs::read_to_string(&p).unwrap();
+            TrainConfig::from_toml(&text, &p.display().to_string())
+                .unwrap_or_else(|e| panic!("{e}"));
+            n += 1;
+        }
+    }
+    assert!(n >= 7, "{n} configs");
+}
