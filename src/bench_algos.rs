@@ -61,7 +61,9 @@ fn parse_algo(s: &str) -> Result<Algo> {
         "focus" => Algo::Focus,
         "ps" => Algo::Ps,
         "grpo" => Algo::Grpo,
-        o => anyhow::bail!("unknown algorithm `{o}` (focus, ps, grpo)"),
+        "ppo" => Algo::Ppo,
+        "vineppo" => Algo::Vineppo,
+        o => anyhow::bail!("unknown algorithm `{o}` (focus, ps, grpo, ppo, vineppo)"),
     })
 }
 

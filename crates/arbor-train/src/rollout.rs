@@ -587,3 +587,170 @@ pub fn ps_step(
     };
     Ok(StepRollouts::new(tree, rows, stats, Vec::new()))
 }
+
+/// Continuations from `from` nodes (one per entry), begun in `tree` and
+/// resuming from the kept environment snapshots.
+fn begin_conts(
+    tree: &mut RolloutTree,
+    snapshots: &HashMap<NodeId, Box<dyn TokenEpisode>>,
+    from: &[NodeId],
+) -> Result<Vec<Cont>, TrainError> {
+    from.iter()
+        .map(|&n| {
+            let env = snapshots
+                .get(&n)
+                .ok_or_else(|| {
+                    TrainError::Rollout(format!("no environment state kept for node {n:?}"))
+                })?
+                .fork()?;
+            Ok(Cont {
+                ticket: Some(tree.begin(n)?),
+                from: n,
+                context: tree.context_tokens(n)?,
+                env,
+                replayed: Vec::new(),
+                steps: Vec::new(),
+                done: false,
+            })
+        })
+        .collect()
+}
+
+/// Complete finished continuations in `tree` (values per new state, or 0.5),
+/// keeping the environment snapshots of the new non-terminal states.
+fn complete_conts(
+    tree: &mut RolloutTree,
+    snapshots: &mut HashMap<NodeId, Box<dyn TokenEpisode>>,
+    conts: Vec<Cont>,
+    values: Option<Vec<Vec<f64>>>,
+) -> Result<(), TrainError> {
+    for (i, c) in conts.into_iter().enumerate() {
+        let v = match &values {
+            Some(v) => v[i].clone(),
+            None => vec![0.5; c.steps.len()],
+        };
+        let steps = to_steps(&c, &v)?;
+        let ticket = c
+            .ticket
+            .ok_or_else(|| TrainError::Rollout("continuation without a ticket".into()))?;
+        let new = tree.complete(ticket, steps)?;
+        for (id, s) in new.into_iter().zip(c.steps) {
+            if s.reward.is_none() {
+                snapshots.insert(id, s.env_after);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// PPO with a per-segment critic: `n` full rollouts per task, the critic's
+/// value at every state, GAE advantages over segments, and Monte-Carlo
+/// returns (`Gbar` with `kappa = 0`) as the critic's targets.
+pub fn ppo_step(
+    engine: &mut Engine,
+    learner: &Learner,
+    tasks: Vec<TaskInstance>,
+    n: usize,
+    fcfg: &FocusConfig,
+    cfg: &RolloutConfig,
+    seed: &mut u64,
+) -> Result<StepRollouts, TrainError> {
+    use arbor_rl::baselines::{Critic, PpoGae};
+    use arbor_rl::credit::backup;
+    let mut tree = RolloutTree::new();
+    let mut snapshots = HashMap::new();
+    let prompts: Vec<Vec<u32>> = tasks.iter().map(|t| t.prompt.clone()).collect();
+    let pos: Vec<Vec<usize>> = prompts.iter().map(|p| vec![p.len() - 1]).collect();
+    let root_values = learner.values_at(&prompts, &pos)?;
+    let mut roots = Vec::new();
+    for (t, v) in tasks.into_iter().zip(root_values) {
+        for _ in 0..n {
+            let root = tree.add_episode(t.id.clone(), t.prompt.clone(), Some(v[0]))?;
+            snapshots.insert(root, t.episode.fork()?);
+            roots.push(root);
+        }
+    }
+    let mut conts = begin_conts(&mut tree, &snapshots, &roots)?;
+    let mut stats = RolloutStats {
+        episodes: conts.len(),
+        continuations: conts.len(),
+        ..Default::default()
+    };
+    run_conts(engine, &mut conts, cfg, seed, &mut stats)?;
+    let values = segment_values(learner, &conts, &tree)?;
+    complete_conts(&mut tree, &mut snapshots, conts, Some(values))?;
+    let adv = PpoGae {
+        gamma: fcfg.gamma,
+        lambda: fcfg.lambda,
+        critic: Critic::Segment,
+    }
+    .advantages(&tree)?;
+    let targets = backup(
+        &tree,
+        &CreditConfig {
+            gamma: fcfg.gamma,
+            lambda: fcfg.lambda,
+            kappa: 0.0,
+        },
+    )?;
+    let rows = loss_rows(&tree, &adv, Some(&targets.gbar), Sharing::Once)?;
+    let mut critic_vs_target = Vec::new();
+    for (id, node) in tree.nodes() {
+        if let (Some(v), Some(g)) = (node.value(), targets.gbar[id.index()]) {
+            critic_vs_target.push((v, g));
+        }
+    }
+    Ok(StepRollouts::new(tree, rows, stats, critic_vs_target))
+}
+
+/// VinePPO: one main trajectory per task, then `k` Monte-Carlo
+/// continuations from every state of it (the root's `k` include the main
+/// one); advantages `A(s->c) = r + gamma Vhat(c) - Vhat(s)` from the
+/// Monte-Carlo values, on the main trajectories only.
+pub fn vineppo_step(
+    engine: &mut Engine,
+    tasks: Vec<TaskInstance>,
+    k: u32,
+    gamma: f64,
+    cfg: &RolloutConfig,
+    seed: &mut u64,
+) -> Result<StepRollouts, TrainError> {
+    use arbor_rl::baselines::VinePpo;
+    let vine = VinePpo { gamma };
+    let mut tree = RolloutTree::new();
+    let mut snapshots = HashMap::new();
+    let mut roots = Vec::new();
+    for t in tasks {
+        let root = tree.add_episode(t.id, t.prompt, None)?;
+        snapshots.insert(root, t.episode);
+        roots.push(root);
+    }
+    let mut stats = RolloutStats {
+        episodes: roots.len(),
+        ..Default::default()
+    };
+    let mut main = begin_conts(&mut tree, &snapshots, &roots)?;
+    stats.continuations += main.len();
+    run_conts(engine, &mut main, cfg, seed, &mut stats)?;
+    complete_conts(&mut tree, &mut snapshots, main, None)?;
+    // Continuations launched at a root are main trajectories themselves, so
+    // their states are planned in the next round; later rounds launch only
+    // below the root and end the loop.
+    loop {
+        let plan = vine.plan(&tree, k)?;
+        if plan.is_empty() {
+            break;
+        }
+        let from: Vec<NodeId> = plan
+            .iter()
+            .flat_map(|&(n, c)| std::iter::repeat_n(n, c as usize))
+            .collect();
+        let mut mc = begin_conts(&mut tree, &snapshots, &from)?;
+        stats.continuations += mc.len();
+        run_conts(engine, &mut mc, cfg, seed, &mut stats)?;
+        complete_conts(&mut tree, &mut snapshots, mc, None)?;
+    }
+    let adv = vine.advantages(&tree)?;
+    let rows = loss_rows(&tree, &adv, None, Sharing::Once)?;
+    Ok(StepRollouts::new(tree, rows, stats, Vec::new()))
+}

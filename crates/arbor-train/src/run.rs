@@ -13,7 +13,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::learner::{Learner, LearnerConfig};
 use crate::optim::AdamWConfig;
-use crate::rollout::{evaluate, focus_step, grpo_step, ps_step, FocusConfig, StepRollouts};
+use crate::rollout::{
+    evaluate, focus_step, grpo_step, ppo_step, ps_step, vineppo_step, FocusConfig, StepRollouts,
+};
 use crate::tasks::{TaskConfig, TaskSampler};
 use crate::TrainError;
 
@@ -28,6 +30,12 @@ pub enum Algo {
     /// Prefix Sampling on GRPO groups: skewed groups are replaced by
     /// re-rollouts from replayed prefixes of their own trajectories.
     Ps,
+    /// PPO with a per-segment critic and GAE (`focus.gamma`, `focus.lambda`);
+    /// `samples_per_prompt` full rollouts per task.
+    Ppo,
+    /// VinePPO: one main rollout per task and `samples_per_prompt`
+    /// Monte-Carlo continuations from each of its states.
+    Vineppo,
 }
 
 /// Prefix Sampling settings.
@@ -46,6 +54,13 @@ impl Default for PsSettings {
             band: 0.125,
             controller: arbor_rl::prefix::ControllerConfig::default(),
         }
+    }
+}
+
+impl Algo {
+    /// Whether the method trains a critic (FOCUS, PPO).
+    pub fn has_critic(self) -> bool {
+        matches!(self, Algo::Focus | Algo::Ppo)
     }
 }
 
@@ -230,10 +245,10 @@ impl TrainConfig {
         if self.eval_every == 0 {
             return bad("eval_every", "must be >= 1");
         }
-        if self.learner.critic == CriticMode::Separate && self.algo != Algo::Focus {
+        if self.learner.critic == CriticMode::Separate && !self.algo.has_critic() {
             return bad(
                 "learner.critic",
-                "GRPO and PS train no critic; use `shared`",
+                "GRPO, PS and VinePPO train no critic; use `shared`",
             );
         }
         if let Err(e) = self.ps.controller.validate() {
@@ -613,6 +628,23 @@ impl Trainer {
                         &mut seed,
                     )?
                 }
+                Algo::Ppo => ppo_step(
+                    &mut engine,
+                    &self.learner,
+                    tasks,
+                    self.cfg.samples_per_prompt,
+                    &self.cfg.focus,
+                    &rcfg,
+                    &mut seed,
+                )?,
+                Algo::Vineppo => vineppo_step(
+                    &mut engine,
+                    tasks,
+                    self.cfg.samples_per_prompt as u32,
+                    self.cfg.focus.gamma,
+                    &rcfg,
+                    &mut seed,
+                )?,
                 Algo::Ps => {
                     use arbor_rl::prefix::{
                         CutGranularity, PrefixController, PrefixSampler, PsConfig,
@@ -648,7 +680,7 @@ impl Trainer {
             };
             self.state.seed_counter = seed;
             let t0 = Instant::now();
-            let policy_on = self.cfg.algo != Algo::Focus || step > self.cfg.critic_warmup_steps;
+            let policy_on = !self.cfg.algo.has_critic() || step > self.cfg.critic_warmup_steps;
             let u = self.learner.update_with(&r.rows, policy_on)?;
             let train_s = t0.elapsed().as_secs_f64();
             // The weights changed: no KV computed before may be reused.
