@@ -16,6 +16,7 @@ pub mod optim;
 pub mod rollout;
 pub mod run;
 pub mod tasks;
+pub mod tensorboard;
 
 /// Errors of the trainer.
 #[derive(Debug, thiserror::Error)]

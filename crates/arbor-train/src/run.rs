@@ -404,6 +404,7 @@ pub struct Trainer {
     sampler: TaskSampler,
     state: TrainerState,
     engine_cfg: EngineConfig,
+    tb: Option<crate::tensorboard::EventWriter>,
 }
 
 impl std::fmt::Debug for Trainer {
@@ -533,6 +534,7 @@ impl Trainer {
             sampler,
             state,
             engine_cfg,
+            tb: None,
         })
     }
 
@@ -719,6 +721,7 @@ impl Trainer {
                 time_train_s: train_s,
             };
             append_metrics(&self.out_dir.join("metrics.jsonl"), &m)?;
+            self.tensorboard(&m)?;
             on_step(&m);
             all.push(m);
             let every = self.cfg.checkpoint_every;
@@ -747,6 +750,29 @@ impl Trainer {
             seconds: start.elapsed().as_secs_f64(),
             out_dir: self.out_dir.clone(),
         })
+    }
+
+    /// Mirror a metrics line into TensorBoard event files under `tb/`.
+    fn tensorboard(&mut self, m: &StepMetrics) -> Result<(), TrainError> {
+        if self.tb.is_none() {
+            self.tb = Some(crate::tensorboard::EventWriter::create(
+                &self.out_dir.join("tb"),
+            )?);
+        }
+        let v = serde_json::to_value(m).map_err(|e| TrainError::Config(e.to_string()))?;
+        let scalars: Vec<(String, f64)> = v
+            .as_object()
+            .map(|o| {
+                o.iter()
+                    .filter(|(k, _)| k.as_str() != "step")
+                    .filter_map(|(k, x)| x.as_f64().map(|f| (k.clone(), f)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        if let Some(w) = self.tb.as_mut() {
+            w.scalars(m.step, &scalars)?;
+        }
+        Ok(())
     }
 
     /// Write `checkpoints/step-N` atomically: everything goes into a
