@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 fn masked_crc(data: &[u8]) -> u32 {
     let c = crc32c::crc32c(data);
-    ((c >> 15) | (c << 17)).wrapping_add(0xa282_ead8)
+    c.rotate_right(15).wrapping_add(0xa282_ead8)
 }
 
 fn varint(mut v: u64, out: &mut Vec<u8>) {
