@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use arbor_engine::{Engine, EngineConfig, SamplingParams};
-use arbor_env::math::{grade, load_problems, DatasetFormat};
+use arbor_env::math::{grade, load_problems};
 use arbor_model::{parse_dtype, ChatOptions, LoadOptions, LoadedModel};
 use candle_core::Device;
 use clap::Args;
@@ -67,40 +67,6 @@ pub fn pass_at_k(n: usize, c: usize, k: usize) -> f64 {
         .product::<f64>()
 }
 
-fn dataset_path(name: &str) -> Result<(PathBuf, Option<DatasetFormat>)> {
-    let rel = match name {
-        "gsm8k" => Some(("math/gsm8k/test.jsonl", DatasetFormat::Gsm8k)),
-        "math500" => Some(("math/math500/test.jsonl", DatasetFormat::Math500)),
-        "aime" => Some(("math/aime/test.jsonl", DatasetFormat::Aime)),
-        "math" => Some(("math/hendrycks-math/test.jsonl", DatasetFormat::Math)),
-        _ => None,
-    };
-    let Some((rel, fmt)) = rel else {
-        let p = PathBuf::from(name);
-        if !p.is_file() {
-            bail!("{name}: no such file (and not one of gsm8k, math500, aime, math)");
-        }
-        return Ok((p, None));
-    };
-    let roots: Vec<PathBuf> = std::env::var_os("ARBOR_SHARED_DATA")
-        .map(PathBuf::from)
-        .into_iter()
-        .chain([
-            PathBuf::from("../shared/data"),
-            PathBuf::from("shared/data"),
-        ])
-        .collect();
-    for r in &roots {
-        let p = r.join(rel);
-        if p.is_file() {
-            return Ok((p, Some(fmt)));
-        }
-    }
-    bail!(
-        "dataset `{name}`: {rel} not found under $ARBOR_SHARED_DATA, ../shared/data or shared/data; pass the JSONL path instead"
-    )
-}
-
 #[derive(Debug, Serialize)]
 struct Sample<'a> {
     id: &'a str,
@@ -133,7 +99,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
     if a.temperature == 0.0 && a.n > 1 {
         bail!("--temperature 0 (greedy) gives n identical samples; use --n 1 or a positive temperature");
     }
-    let (path, fmt) = dataset_path(&a.dataset)?;
+    let (path, fmt) = arbor_train::tasks::dataset_file(&a.dataset, "test")?;
     let mut problems = load_problems(&path, fmt.as_ref())?;
     if let Some(l) = a.limit {
         problems.truncate(l);
