@@ -33,14 +33,26 @@ pub enum BenchCommand {
     Algos(crate::bench_algos::AlgosArgs),
 }
 
+/// The model a generation benchmark runs.
 #[derive(Debug, Args)]
-pub struct GenBenchArgs {
+pub struct BenchModel {
     /// Shape preset with random weights: smollm2-135m or qwen3-0.6b.
     #[arg(long, default_value = "smollm2-135m", conflicts_with = "model")]
     pub preset: String,
     /// A real checkpoint instead (directory or HF id).
     #[arg(long, value_name = "PATH_OR_ID")]
     pub model: Option<String>,
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct GenBenchArgs {
+    #[command(flatten)]
+    pub m: BenchModel,
     /// Prompts in the batch.
     #[arg(long, default_value_t = 32)]
     pub batch: usize,
@@ -50,19 +62,12 @@ pub struct GenBenchArgs {
     /// New tokens per sequence (EOS ignored).
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
-    #[arg(long, default_value = "f32")]
-    pub dtype: String,
-    /// Print the result as JSON.
-    #[arg(long)]
-    pub json: bool,
 }
 
 #[derive(Debug, Args)]
 pub struct ForkBenchArgs {
-    #[arg(long, default_value = "smollm2-135m", conflicts_with = "model")]
-    pub preset: String,
-    #[arg(long, value_name = "PATH_OR_ID")]
-    pub model: Option<String>,
+    #[command(flatten)]
+    pub m: BenchModel,
     /// Samples forked from the one prompt.
     #[arg(long, default_value_t = 8)]
     pub n: usize,
@@ -70,10 +75,6 @@ pub struct ForkBenchArgs {
     pub prompt_len: usize,
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
-    #[arg(long, default_value = "f32")]
-    pub dtype: String,
-    #[arg(long)]
-    pub json: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -96,11 +97,8 @@ struct GenBenchResult {
     peak_rss_mib: f64,
 }
 
-fn load_for_bench(
-    preset: &str,
-    model: &Option<String>,
-    dtype: &str,
-) -> Result<(arbor_model::Transformer, String)> {
+fn load_for_bench(m: &BenchModel) -> Result<(arbor_model::Transformer, String)> {
+    let (preset, model, dtype) = (&m.preset, &m.model, &m.dtype);
     let dtype = parse_dtype(dtype)?;
     let dev = Device::Cpu;
     match model {
@@ -216,7 +214,7 @@ fn generate_bench(a: GenBenchArgs) -> Result<()> {
     if a.batch == 0 || a.prompt_len == 0 || a.max_tokens == 0 {
         bail!("--batch, --prompt-len and --max-tokens must be >= 1");
     }
-    let (model, name) = load_for_bench(&a.preset, &a.model, &a.dtype)?;
+    let (model, name) = load_for_bench(&a.m)?;
     let vocab = model.cfg.vocab_size;
     let jobs = (0..a.batch)
         .map(|i| {
@@ -224,14 +222,14 @@ fn generate_bench(a: GenBenchArgs) -> Result<()> {
             (bench_prompt(a.prompt_len, i as u64, vocab), vec![p])
         })
         .collect();
-    run_engine_bench("generate", &model, name, &a.dtype, jobs, a.json)
+    run_engine_bench("generate", &model, name, &a.m.dtype, jobs, a.m.json)
 }
 
 fn fork_bench(a: ForkBenchArgs) -> Result<()> {
     if a.n == 0 || a.prompt_len == 0 || a.max_tokens == 0 {
         bail!("--n, --prompt-len and --max-tokens must be >= 1");
     }
-    let (model, name) = load_for_bench(&a.preset, &a.model, &a.dtype)?;
+    let (model, name) = load_for_bench(&a.m)?;
     let vocab = model.cfg.vocab_size;
     let samples = (0..a.n)
         .map(|j| arbor_engine::SamplingParams {
@@ -245,9 +243,9 @@ fn fork_bench(a: ForkBenchArgs) -> Result<()> {
         "fork",
         &model,
         name,
-        &a.dtype,
+        &a.m.dtype,
         vec![(bench_prompt(a.prompt_len, 1, vocab), samples)],
-        a.json,
+        a.m.json,
     )
 }
 

@@ -205,44 +205,25 @@ fn plot(
     algos: &[String],
     curve: &dyn Fn(&str) -> Vec<(f64, f64)>,
 ) -> Result<()> {
-    use plotters::prelude::*;
-    crate::plot::register_font()?;
-    let curves: Vec<(String, Vec<(f64, f64)>)> =
-        algos.iter().map(|a| (a.clone(), curve(a))).collect();
-    let xmax = curves
+    use plotters::style::{Color, Palette, Palette99};
+    let series: Vec<crate::plot::Series> = algos
         .iter()
-        .flat_map(|c| c.1.iter().map(|p| p.0))
-        .fold(1.0, f64::max);
-    let root = BitMapBackend::new(path, (900, 500)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(
-            "held-out greedy pass rate vs generated tokens (mean over seeds)",
-            ("sans-serif", 22),
-        )
-        .margin(12)
-        .x_label_area_size(36)
-        .y_label_area_size(48)
-        .build_cartesian_2d(0f64..xmax, 0f64..1.0)?;
-    chart
-        .configure_mesh()
-        .x_desc("generated tokens")
-        .y_desc("eval pass rate")
-        .draw()?;
-    for (i, (name, pts)) in curves.into_iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
-        chart
-            .draw_series(LineSeries::new(pts, color.stroke_width(2)))?
-            .label(name)
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
-            });
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
-    root.present()?;
-    Ok(())
+        .enumerate()
+        .map(|(i, a)| {
+            let c = Palette99::pick(i).to_rgba();
+            crate::plot::Series {
+                name: a.clone(),
+                color: plotters::style::RGBColor(c.0, c.1, c.2),
+                width: 2,
+                points: curve(a),
+            }
+        })
+        .collect();
+    crate::plot::line_chart(
+        path,
+        "held-out greedy pass rate vs generated tokens (mean over seeds)",
+        "generated tokens",
+        "eval pass rate",
+        &series,
+    )
 }

@@ -145,79 +145,52 @@ pub fn report(a: ReportArgs) -> Result<()> {
     Ok(())
 }
 
-/// `curves.png`: training reward, pass rate and eval pass rate per step.
+/// `curves.png`: training reward (raw and 10-step mean), effective-group
+/// fraction and eval pass rate per step.
 pub fn plot_run(dir: &Path) -> Result<PathBuf> {
-    use plotters::prelude::*;
-    crate::plot::register_font()?;
+    use crate::plot::{line_chart, Series};
+    use plotters::style::{RGBColor, BLACK, GREEN, RED};
     let metrics: Vec<StepMetrics> = read_metrics(&dir.join("metrics.jsonl"))?;
     let path = dir.join("curves.png");
-    let root = BitMapBackend::new(&path, (900, 500)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let max_step = metrics.last().map(|m| m.step).unwrap_or(1).max(1);
-    let mut chart = ChartBuilder::on(&root)
-        .caption("arbor train", ("sans-serif", 24))
-        .margin(12)
-        .x_label_area_size(36)
-        .y_label_area_size(48)
-        .build_cartesian_2d(0u64..max_step, 0f64..1.0)?;
-    chart
-        .configure_mesh()
-        .x_desc("RL step")
-        .y_desc("rate")
-        .draw()?;
-    // 10-step moving average of the training reward.
-    let smooth: Vec<f64> = (0..metrics.len())
+    let smooth: Vec<(f64, f64)> = (0..metrics.len())
         .map(|i| {
             let lo = i.saturating_sub(9);
-            metrics[lo..=i].iter().map(|m| m.reward).sum::<f64>() / (i - lo + 1) as f64
+            let mean = metrics[lo..=i].iter().map(|m| m.reward).sum::<f64>() / (i - lo + 1) as f64;
+            (metrics[i].step as f64, mean)
         })
         .collect();
-    let pts: Vec<(u64, f64)> = metrics
-        .iter()
-        .zip(&smooth)
-        .map(|(m, &v)| (m.step, v))
-        .collect();
-    chart
-        .draw_series(LineSeries::new(pts, BLACK.stroke_width(3)))?
-        .label("training reward (10-step mean)")
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLACK.stroke_width(3)));
-    type Pick = Box<dyn Fn(&StepMetrics) -> Option<f64>>;
-    let series: [(&str, RGBColor, Pick); 3] = [
-        (
-            "training reward",
-            RGBColor(120, 150, 230),
-            Box::new(|m| Some(m.reward)),
-        ),
-        (
-            "effective groups",
-            GREEN,
-            Box::new(|m| Some(m.effective_group_fraction)),
-        ),
-        (
-            "eval pass rate (greedy)",
-            RED,
-            Box::new(|m| m.eval_pass_rate),
-        ),
-    ];
-    for (name, color, f) in series {
-        let pts: Vec<(u64, f64)> = metrics
+    let pick = |f: &dyn Fn(&StepMetrics) -> Option<f64>| -> Vec<(f64, f64)> {
+        metrics
             .iter()
-            .filter_map(|m| f(m).map(|v| (m.step, v)))
-            .collect();
-        chart
-            .draw_series(LineSeries::new(pts, color.stroke_width(2)))?
-            .label(name)
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
-            });
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
-    root.present()?;
-    drop(chart);
-    drop(root);
+            .filter_map(|m| f(m).map(|v| (m.step as f64, v)))
+            .collect()
+    };
+    let series = [
+        Series {
+            name: "training reward (10-step mean)".into(),
+            color: BLACK,
+            width: 3,
+            points: smooth,
+        },
+        Series {
+            name: "training reward".into(),
+            color: RGBColor(120, 150, 230),
+            width: 2,
+            points: pick(&|m| Some(m.reward)),
+        },
+        Series {
+            name: "effective groups".into(),
+            color: GREEN,
+            width: 2,
+            points: pick(&|m| Some(m.effective_group_fraction)),
+        },
+        Series {
+            name: "eval pass rate (greedy)".into(),
+            color: RED,
+            width: 2,
+            points: pick(&|m| m.eval_pass_rate),
+        },
+    ];
+    line_chart(&path, "arbor train", "RL step", "rate", &series)?;
     Ok(path)
 }

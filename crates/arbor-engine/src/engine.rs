@@ -516,11 +516,10 @@ impl Engine {
             self.model.forward_with(&input, &positions, &mut backend)?
         };
         // Last new token of each scheduled sequence.
-        let mut rows = Vec::with_capacity(scheduled.len());
-        let mut end = 0u32;
-        for (k, _) in scheduled.iter().enumerate() {
-            end += batch.token_seq.iter().filter(|&&t| t == k).count() as u32;
-            rows.push(end - 1);
+        // Tokens are laid out sequence after sequence.
+        let mut rows = vec![0u32; scheduled.len()];
+        for (i, &k) in batch.token_seq.iter().enumerate() {
+            rows[k] = i as u32;
         }
         let rows_t = Tensor::from_vec(rows, scheduled.len(), &dev)?;
         let h = hidden.squeeze(0)?.index_select(&rows_t, 0)?;

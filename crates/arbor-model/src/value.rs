@@ -99,4 +99,10 @@ impl ActorCritic {
         };
         Ok((h, values))
     }
+
+    /// Values `[B, T]` only: with a separate backbone the policy is not run.
+    pub fn values(&self, ids: &Tensor) -> Result<Tensor> {
+        let backbone = self.critic_backbone.as_ref().unwrap_or(&self.policy);
+        self.value_head.forward(&backbone.forward_hidden(ids)?)
+    }
 }

@@ -241,8 +241,7 @@ impl Learner {
                 continue;
             }
             let ids = Tensor::from_vec(s.clone(), (1, s.len()), &dev)?;
-            let (_, v) = self.model.forward(&ids)?;
-            let v: Vec<f32> = v.squeeze(0)?.detach().to_vec1()?;
+            let v: Vec<f32> = self.model.values(&ids)?.squeeze(0)?.detach().to_vec1()?;
             out.push(
                 pos.iter()
                     .map(|&p| (v[p] as f64).clamp(VALUE_EPS, 1.0 - VALUE_EPS))
