@@ -152,3 +152,120 @@ impl AttentionBackend for PagedAttention<'_> {
         Ok(Tensor::from_vec(out, (1, t, nh * d), q.device())?.to_dtype(dt)?)
     }
 }
+
+/// Paged K/V storage as device tensors (`[slots, n_kv, head_dim]` per layer,
+/// in the model's dtype): the layout of [`PagedKvCache`], on any candle
+/// device. With the `cuda` feature this is the GPU engine's cache; on the
+/// CPU it runs the same kernels as [`PagedAttention`] through
+/// `arbor_ops::paged_attention_op`.
+#[derive(Debug, Clone)]
+pub struct DeviceKvCache {
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+    block_size: usize,
+    num_blocks: usize,
+}
+
+impl DeviceKvCache {
+    pub fn new(
+        cfg: &ModelConfig,
+        num_blocks: usize,
+        block_size: usize,
+        dtype: DType,
+        device: &candle_core::Device,
+    ) -> arbor_model::Result<Self> {
+        let shape = (
+            num_blocks * block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
+        let mut k = Vec::with_capacity(cfg.num_hidden_layers);
+        let mut v = Vec::with_capacity(cfg.num_hidden_layers);
+        for _ in 0..cfg.num_hidden_layers {
+            k.push(Tensor::zeros(shape, dtype, device)?);
+            v.push(Tensor::zeros(shape, dtype, device)?);
+        }
+        Ok(DeviceKvCache {
+            k,
+            v,
+            block_size,
+            num_blocks,
+        })
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Total bytes held.
+    pub fn bytes(&self) -> usize {
+        self.k
+            .iter()
+            .chain(&self.v)
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum()
+    }
+}
+
+/// [`AttentionBackend`] over a [`DeviceKvCache`]: writes the step's K/V
+/// into their slots (`arbor_ops::cache_write`), then attends through the
+/// block tables (`arbor_ops::paged_attention_op`).
+#[derive(Debug)]
+pub struct DevicePagedAttention<'a> {
+    pub cache: &'a DeviceKvCache,
+    pub meta: arbor_ops::PagedMeta,
+    /// `[t]` u32 slot of each new token.
+    pub slots: Tensor,
+}
+
+impl<'a> DevicePagedAttention<'a> {
+    /// Upload a [`PagedBatch`] to the cache's device.
+    pub fn new(cache: &'a DeviceKvCache, batch: &PagedBatch) -> arbor_model::Result<Self> {
+        let dev = cache.k.first().map(|t| t.device().clone()).unwrap_or(candle_core::Device::Cpu);
+        let meta = arbor_ops::PagedMeta::new(
+            &batch.positions,
+            &batch.token_seq,
+            &batch.tables,
+            cache.block_size,
+            &dev,
+        )?;
+        let slots: Vec<u32> = batch.slots.iter().map(|&s| s as u32).collect();
+        let n = slots.len();
+        Ok(DevicePagedAttention {
+            cache,
+            meta,
+            slots: Tensor::from_vec(slots, n, &dev)?,
+        })
+    }
+}
+
+impl AttentionBackend for DevicePagedAttention<'_> {
+    fn attend(
+        &mut self,
+        layer: usize,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> arbor_model::Result<Tensor> {
+        let (b, nh, t, d) = q.dims4()?;
+        if b != 1 || t != self.slots.dim(0)? {
+            return Err(ModelError::Input(format!(
+                "paged attention: q {:?} does not match a batch of {} tokens",
+                q.dims(),
+                self.slots.dim(0)?
+            )));
+        }
+        let (kc, vc) = (&self.cache.k[layer], &self.cache.v[layer]);
+        let rows = |x: &Tensor| -> candle_core::Result<Tensor> {
+            x.squeeze(0)?.transpose(0, 1)?.to_dtype(kc.dtype())?.contiguous()
+        };
+        arbor_ops::cache_write(kc, &rows(k)?, &self.slots)?;
+        arbor_ops::cache_write(vc, &rows(v)?, &self.slots)?;
+        let out = arbor_ops::paged_attention_op(&rows(q)?, kc, vc, &self.meta)?;
+        Ok(out.reshape((1, t, nh * d))?.to_dtype(q.dtype())?)
+    }
+}

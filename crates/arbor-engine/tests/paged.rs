@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use arbor_engine::paged::{PagedAttention, PagedBatch, PagedKvCache};
+use arbor_engine::paged::{DeviceKvCache, DevicePagedAttention, PagedAttention, PagedBatch, PagedKvCache};
 use arbor_kv::KvManager;
 use arbor_model::{LoadOptions, LoadedModel};
 use candle_core::{DType, Tensor};
@@ -29,6 +29,7 @@ fn paged_chunks_equal_dense_hidden_states() {
         let bs = 4;
         let mut kv = KvManager::new(32, bs);
         let mut cache = PagedKvCache::new(&m.cfg, 32, bs);
+        let dcache = DeviceKvCache::new(&m.cfg, 32, bs, DType::F64, m.device()).unwrap();
         // Reserve every sequence; compute them in two packed chunks.
         let allocs: Vec<_> = seqs
             .iter()
@@ -71,6 +72,17 @@ fn paged_chunks_equal_dense_hidden_states() {
                     },
                 )
                 .unwrap();
+            // The tensor backend (the GPU engine's path, here on the CPU)
+            // gives the same hidden states.
+            let hd = m
+                .forward_with(
+                    &input,
+                    &positions,
+                    &mut DevicePagedAttention::new(&dcache, &batch).unwrap(),
+                )
+                .unwrap();
+            let diff = (&h - &hd).unwrap().abs().unwrap().max_all().unwrap();
+            assert!(diff.to_scalar::<f64>().unwrap() < 1e-9, "{name}: device backend differs");
             let rows: Vec<Vec<f64>> = h.squeeze(0).unwrap().to_vec2().unwrap();
             for (r, &i) in rows.into_iter().zip(&owner) {
                 got[i].extend(r);

@@ -2,10 +2,11 @@
 //! the full `[N, V]` logits never exist at once.
 //!
 //! For row `n` with hidden `h_n` and target `y_n`:
-//! `logp_n = (W h_n)_{y_n} - logsumexp_v (W h_n)_v`, computed in f32 (f64
-//! for f64 models) with a detached max shift. Peak extra memory is
-//! `chunk_rows * V` floats. This is the differentiable reference path;
-//! `arbor-ops` adds the fused kernel with its own backward.
+//! `logp_n = (W h_n)_{y_n} - logsumexp_v (W h_n)_v`, through
+//! [`arbor_ops::fused_logprobs`]: forward in chunks of `chunk_rows` rows,
+//! backward recomputing the logits in vocabulary chunks, so neither pass
+//! holds `[N, V]` logits (the autograd graph keeps only `[N, 3]`). f32
+//! results (f64 for f64 models); CUDA kernels with the `cuda` feature.
 
 use candle_core::{Tensor, D};
 
@@ -42,7 +43,7 @@ pub fn token_logprobs(
     targets: &Tensor,
     chunk_rows: usize,
 ) -> Result<Tensor> {
-    let (n, _) = check(hidden, lm_head)?;
+    check(hidden, lm_head)?;
     let chunk_rows = chunk_rows.max(1);
     let vocab = lm_head.dim(0)? as u32;
     if let Some(bad) = targets.to_vec1::<u32>()?.into_iter().find(|&t| t >= vocab) {
@@ -50,24 +51,8 @@ pub fn token_logprobs(
             "target token {bad} is outside the vocabulary ({vocab})"
         )));
     }
-    let mut parts = Vec::with_capacity(n.div_ceil(chunk_rows));
-    let mut start = 0;
-    while start < n {
-        let len = chunk_rows.min(n - start);
-        let logits = chunk_logits(hidden, lm_head, start, len)?;
-        let m = logits.max_keepdim(D::Minus1)?.detach();
-        let lse = (logits
-            .broadcast_sub(&m)?
-            .exp()?
-            .sum_keepdim(D::Minus1)?
-            .log()?
-            + &m)?;
-        let tgt = targets.narrow(0, start, len)?.unsqueeze(1)?;
-        let picked = logits.gather(&tgt, 1)?;
-        parts.push((picked - lse)?.squeeze(1)?);
-        start += len;
-    }
-    Ok(Tensor::cat(&parts, 0)?)
+    let out = arbor_ops::fused_logprobs(hidden, lm_head, targets, chunk_rows * vocab as usize)?;
+    Ok(out.narrow(1, 0, 1)?.squeeze(1)?)
 }
 
 /// Greedy (argmax) next token for every row of `hidden: [N, H]`.

@@ -1,14 +1,48 @@
 //! # arbor-ops
 //!
-//! Arbor's own kernels on plain slices. Each has a straightforward scalar
-//! reference in its tests (float64 where it matters); the fast CPU versions
-//! are compiled for several x86 feature levels and picked at run time
-//! (`multiversion`), so a portable binary still uses AVX2/FMA where the
-//! machine has it.
+//! Arbor's own kernels. Every op has a CPU reference (tested against float64
+//! brute force or finite differences) and, with the `cuda` feature, a CUDA
+//! kernel from `kernels/*.cu` compiled to PTX by `build.rs`, exposed as a
+//! candle `CustomOp` so it sits in the autograd graph:
 //!
-//! - [`paged_attention`]: attention of new tokens over a paged KV cache
-//!   through block tables.
+//! - [`fused_logprobs`]: LM head + log-softmax + gather + entropy in chunks,
+//!   with a recomputing backward (no `[N, V]` logits held, ever);
+//! - [`ppo_loss`], [`value_loss`]: masked clipped PPO loss (asymmetric clip,
+//!   token or sequence aggregation through [`token_weights`]) and clipped
+//!   value loss, forward and backward;
+//! - [`segment_broadcast`], [`segment_sum`], [`segment_mean`]: per-segment
+//!   advantages to token positions and back;
+//! - [`paged_attention_op`], [`cache_write`]: attention over the engine's
+//!   block tables and KV writes into the paged cache.
+//!
+//! The slice-level [`paged_attention`] is the engine's CPU kernel, compiled
+//! for several x86 feature levels and picked at run time (`multiversion`).
 
 mod attention;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod logprob;
+pub mod paged;
+pub mod ppo;
+pub mod segment;
 
 pub use attention::{paged_attention, PagedAttentionArgs};
+pub use logprob::{fused_logprobs, DEFAULT_CHUNK_ELEMS};
+pub use paged::{cache_write, paged_attention_op, PagedMeta};
+pub use ppo::{pack_aux, ppo_loss, token_weights, value_loss, Aggregation, PpoClip};
+pub use segment::{segment_broadcast, segment_mean, segment_sum};
+
+static POISON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Poison (NaN-fill) the output buffers of the CUDA ops before their kernels
+/// write them, so an unwritten element shows up in a check. Off by default
+/// (outputs start zeroed); `arbor check-device` turns it on. The CPU ops
+/// build every output element explicitly and are unaffected.
+pub fn set_poison(on: bool) {
+    POISON.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`set_poison`] is on.
+pub fn poison() -> bool {
+    POISON.load(std::sync::atomic::Ordering::Relaxed)
+}

@@ -1,0 +1,97 @@
+//! CUDA plumbing shared by the ops: the PTX that `build.rs` compiled from
+//! `kernels/*.cu`, function lookup through candle's device (modules load
+//! once per device), launch shapes and slice access.
+#![allow(unsafe_code)]
+
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig};
+use candle_core::cuda_backend::{CudaDevice, CudaStorage};
+use candle_core::{DType, Layout, Result};
+
+pub use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+pub use candle_core::cuda_backend::WrapErr;
+
+/// PTX of every kernel file, by module name.
+pub const MODULES: &[(&str, &str)] = &[
+    ("logprob", include_str!(concat!(env!("OUT_DIR"), "/logprob.ptx"))),
+    ("ppo", include_str!(concat!(env!("OUT_DIR"), "/ppo.ptx"))),
+    ("segment", include_str!(concat!(env!("OUT_DIR"), "/segment.ptx"))),
+    (
+        "paged_attention",
+        include_str!(concat!(env!("OUT_DIR"), "/paged_attention.ptx")),
+    ),
+];
+
+/// PTX of a kernel module.
+pub fn ptx(module: &str) -> Result<&'static str> {
+    MODULES
+        .iter()
+        .find(|(m, _)| *m == module)
+        .map(|(_, p)| *p)
+        .ok_or_else(|| candle_core::Error::Msg(format!("arbor-ops: no PTX module {module}")))
+}
+
+/// Grid-stride launch over `n` elements.
+pub fn grid1d(n: usize, threads: u32) -> LaunchConfig {
+    let blocks = n.div_ceil(threads as usize).clamp(1, 65_535 * 8) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Kernel-name suffix of a floating dtype.
+pub fn suffix(dt: DType) -> Result<&'static str> {
+    match dt {
+        DType::F32 => Ok("f32"),
+        DType::BF16 => Ok("bf16"),
+        DType::F16 => Ok("f16"),
+        other => Err(candle_core::Error::Msg(format!(
+            "arbor-ops CUDA kernels take f32, bf16 or f16, not {other:?}"
+        ))),
+    }
+}
+
+/// The contiguous view of a storage under `layout`.
+pub fn view<'a, T: candle_core::cuda_backend::CudaDType + DeviceRepr>(
+    s: &'a CudaStorage,
+    l: &Layout,
+) -> Result<CudaView<'a, T>> {
+    let (a, b) = l.contiguous_offsets().ok_or_else(|| {
+        candle_core::Error::Msg("arbor-ops: CUDA op input must be contiguous".into())
+    })?;
+    Ok(s.as_cuda_slice::<T>()?.slice(a..b))
+}
+
+/// Wrap a fresh slice as storage.
+pub fn wrap<T: candle_core::cuda_backend::CudaDType>(
+    s: CudaSlice<T>,
+    dev: &CudaDevice,
+) -> CudaStorage {
+    CudaStorage::wrap_cuda_slice(s, dev.clone())
+}
+
+/// Fill value for poisoned outputs.
+pub trait Poison: Copy + DeviceRepr + candle_core::cuda_backend::cudarc::driver::ValidAsZeroBits + 'static {
+    const NAN: Self;
+}
+impl Poison for f32 {
+    const NAN: Self = f32::NAN;
+}
+impl Poison for ::half::bf16 {
+    const NAN: Self = ::half::bf16::NAN;
+}
+impl Poison for ::half::f16 {
+    const NAN: Self = ::half::f16::NAN;
+}
+
+/// An output buffer of `n` elements: zeros, or NaN when
+/// [`crate::set_poison`] is on (so a kernel that leaves an element unwritten
+/// fails its check).
+pub fn alloc_out<T: Poison>(dev: &CudaDevice, n: usize) -> Result<CudaSlice<T>> {
+    if crate::poison() {
+        dev.clone_htod(&vec![T::NAN; n])
+    } else {
+        dev.alloc_zeros::<T>(n)
+    }
+}

@@ -1,0 +1,563 @@
+//! Fused linear + log-softmax + gather: token log-probabilities and
+//! entropies straight from final hidden states, never holding the full
+//! `[N, V]` logits.
+//!
+//! For row `n` with hidden `h_n`, LM-head `W: [V, H]` and target `y_n`,
+//! `z = W h_n`:
+//! - `lse_n = log sum_v exp(z_v)`
+//! - `logp_n = z_{y_n} - lse_n`
+//! - `H_n = lse_n - sum_v softmax(z)_v z_v` (entropy)
+//!
+//! Forward walks the rows in chunks of `chunk_elems / V` rows: one matmul
+//! per chunk, then one pass over each row with an online (max, sum, weighted
+//! sum) state. Backward recomputes the logits in **vocabulary** chunks of
+//! `chunk_elems / N` columns, using the saved `lse` and `H`:
+//! `dz = g_lp (1[v = y] - p) - g_ent p (z - lse + H) + g_lse p`, `p = exp(z - lse)`,
+//! writes `dW[chunk] = dz^T h` directly into the output and accumulates
+//! `dh += dz W[chunk]`. Peak extra memory is one chunk (default 2^25
+//! elements) plus one `[N, H]` buffer, whatever N and V are.
+//!
+//! The CPU path is the reference (f64 accumulation, f32/f64 storage; bf16 and
+//! f16 inputs are upcast to f32); the CUDA path uses cuBLAS for the matmuls
+//! and `kernels/logprob.cu` for the row passes.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+/// Default chunk size in logits elements (128 MiB of f32).
+pub const DEFAULT_CHUNK_ELEMS: usize = 1 << 25;
+
+/// `[N, 3]` columns `(logp, entropy, lse)` for `hidden: [N, H]`,
+/// `weight: [V, H]`, `targets: [N]` (u32). Differentiable in `hidden` and
+/// `weight` through all three columns. Output dtype is f32 (f64 for f64
+/// inputs).
+pub fn fused_logprobs(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+    chunk_elems: usize,
+) -> Result<Tensor> {
+    let (n, h) = hidden.dims2()?;
+    let (v, h2) = weight.dims2()?;
+    if h != h2 {
+        candle_core::bail!("fused_logprobs: hidden [{n}, {h}] does not match weight [{v}, {h2}]");
+    }
+    if targets.dims() != [n] || targets.dtype() != DType::U32 {
+        candle_core::bail!(
+            "fused_logprobs: targets must be u32 [{n}], got {:?} {:?}",
+            targets.dtype(),
+            targets.dims()
+        );
+    }
+    if hidden.dtype() != weight.dtype() {
+        candle_core::bail!(
+            "fused_logprobs: hidden is {:?} but weight is {:?}",
+            hidden.dtype(),
+            weight.dtype()
+        );
+    }
+    if let Some(bad) = targets.to_vec1::<u32>()?.into_iter().find(|&t| t as usize >= v) {
+        candle_core::bail!("fused_logprobs: target token {bad} is outside the vocabulary ({v})");
+    }
+    if n == 0 {
+        return Tensor::zeros((0, 3), out_dtype(hidden.dtype()), hidden.device());
+    }
+    hidden.contiguous()?.apply_op3(
+        &weight.contiguous()?,
+        &targets.contiguous()?,
+        FusedLogprob {
+            chunk_elems: chunk_elems.max(1),
+        },
+    )
+}
+
+fn out_dtype(dt: DType) -> DType {
+    if dt == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// The forward op (see the module docs).
+#[derive(Debug, Clone, Copy)]
+pub struct FusedLogprob {
+    pub chunk_elems: usize,
+}
+
+/// The backward op: `(hidden, weight, aux [N, 6] = (y, g_lp, g_ent, g_lse,
+/// lse, H))` -> packed `[N*H + V*H]` = `dh` then `dW`, in the input dtype.
+#[derive(Debug, Clone, Copy)]
+pub struct FusedLogprobGrad {
+    pub chunk_elems: usize,
+}
+
+/// Rows per forward chunk / columns per backward chunk.
+fn chunk_len(chunk_elems: usize, other: usize) -> usize {
+    (chunk_elems / other.max(1)).max(1)
+}
+
+fn rhs_t(wl: &Layout, start_row: usize, rows: usize, h: usize) -> Result<Layout> {
+    Layout::contiguous_with_offset((rows, h), wl.start_offset() + start_row * h).transpose(0, 1)
+}
+
+/// Row statistics `(logp, H, lse)` of one logits row, f64 accumulation.
+fn row_stats<T: Copy + Into<f64>>(z: &[T], y: usize) -> [f64; 3] {
+    let mut m = f64::NEG_INFINITY;
+    for &x in z {
+        m = m.max(x.into());
+    }
+    let (mut s, mut t) = (0.0f64, 0.0f64);
+    for &x in z {
+        let x: f64 = x.into();
+        let e = (x - m).exp();
+        s += e;
+        t += e * x;
+    }
+    let lse = m + s.ln();
+    [z[y].into() - lse, lse - t / s, lse]
+}
+
+/// `dz` of one logits row in place; `a = (y, g_lp, g_ent, g_lse, lse, H)`.
+fn row_grad<T: Copy + Into<f64> + FromF64>(z: &mut [T], v0: usize, a: &[T]) {
+    let y = a[0].into() as usize;
+    let (g_lp, g_ent, g_lse, lse, h) = (a[1].into(), a[2].into(), a[3].into(), a[4].into(), a[5].into());
+    for (j, x) in z.iter_mut().enumerate() {
+        let lp = (*x).into() - lse;
+        let p = lp.exp();
+        let onehot = if v0 + j == y { 1.0 } else { 0.0 };
+        *x = T::from_f64(g_lp * (onehot - p) - g_ent * p * (lp + h) + g_lse * p);
+    }
+}
+
+trait FromF64 {
+    fn from_f64(x: f64) -> Self;
+}
+impl FromF64 for f32 {
+    fn from_f64(x: f64) -> Self {
+        x as f32
+    }
+}
+impl FromF64 for f64 {
+    fn from_f64(x: f64) -> Self {
+        x
+    }
+}
+
+/// CPU inputs as f32/f64 storages (bf16/f16 upcast to f32), contiguous.
+fn cpu_float(s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Layout)> {
+    match s.dtype() {
+        DType::F32 | DType::F64 => Ok((s.try_clone(l)?, l.clone())),
+        _ => {
+            let c = s.to_dtype(l, DType::F32)?;
+            Ok((c, Layout::contiguous(l.shape())))
+        }
+    }
+}
+
+impl CustomOp3 for FusedLogprob {
+    fn name(&self) -> &'static str {
+        "arbor-fused-logprob"
+    }
+
+    fn cpu_fwd(
+        &self,
+        hs: &CpuStorage,
+        hl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        ts: &CpuStorage,
+        tl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (n, h) = hl.shape().dims2()?;
+        let v = wl.shape().dims()[0];
+        let targets = match ts {
+            CpuStorage::U32(t) => &t[tl.start_offset()..tl.start_offset() + n],
+            _ => candle_core::bail!("fused_logprobs: targets must be u32"),
+        };
+        let (hs, hl) = cpu_float(hs, hl)?;
+        let (ws, wl) = cpu_float(ws, wl)?;
+        let rows = chunk_len(self.chunk_elems, v);
+        let mut out = vec![[0f64; 3]; n];
+        let mut r0 = 0;
+        while r0 < n {
+            let c = rows.min(n - r0);
+            let lhs = Layout::contiguous_with_offset((c, h), hl.start_offset() + r0 * h);
+            let logits = hs.matmul(&ws, (1, c, v, h), &lhs, &rhs_t(&wl, 0, v, h)?)?;
+            let dst = &mut out[r0..r0 + c];
+            let tg = &targets[r0..r0 + c];
+            match &logits {
+                CpuStorage::F32(z) => dst
+                    .par_iter_mut()
+                    .zip(z.par_chunks(v))
+                    .zip(tg.par_iter())
+                    .for_each(|((o, z), &y)| *o = row_stats(z, y as usize)),
+                CpuStorage::F64(z) => dst
+                    .par_iter_mut()
+                    .zip(z.par_chunks(v))
+                    .zip(tg.par_iter())
+                    .for_each(|((o, z), &y)| *o = row_stats(z, y as usize)),
+                _ => unreachable!("cpu_float gives f32/f64"),
+            }
+            r0 += c;
+        }
+        let flat = out.into_iter().flatten();
+        let storage = if hs.dtype() == DType::F64 {
+            CpuStorage::F64(flat.collect())
+        } else {
+            CpuStorage::F32(flat.map(|x| x as f32).collect())
+        };
+        Ok((storage, Shape::from((n, 3))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        hs: &candle_core::CudaStorage,
+        hl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+        ts: &candle_core::CudaStorage,
+        tl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use crate::cuda::{self, PushKernelArg, WrapErr};
+        use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
+        use candle_core::cuda_backend::CudaStorageSlice as S;
+        let dev = hs.device.clone();
+        let (n, h) = hl.shape().dims2()?;
+        let v = wl.shape().dims()[0];
+        let suf = cuda::suffix(hs.dtype())?;
+        let f = dev.get_or_load_custom_func(&format!("logprob_rows_{suf}"), "arbor_logprob", cuda::ptx("logprob")?)?;
+        let targets = cuda::view::<u32>(ts, tl)?;
+        let mut out = cuda::alloc_out::<f32>(&dev, n * 3)?;
+        let rows = chunk_len(self.chunk_elems, v);
+        let (vocab, mut r0) = (v as i32, 0usize);
+        while r0 < n {
+            let c = rows.min(n - r0);
+            let lhs = Layout::contiguous_with_offset((c, h), hl.start_offset() + r0 * h);
+            let logits = hs.matmul(ws, (1, c, v, h), &lhs, &rhs_t(wl, 0, v, h)?)?;
+            let tg = targets.slice(r0..r0 + c);
+            let mut o = out.slice_mut(3 * r0..3 * (r0 + c));
+            let cfg = LaunchConfig {
+                grid_dim: (c as u32, 1, 1),
+                block_dim: (512, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = f.builder();
+            match &logits.slice {
+                S::F32(z) => b.arg(z),
+                S::BF16(z) => b.arg(z),
+                S::F16(z) => b.arg(z),
+                _ => candle_core::bail!("fused_logprobs: unsupported CUDA dtype"),
+            };
+            b.arg(&tg).arg(&mut o).arg(&vocab);
+            // SAFETY: argument types and counts match `logprob_rows_*` in
+            // kernels/logprob.cu; every pointer covers the ranges it reads.
+            #[allow(unsafe_code)]
+            unsafe { b.launch(cfg) }.w()?;
+            r0 += c;
+        }
+        Ok((cuda::wrap(out, &dev), Shape::from((n, 3))))
+    }
+
+    fn bwd(
+        &self,
+        hidden: &Tensor,
+        weight: &Tensor,
+        targets: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (n, h) = hidden.dims2()?;
+        let v = weight.dim(0)?;
+        let dt = res.dtype();
+        let aux = Tensor::cat(
+            &[
+                &targets.to_dtype(dt)?.unsqueeze(1)?,
+                &grad.to_dtype(dt)?,
+                &res.narrow(1, 2, 1)?,
+                &res.narrow(1, 1, 1)?,
+            ],
+            1,
+        )?
+        .detach()
+        .contiguous()?;
+        let packed = hidden.detach().apply_op3_no_bwd(
+            &weight.detach(),
+            &aux,
+            &FusedLogprobGrad {
+                chunk_elems: self.chunk_elems,
+            },
+        )?;
+        let dh = packed.narrow(0, 0, n * h)?.reshape((n, h))?;
+        let dw = packed.narrow(0, n * h, v * h)?.reshape((v, h))?;
+        Ok((Some(dh), Some(dw), None))
+    }
+}
+
+impl CustomOp3 for FusedLogprobGrad {
+    fn name(&self) -> &'static str {
+        "arbor-fused-logprob-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        hs: &CpuStorage,
+        hl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        auxs: &CpuStorage,
+        auxl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let in_dtype = hs.dtype();
+        let (n, h) = hl.shape().dims2()?;
+        let v = wl.shape().dims()[0];
+        let (hs, hl) = cpu_float(hs, hl)?;
+        let (ws, wl) = cpu_float(ws, wl)?;
+        let wdt = hs.dtype();
+        let (auxs, auxl) = (auxs.to_dtype(auxl, wdt)?, Layout::contiguous((n, 6)));
+        let mut out = match wdt {
+            DType::F64 => CpuStorage::F64(vec![0.0; (n + v) * h]),
+            _ => CpuStorage::F32(vec![0.0; (n + v) * h]),
+        };
+        let cols = chunk_len(self.chunk_elems, n);
+        let mut dh: Option<CpuStorage> = None;
+        let mut v0 = 0;
+        while v0 < v {
+            let vc = cols.min(v - v0);
+            let mut z = hs.matmul(&ws, (1, n, vc, h), &hl, &rhs_t(&wl, v0, vc, h)?)?;
+            match (&mut z, &auxs) {
+                (CpuStorage::F32(z), CpuStorage::F32(a)) => z
+                    .par_chunks_mut(vc)
+                    .zip(a[auxl.start_offset()..].par_chunks(6))
+                    .for_each(|(z, a)| row_grad(z, v0, a)),
+                (CpuStorage::F64(z), CpuStorage::F64(a)) => z
+                    .par_chunks_mut(vc)
+                    .zip(a[auxl.start_offset()..].par_chunks(6))
+                    .for_each(|(z, a)| row_grad(z, v0, a)),
+                _ => unreachable!("cpu_float gives f32/f64"),
+            }
+            let zl = Layout::contiguous((n, vc));
+            // dW[v0..v0+vc] = dz^T h
+            let dw = z.matmul(&hs, (1, vc, h, n), &zl.transpose(0, 1)?, &hl)?;
+            dw.copy_strided_src(&mut out, (n + v0) * h, &Layout::contiguous((vc, h)))?;
+            // dh += dz W[v0..v0+vc]
+            let wc = Layout::contiguous_with_offset((vc, h), wl.start_offset() + v0 * h);
+            let part = z.matmul(&ws, (1, n, h, vc), &zl, &wc)?;
+            dh = Some(match dh {
+                None => part,
+                Some(acc) => {
+                    let l = Layout::contiguous((n, h));
+                    acc.binary_impl::<candle_core::op::Add>(&part, &l, &l)?
+                }
+            });
+            v0 += vc;
+        }
+        if let Some(dh) = dh {
+            dh.copy_strided_src(&mut out, 0, &Layout::contiguous((n, h)))?;
+        }
+        let out = if in_dtype == wdt {
+            out
+        } else {
+            out.to_dtype(&Layout::contiguous((n + v) * h), in_dtype)?
+        };
+        Ok((out, Shape::from((n + v) * h)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        hs: &candle_core::CudaStorage,
+        hl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+        auxs: &candle_core::CudaStorage,
+        auxl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use crate::cuda::{self, PushKernelArg, WrapErr};
+        use candle_core::cuda_backend::CudaStorageSlice as S;
+        let dev = hs.device.clone();
+        let (n, h) = hl.shape().dims2()?;
+        let v = wl.shape().dims()[0];
+        let dt = hs.dtype();
+        let suf = cuda::suffix(dt)?;
+        let grad_f = dev.get_or_load_custom_func(&format!("logprob_grad_{suf}"), "arbor_logprob", cuda::ptx("logprob")?)?;
+        let add_f = dev.get_or_load_custom_func(&format!("add_inplace_{suf}"), "arbor_logprob", cuda::ptx("logprob")?)?;
+        let aux = cuda::view::<f32>(auxs, auxl)?;
+        let total = (n + v) * h;
+        let mut out = match dt {
+            DType::F32 => cuda::wrap(cuda::alloc_out::<f32>(&dev, total)?, &dev),
+            DType::BF16 => cuda::wrap(cuda::alloc_out::<::half::bf16>(&dev, total)?, &dev),
+            _ => cuda::wrap(cuda::alloc_out::<::half::f16>(&dev, total)?, &dev),
+        };
+        let cols = chunk_len(self.chunk_elems, n);
+        let mut dh: Option<candle_core::CudaStorage> = None;
+        let mut v0 = 0;
+        while v0 < v {
+            let vc = cols.min(v - v0);
+            let mut z = hs.matmul(ws, (1, n, vc, h), hl, &rhs_t(wl, v0, vc, h)?)?;
+            {
+                let (rows, vci, v0i) = (n as i32, vc as i32, v0 as i32);
+                let mut b = grad_f.builder();
+                match &mut z.slice {
+                    S::F32(s) => b.arg(s),
+                    S::BF16(s) => b.arg(s),
+                    S::F16(s) => b.arg(s),
+                    _ => candle_core::bail!("fused_logprobs: unsupported CUDA dtype"),
+                };
+                b.arg(&aux).arg(&rows).arg(&vci).arg(&v0i);
+                // SAFETY: matches `logprob_grad_*` in kernels/logprob.cu; z
+                // holds n*vc elements and aux n*6.
+                #[allow(unsafe_code)]
+                unsafe { b.launch(cuda::grid1d(n * vc, 256)) }.w()?;
+            }
+            let zl = Layout::contiguous((n, vc));
+            let dw = z.matmul(hs, (1, vc, h, n), &zl.transpose(0, 1)?, hl)?;
+            dw.copy_strided_src(&mut out, (n + v0) * h, &Layout::contiguous((vc, h)))?;
+            let wc = Layout::contiguous_with_offset((vc, h), wl.start_offset() + v0 * h);
+            let part = z.matmul(ws, (1, n, h, vc), &zl, &wc)?;
+            dh = Some(match dh {
+                None => part,
+                Some(mut acc) => {
+                    let len = n * h;
+                    let mut b = add_f.builder();
+                    match (&mut acc.slice, &part.slice) {
+                        (S::F32(a), S::F32(p)) => b.arg(a).arg(p),
+                        (S::BF16(a), S::BF16(p)) => b.arg(a).arg(p),
+                        (S::F16(a), S::F16(p)) => b.arg(a).arg(p),
+                        _ => candle_core::bail!("fused_logprobs: dtype mismatch"),
+                    };
+                    b.arg(&len);
+                    // SAFETY: matches `add_inplace_*`; both hold n*h elements.
+                    #[allow(unsafe_code)]
+                    unsafe { b.launch(cuda::grid1d(len, 256)) }.w()?;
+                    acc
+                }
+            });
+            v0 += vc;
+        }
+        if let Some(dh) = dh {
+            dh.copy_strided_src(&mut out, 0, &Layout::contiguous((n, h)))?;
+        }
+        Ok((out, Shape::from(total)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+
+    /// Float64 brute force: full logits, log-softmax, gather, entropy.
+    fn brute(hid: &[f64], w: &[f64], y: &[u32], n: usize, v: usize, h: usize) -> Vec<[f64; 3]> {
+        (0..n)
+            .map(|r| {
+                let z: Vec<f64> = (0..v)
+                    .map(|j| (0..h).map(|k| hid[r * h + k] * w[j * h + k]).sum())
+                    .collect();
+                let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let lse = m + z.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+                let ent = -z.iter().map(|x| (x - lse).exp() * (x - lse)).sum::<f64>();
+                [z[y[r] as usize] - lse, ent, lse]
+            })
+            .collect()
+    }
+
+    fn rand_vec(rng: &mut StdRng, n: usize, scale: f64) -> Vec<f64> {
+        (0..n).map(|_| rng.random_range(-scale..scale)).collect()
+    }
+
+    #[test]
+    fn forward_matches_f64_brute_force_for_any_chunking() -> Result<()> {
+        let mut rng = StdRng::seed_from_u64(7);
+        let (n, v, h) = (13, 37, 6);
+        let hid = rand_vec(&mut rng, n * h, 2.0);
+        let w = rand_vec(&mut rng, v * h, 2.0);
+        let y: Vec<u32> = (0..n).map(|_| rng.random_range(0..v as u32)).collect();
+        let want = brute(&hid, &w, &y, n, v, h);
+        let dev = Device::Cpu;
+        for chunk in [1, 40, 37 * 5, 1 << 20] {
+            for dt in [DType::F64, DType::F32] {
+                let ht = Tensor::from_vec(hid.clone(), (n, h), &dev)?.to_dtype(dt)?;
+                let wt = Tensor::from_vec(w.clone(), (v, h), &dev)?.to_dtype(dt)?;
+                let yt = Tensor::from_vec(y.clone(), n, &dev)?;
+                let got = fused_logprobs(&ht, &wt, &yt, chunk)?
+                    .to_dtype(DType::F64)?
+                    .to_vec2::<f64>()?;
+                let tol = if dt == DType::F64 { 1e-10 } else { 1e-4 };
+                for (g, w) in got.iter().zip(&want) {
+                    for c in 0..3 {
+                        assert!((g[c] - w[c]).abs() < tol, "{dt:?} chunk {chunk}: {g:?} vs {w:?}");
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Gradients of `sum(a*logp + b*H + c*lse)` against central finite
+    /// differences in f64, with chunking that splits rows and vocabulary.
+    #[test]
+    fn backward_matches_finite_differences() -> Result<()> {
+        let mut rng = StdRng::seed_from_u64(11);
+        let (n, v, h) = (5, 9, 4);
+        let hid = rand_vec(&mut rng, n * h, 1.0);
+        let w = rand_vec(&mut rng, v * h, 1.0);
+        let y: Vec<u32> = (0..n).map(|_| rng.random_range(0..v as u32)).collect();
+        let coef = [0.7, -0.3, 0.2];
+        let dev = Device::Cpu;
+        let yt = Tensor::from_vec(y.clone(), n, &dev)?;
+        let loss_f64 = |hid: &[f64], w: &[f64]| -> f64 {
+            brute(hid, w, &y, n, v, h)
+                .iter()
+                .map(|r| coef[0] * r[0] + coef[1] * r[1] + coef[2] * r[2])
+                .sum()
+        };
+        for chunk in [4, 18, 1 << 20] {
+            let hv = Var::from_vec(hid.clone(), (n, h), &dev)?;
+            let wv = Var::from_vec(w.clone(), (v, h), &dev)?;
+            let out = fused_logprobs(hv.as_tensor(), wv.as_tensor(), &yt, chunk)?;
+            let c = Tensor::new(&coef, &dev)?;
+            let loss = out.broadcast_mul(&c)?.sum_all()?;
+            let grads = loss.backward()?;
+            let gh = grads.get(hv.as_tensor()).expect("dh").flatten_all()?.to_vec1::<f64>()?;
+            let gw = grads.get(wv.as_tensor()).expect("dw").flatten_all()?.to_vec1::<f64>()?;
+            let eps = 1e-6;
+            for (which, base, got) in [(0, &hid, &gh), (1, &w, &gw)] {
+                for i in 0..base.len() {
+                    let (mut p, mut m) = (base.clone(), base.clone());
+                    p[i] += eps;
+                    m[i] -= eps;
+                    let fd = if which == 0 {
+                        (loss_f64(&p, &w) - loss_f64(&m, &w)) / (2.0 * eps)
+                    } else {
+                        (loss_f64(&hid, &p) - loss_f64(&hid, &m)) / (2.0 * eps)
+                    };
+                    assert!(
+                        (fd - got[i]).abs() < 1e-6 * (1.0 + fd.abs()),
+                        "chunk {chunk} {} [{i}]: fd {fd} vs {}",
+                        ["hidden", "weight"][which],
+                        got[i]
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn bad_inputs_are_errors() -> Result<()> {
+        let dev = Device::Cpu;
+        let h = Tensor::zeros((2, 3), DType::F32, &dev)?;
+        let w = Tensor::zeros((4, 3), DType::F32, &dev)?;
+        let y = Tensor::new(&[0u32, 4], &dev)?;
+        let e = fused_logprobs(&h, &w, &y, 8).unwrap_err().to_string();
+        assert!(e.contains("outside the vocabulary"), "{e}");
+        let w2 = Tensor::zeros((4, 5), DType::F32, &dev)?;
+        let e = fused_logprobs(&h, &w2, &Tensor::new(&[0u32, 1], &dev)?, 8).unwrap_err().to_string();
+        assert!(e.contains("does not match"), "{e}");
+        Ok(())
+    }
+}
