@@ -54,10 +54,18 @@ STUB="$PREFIX/stub"
 if [ ! -f "$STUB/libcuda.so" ]; then
   mkdir -p "$STUB"
   syms="$PREFIX/stub/symbols.txt"
-  src=""
-  for d in "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-*/src/driver/sys; do
-    [ -d "$d" ] && src="$d"
-  done
+  find_cudarc() {
+    src=""
+    for d in "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-*/src/driver/sys; do
+      [ -d "$d" ] && src="$d"
+    done
+  }
+  find_cudarc
+  if [ -z "$src" ] && command -v cargo >/dev/null && [ -f Cargo.lock ]; then
+    # cudarc is in the lockfile but only downloaded for the cuda feature.
+    cargo fetch --quiet >&2 || true
+    find_cudarc
+  fi
   if [ -n "$src" ]; then
     grep -rhoE '\bcu[A-Z][A-Za-z0-9_]*' "$src" | sort -u > "$syms"
   else

@@ -31,6 +31,10 @@ pub enum BenchCommand {
     /// FOCUS vs Prefix Sampling vs GRPO on the built-in task from the same
     /// warm-started policy, several seeds: reward vs generated tokens.
     Algos(crate::bench_algos::AlgosArgs),
+    /// Peak memory of token logprobs: the fused chunked op (forward +
+    /// backward) vs the naive full-logits log_softmax path, by allocation
+    /// accounting.
+    LogprobMemory(LogprobMemArgs),
 }
 
 /// The model a generation benchmark runs.
@@ -298,6 +302,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Fork(a) => fork_bench(a),
         BenchCommand::Audit(a) => crate::bench_audit::run(a),
         BenchCommand::Algos(a) => crate::bench_algos::run(a),
+        BenchCommand::LogprobMemory(a) => logprob_memory(a),
     }
 }
 
@@ -423,6 +428,96 @@ fn model_bench(a: ModelBenchArgs) -> Result<()> {
             "peak RSS fwd+bwd       {:.0} MiB",
             r.peak_rss_forward_backward_mib
         );
+    }
+    Ok(())
+}
+
+#[derive(Debug, Args)]
+pub struct LogprobMemArgs {
+    /// Tokens (rows).
+    #[arg(long, default_value_t = 8192)]
+    pub tokens: usize,
+    /// Vocabulary size (Qwen3's by default).
+    #[arg(long, default_value_t = 151_936)]
+    pub vocab: usize,
+    /// Hidden size. Memory of both paths is dominated by N x V; a small
+    /// hidden size keeps the matmuls quick on a laptop.
+    #[arg(long, default_value_t = 64)]
+    pub hidden: usize,
+    /// Also run the naive path's backward (needs roughly 5 N*V floats).
+    #[arg(long)]
+    pub naive_backward: bool,
+    /// Print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Peak heap bytes above the inputs for token logprobs by the fused op
+/// (forward + backward) and by the naive path (full logits, log_softmax,
+/// gather), by allocation accounting (f32, CPU).
+pub fn logprob_memory(a: LogprobMemArgs) -> Result<()> {
+    use crate::alloc_count;
+    let (n, v, h) = (a.tokens, a.vocab, a.hidden);
+    let dev = Device::Cpu;
+    let hid = candle_core::Var::from_tensor(&Tensor::randn(0f32, 1.0, (n, h), &dev)?)?;
+    let w = candle_core::Var::from_tensor(&(Tensor::randn(0f32, 1.0, (v, h), &dev)? * 0.05)?)?;
+    let y: Vec<u32> = (0..n as u64).map(|i| (i.wrapping_mul(2654435761) % v as u64) as u32).collect();
+    let y = Tensor::from_vec(y, n, &dev)?;
+    let measure = |f: &dyn Fn() -> Result<()>| -> Result<(usize, f64)> {
+        let base = alloc_count::live();
+        alloc_count::reset_peak();
+        let t0 = std::time::Instant::now();
+        f()?;
+        Ok((alloc_count::peak().saturating_sub(base), t0.elapsed().as_secs_f64()))
+    };
+    let (fused_fwd, t_ff) = measure(&|| {
+        let _o = arbor_ops::fused_logprobs(&hid.as_tensor().detach(), &w.as_tensor().detach(), &y, arbor_ops::DEFAULT_CHUNK_ELEMS)?;
+        Ok(())
+    })?;
+    let (fused_all, t_fa) = measure(&|| {
+        let o = arbor_ops::fused_logprobs(hid.as_tensor(), w.as_tensor(), &y, arbor_ops::DEFAULT_CHUNK_ELEMS)?;
+        let _g = o.narrow(1, 0, 1)?.sum_all()?.backward()?;
+        Ok(())
+    })?;
+    let naive = |backward: bool| -> Result<()> {
+        let logits = hid.as_tensor().matmul(&w.as_tensor().t()?)?;
+        let lp = candle_nn::ops::log_softmax(&logits, candle_core::D::Minus1)?;
+        let picked = lp.gather(&y.unsqueeze(1)?, 1)?;
+        if backward {
+            let _g = picked.sum_all()?.backward()?;
+        }
+        Ok(())
+    };
+    let (naive_fwd, t_nf) = measure(&|| naive(false))?;
+    let naive_all = if a.naive_backward {
+        Some(measure(&|| naive(true))?)
+    } else {
+        None
+    };
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    let ratio = naive_fwd as f64 / fused_all as f64;
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "tokens": n, "vocab": v, "hidden": h,
+                "fused_forward_bytes": fused_fwd, "fused_forward_backward_bytes": fused_all,
+                "naive_forward_bytes": naive_fwd,
+                "naive_forward_backward_bytes": naive_all.map(|x| x.0),
+                "naive_forward_over_fused_forward_backward": ratio,
+            })
+        );
+    } else {
+        println!("token logprobs, N={n} V={v} H={h}, f32, peak heap above inputs (allocation accounting):");
+        println!("| path | peak GiB | time s |");
+        println!("|---|---|---|");
+        println!("| fused forward | {:.3} | {t_ff:.1} |", gib(fused_fwd));
+        println!("| fused forward + backward | {:.3} | {t_fa:.1} |", gib(fused_all));
+        println!("| naive forward (logits, log_softmax, gather) | {:.3} | {t_nf:.1} |", gib(naive_fwd));
+        if let Some((b, t)) = naive_all {
+            println!("| naive forward + backward | {:.3} | {t:.1} |", gib(b));
+        }
+        println!("naive forward alone / fused forward+backward = {ratio:.1}x");
     }
     Ok(())
 }

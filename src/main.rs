@@ -3,9 +3,11 @@
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
+mod alloc_count;
 mod bench;
 mod bench_algos;
 mod bench_audit;
+mod check_device;
 mod eval;
 mod generate;
 mod grade;
@@ -54,7 +56,14 @@ enum Command {
     /// docs/benchmarks.md).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Check the CUDA path on this machine: every kernel against its CPU
+    /// reference, model logits and a training step on the GPU vs the CPU,
+    /// then GPU benchmarks. Prints a table, writes JSON.
+    CheckDevice(check_device::CheckDeviceArgs),
 }
+
+#[global_allocator]
+static ALLOC: alloc_count::Counting = alloc_count::Counting;
 
 fn main() {
     tracing_subscriber::fmt()
@@ -81,5 +90,6 @@ fn run(cli: Cli) -> Result<()> {
         Command::Grade(a) => grade::run(a),
         Command::Replay(a) => replay::run(a),
         Command::Bench(b) => bench::run(b),
+        Command::CheckDevice(a) => check_device::run(a),
     }
 }

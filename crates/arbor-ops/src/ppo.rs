@@ -84,13 +84,13 @@ pub fn pack_aux(a: &[f32], b: &[f32], w: &[f32], dev: &candle_core::Device) -> R
 /// in the same float dtype. Differentiable in `logp` (loss and KL terms).
 pub fn ppo_loss(logp: &Tensor, aux: &Tensor, clip: PpoClip) -> Result<Tensor> {
     check(logp, aux, "ppo_loss")?;
-    logp.contiguous()?.apply_op2(&aux.contiguous()?, PpoLoss { clip })
+    logp.contiguous()?.apply_op2(&aux.contiguous()?, Reduce(PpoLoss { clip }))
 }
 
 /// Value loss terms `[2]`. `v: [N]`, `aux: [N, 4] = (R, v_old, w, 0)`.
 pub fn value_loss(v: &Tensor, aux: &Tensor, clip: f32) -> Result<Tensor> {
     check(v, aux, "value_loss")?;
-    v.contiguous()?.apply_op2(&aux.contiguous()?, ValueLoss { clip })
+    v.contiguous()?.apply_op2(&aux.contiguous()?, Reduce(ValueLoss { clip }))
 }
 
 fn check(x: &Tensor, aux: &Tensor, what: &str) -> Result<()> {
@@ -154,14 +154,40 @@ fn value_token(v: f64, a: &[f64], clip: f64) -> (f64, f64, f64) {
     }
 }
 
+/// A per-token loss reduced to `OUTS` weighted sums: `out_k = sum_t w_t term_k(x_t)`,
+/// with gradient `dx_t = w_t sum_k gout_k d term_k / dx`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+trait TokenLoss: Copy + Send + Sync + 'static {
+    const NAME: &'static str;
+    const BWD_NAME: &'static str;
+    const OUTS: usize;
+    /// Kernel names in kernels/ppo.cu.
+    const FWD_KERNEL: &'static str;
+    const BWD_KERNEL: &'static str;
+    /// Extra f32 kernel arguments after `n`.
+    fn params(&self) -> Vec<f32>;
+    /// `(terms, d terms / dx)` of one token with `aux = a`.
+    fn token(&self, x: f64, a: &[f64]) -> ([f64; 4], [f64; 4]);
+}
+
 #[derive(Debug, Clone, Copy)]
 struct PpoLoss {
     clip: PpoClip,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct PpoLossBwd {
-    clip: PpoClip,
+impl TokenLoss for PpoLoss {
+    const NAME: &'static str = "arbor-ppo-loss";
+    const BWD_NAME: &'static str = "arbor-ppo-loss-bwd";
+    const OUTS: usize = 4;
+    const FWD_KERNEL: &'static str = "ppo_loss_fwd";
+    const BWD_KERNEL: &'static str = "ppo_loss_bwd";
+    fn params(&self) -> Vec<f32> {
+        vec![self.clip.eps_low, self.clip.eps_high]
+    }
+    fn token(&self, x: f64, a: &[f64]) -> ([f64; 4], [f64; 4]) {
+        let (loss, clipped, k3, dl, dk) = ppo_token(x, a, self.clip);
+        ([loss, clipped, k3, 1.0], [dl, 0.0, dk, 0.0])
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -169,10 +195,28 @@ struct ValueLoss {
     clip: f32,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct ValueLossBwd {
-    clip: f32,
+impl TokenLoss for ValueLoss {
+    const NAME: &'static str = "arbor-value-loss";
+    const BWD_NAME: &'static str = "arbor-value-loss-bwd";
+    const OUTS: usize = 2;
+    const FWD_KERNEL: &'static str = "value_loss_fwd";
+    const BWD_KERNEL: &'static str = "value_loss_bwd";
+    fn params(&self) -> Vec<f32> {
+        vec![self.clip]
+    }
+    fn token(&self, x: f64, a: &[f64]) -> ([f64; 4], [f64; 4]) {
+        let (loss, clipped, dv) = value_token(x, a, self.clip as f64);
+        ([loss, clipped, 0.0, 0.0], [dv, 0.0, 0.0, 0.0])
+    }
 }
+
+/// Forward op: `(x [N], aux [N, 4]) -> [OUTS]`.
+#[derive(Debug, Clone, Copy)]
+struct Reduce<L>(L);
+
+/// Backward op: `(x, aux, gout [OUTS]) -> dx [N]`.
+#[derive(Debug, Clone, Copy)]
+struct ReduceBwd<L>(L);
 
 #[cfg(feature = "cuda")]
 mod gpu {
@@ -244,109 +288,25 @@ mod gpu {
     }
 }
 
-impl CustomOp2 for PpoLoss {
+impl<L: TokenLoss> CustomOp2 for Reduce<L> {
     fn name(&self) -> &'static str {
-        "arbor-ppo-loss"
+        L::NAME
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout, a: &CpuStorage, al: &Layout) -> Result<(CpuStorage, Shape)> {
         let (x, aux) = (f64s(s, l)?, f64s(a, al)?);
-        let mut out = [0f64; 4];
-        for (i, &lp) in x.iter().enumerate() {
-            let a = &aux[4 * i..4 * i + 4];
-            let w = a[2];
-            if w == 0.0 {
-                continue;
-            }
-            let (loss, clipped, k3, _, _) = ppo_token(lp, a, self.clip);
-            out[0] += w * loss;
-            out[1] += w * clipped;
-            out[2] += w * k3;
-            out[3] += w;
-        }
-        Ok((back(out.to_vec(), s.dtype()), Shape::from(4)))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        l: &Layout,
-        a: &candle_core::CudaStorage,
-        al: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        gpu::reduce("ppo_loss_fwd", s, l, a, al, 4, &[self.clip.eps_low, self.clip.eps_high])
-    }
-
-    fn bwd(&self, logp: &Tensor, aux: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let g = logp.detach().apply_op3_no_bwd(&aux.detach(), &grad.contiguous()?, &PpoLossBwd { clip: self.clip })?;
-        Ok((Some(g), None))
-    }
-}
-
-impl CustomOp3 for PpoLossBwd {
-    fn name(&self) -> &'static str {
-        "arbor-ppo-loss-bwd"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s: &CpuStorage,
-        l: &Layout,
-        a: &CpuStorage,
-        al: &Layout,
-        g: &CpuStorage,
-        gl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (x, aux, g) = (f64s(s, l)?, f64s(a, al)?, f64s(g, gl)?);
-        let out: Vec<f64> = x
-            .iter()
-            .enumerate()
-            .map(|(i, &lp)| {
-                let a = &aux[4 * i..4 * i + 4];
-                if a[2] == 0.0 {
-                    return 0.0;
-                }
-                let (_, _, _, dl, dk) = ppo_token(lp, a, self.clip);
-                a[2] * (g[0] * dl + g[2] * dk)
-            })
-            .collect();
-        let n = out.len();
-        Ok((back(out, s.dtype()), Shape::from(n)))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        l: &Layout,
-        a: &candle_core::CudaStorage,
-        al: &Layout,
-        g: &candle_core::CudaStorage,
-        gl: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        gpu::per_token("ppo_loss_bwd", s, l, a, al, g, gl, &[self.clip.eps_low, self.clip.eps_high])
-    }
-}
-
-impl CustomOp2 for ValueLoss {
-    fn name(&self) -> &'static str {
-        "arbor-value-loss"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout, a: &CpuStorage, al: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (x, aux) = (f64s(s, l)?, f64s(a, al)?);
-        let mut out = [0f64; 2];
-        for (i, &v) in x.iter().enumerate() {
+        let mut out = vec![0f64; L::OUTS];
+        for (i, &xi) in x.iter().enumerate() {
             let a = &aux[4 * i..4 * i + 4];
             if a[2] == 0.0 {
                 continue;
             }
-            let (loss, clipped, _) = value_token(v, a, self.clip as f64);
-            out[0] += a[2] * loss;
-            out[1] += a[2] * clipped;
+            let (terms, _) = self.0.token(xi, a);
+            for (o, t) in out.iter_mut().zip(terms) {
+                *o += a[2] * t;
+            }
         }
-        Ok((back(out.to_vec(), s.dtype()), Shape::from(2)))
+        Ok((back(out, s.dtype()), Shape::from(L::OUTS)))
     }
 
     #[cfg(feature = "cuda")]
@@ -357,18 +317,18 @@ impl CustomOp2 for ValueLoss {
         a: &candle_core::CudaStorage,
         al: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        gpu::reduce("value_loss_fwd", s, l, a, al, 2, &[self.clip])
+        gpu::reduce(L::FWD_KERNEL, s, l, a, al, L::OUTS, &self.0.params())
     }
 
-    fn bwd(&self, v: &Tensor, aux: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let g = v.detach().apply_op3_no_bwd(&aux.detach(), &grad.contiguous()?, &ValueLossBwd { clip: self.clip })?;
+    fn bwd(&self, x: &Tensor, aux: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = x.detach().apply_op3_no_bwd(&aux.detach(), &grad.contiguous()?, &ReduceBwd(self.0))?;
         Ok((Some(g), None))
     }
 }
 
-impl CustomOp3 for ValueLossBwd {
+impl<L: TokenLoss> CustomOp3 for ReduceBwd<L> {
     fn name(&self) -> &'static str {
-        "arbor-value-loss-bwd"
+        L::BWD_NAME
     }
 
     fn cpu_fwd(
@@ -384,12 +344,13 @@ impl CustomOp3 for ValueLossBwd {
         let out: Vec<f64> = x
             .iter()
             .enumerate()
-            .map(|(i, &v)| {
+            .map(|(i, &xi)| {
                 let a = &aux[4 * i..4 * i + 4];
                 if a[2] == 0.0 {
                     return 0.0;
                 }
-                g[0] * a[2] * value_token(v, a, self.clip as f64).2
+                let (_, d) = self.0.token(xi, a);
+                a[2] * g.iter().zip(d).map(|(gk, dk)| gk * dk).sum::<f64>()
             })
             .collect();
         let n = out.len();
@@ -406,7 +367,7 @@ impl CustomOp3 for ValueLossBwd {
         g: &candle_core::CudaStorage,
         gl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        gpu::per_token("value_loss_bwd", s, l, a, al, g, gl, &[self.clip])
+        gpu::per_token(L::BWD_KERNEL, s, l, a, al, g, gl, &self.0.params())
     }
 }
 

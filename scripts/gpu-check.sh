@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The one GPU check. Two halves, picked by where it runs:
+#
+#   scripts/gpu-check.sh build   (here, no GPU needed) installs the CUDA 13.0
+#       toolchain from PyPI (scripts/cuda-toolchain.sh), builds
+#       `cargo build --release --features cuda`, strips the binary and packs
+#       it as dist/arbor-cuda.xz (the lent machine has no Rust).
+#   scripts/gpu-check.sh run     (on the GPU machine) unpacks that binary,
+#       finds the CUDA libraries there (pip's nvidia-* packages of the
+#       machine's Python, or a CUDA toolkit, or the driver's folder), runs
+#       `arbor check-device` and writes everything under $OUT (default
+#       ./gpu-check-out): check-device.json, check-device.txt, nvidia-smi.txt.
+#
+# With no argument: `run` where nvidia-smi sees a GPU, else `build`.
+# On your own GPU box with Rust installed, `scripts/gpu-check.sh build &&
+# scripts/gpu-check.sh run` does both.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode="${1:-}"
+if [ -z "$mode" ]; then
+  if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then mode=run; else mode=build; fi
+fi
+shift || true
+
+case "$mode" in
+build)
+  eval "$(scripts/cuda-toolchain.sh)"
+  cargo build --release --features cuda
+  mkdir -p dist
+  strip -o dist/arbor-cuda target/release/arbor
+  xz -T0 -6 -f -k dist/arbor-cuda
+  ls -l dist/arbor-cuda dist/arbor-cuda.xz >&2
+  echo "built dist/arbor-cuda.xz; on the GPU machine: scripts/gpu-check.sh run" >&2
+  ;;
+run)
+  OUT="${OUT:-$PWD/gpu-check-out}"
+  mkdir -p "$OUT"
+  bin=dist/arbor-cuda
+  if [ ! -x "$bin" ]; then
+    if [ -f dist/arbor-cuda.xz ]; then
+      xz -d -k -c dist/arbor-cuda.xz > "$bin" && chmod +x "$bin"
+    elif [ -x target/release/arbor ]; then
+      bin=target/release/arbor
+    else
+      echo "gpu-check: no dist/arbor-cuda(.xz); run 'scripts/gpu-check.sh build' first" >&2
+      exit 1
+    fi
+  fi
+  # CUDA runtime libraries: cuBLAS, cuBLASLt, cuRAND, NVRTC, cudart (13.x).
+  libs=""
+  for py in python3 /opt/torch/.venv/bin/python3; do
+    command -v "$py" >/dev/null 2>&1 || continue
+    site="$("$py" -c 'import site,sys; print("\n".join(site.getsitepackages()))' 2>/dev/null || true)"
+    for s in $site; do
+      for d in "$s"/nvidia/cu13/lib "$s"/nvidia/*/lib; do
+        [ -d "$d" ] && libs="$libs:$d"
+      done
+    done
+  done
+  for d in "${CUDA_HOME:-}"/lib64 /usr/local/cuda/lib64 /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu; do
+    [ -d "$d" ] && libs="$libs:$d"
+  done
+  export LD_LIBRARY_PATH="${libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
+  if ldd "$bin" | grep -q "not found"; then
+    echo "gpu-check: missing libraries:" >&2
+    ldd "$bin" | grep "not found" >&2
+    exit 1
+  fi
+  set +e
+  "$bin" check-device --json "$OUT/check-device.json" "$@" 2>&1 | tee "$OUT/check-device.txt"
+  rc=${PIPESTATUS[0]}
+  set -e
+  echo "gpu-check: exit $rc; results in $OUT" >&2
+  exit "$rc"
+  ;;
+*)
+  echo "usage: scripts/gpu-check.sh [build|run] [check-device flags]" >&2
+  exit 2
+  ;;
+esac
