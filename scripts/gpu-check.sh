@@ -8,8 +8,10 @@
 #   scripts/gpu-check.sh run     (on the GPU machine) unpacks that binary,
 #       finds the CUDA libraries there (pip's nvidia-* packages of the
 #       machine's Python, or a CUDA toolkit, or the driver's folder), runs
-#       `arbor check-device` and writes everything under $OUT (default
-#       ./gpu-check-out): check-device.json, check-device.txt, nvidia-smi.txt.
+#       a few RL steps of `arbor train configs/gpu-smoke.toml` on the GPU, then
+#       `arbor check-device`, and writes everything under $OUT (default
+#       ./gpu-check-out): check-device.json/.txt, gpu-smoke.txt and the run
+#       directory gpu-smoke/, nvidia-smi.txt.
 #
 # With no argument: `run` where nvidia-smi sees a GPU, else `build`.
 # On your own GPU box with Rust installed, `scripts/gpu-check.sh build &&
@@ -68,9 +70,16 @@ run)
     exit 1
   fi
   set +e
+  # A few RL steps of the real trainer with everything on the GPU.
+  "$bin" train configs/gpu-smoke.toml --out "$OUT/gpu-smoke" > "$OUT/gpu-smoke.txt" 2>&1
+  rc_train=$?
+  echo "gpu-check: arbor train configs/gpu-smoke.toml exit $rc_train (log: $OUT/gpu-smoke.txt)"
+  tail -12 "$OUT/gpu-smoke.txt"
+  # The kernel, model, training-step and benchmark checks; table last.
   "$bin" check-device --json "$OUT/check-device.json" "$@" 2>&1 | tee "$OUT/check-device.txt"
   rc=${PIPESTATUS[0]}
   set -e
+  [ "$rc" = 0 ] && rc=$rc_train
   echo "gpu-check: exit $rc; results in $OUT" >&2
   exit "$rc"
   ;;

@@ -19,6 +19,9 @@ pub struct TrainArgs {
     /// Output directory (metrics.jsonl, checkpoints/, plots).
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
+    /// Override the config's `device` (cpu, cuda, cuda:N).
+    #[arg(long)]
+    pub device: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -38,7 +41,14 @@ pub fn run(a: TrainArgs) -> Result<()> {
             "configs/quickstart.toml (embedded)".to_string(),
         ),
     };
-    let cfg = TrainConfig::from_toml(&text, &origin)?;
+    let mut cfg = TrainConfig::from_toml(&text, &origin)?;
+    if let Some(d) = &a.device {
+        arbor_train::run::parse_device(d).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
+        cfg.device = d.clone();
+    } else {
+        arbor_train::run::parse_device(&cfg.device)
+            .map_err(|e| anyhow::anyhow!("{origin}: key `device`: {e}"))?;
+    }
     let out = a.out.clone().unwrap_or_else(|| {
         let stem = a
             .config

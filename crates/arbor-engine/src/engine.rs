@@ -10,7 +10,7 @@ use rand::SeedableRng;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use crate::paged::{PagedAttention, PagedBatch, PagedKvCache};
+use crate::paged::{DeviceKvCache, DevicePagedAttention, PagedAttention, PagedBatch, PagedKvCache};
 use crate::sampling::{sample, SamplingParams};
 use crate::{EngineError, SeqId};
 
@@ -31,6 +31,12 @@ pub struct EngineConfig {
     /// Longest sequence (prompt + generated); 0 means the model's
     /// `max_position_embeddings`.
     pub max_context: usize,
+    /// Keep the KV cache as device tensors in the model's dtype
+    /// ([`crate::paged::DeviceKvCache`]: the CUDA kernels on a GPU) instead
+    /// of f32 host slices. `None`: on the device whenever the model is not
+    /// on the CPU.
+    #[serde(default)]
+    pub kv_on_device: Option<bool>,
 }
 
 impl Default for EngineConfig {
@@ -42,8 +48,16 @@ impl Default for EngineConfig {
             max_seqs: 256,
             max_batch_tokens: 2048,
             max_context: 0,
+            kv_on_device: None,
         }
     }
+}
+
+/// Where the KV lives: f32 host slices (the CPU engine) or device tensors.
+#[derive(Debug)]
+enum KvStore {
+    Host(PagedKvCache),
+    Device(DeviceKvCache),
 }
 
 /// Why a sequence stopped.
@@ -139,7 +153,7 @@ pub struct Engine {
     cfg: EngineConfig,
     max_context: usize,
     kv: KvManager,
-    cache: PagedKvCache,
+    cache: KvStore,
     seqs: HashMap<SeqId, Seq>,
     waiting: VecDeque<SeqId>,
     running: Vec<SeqId>,
@@ -160,7 +174,9 @@ impl Engine {
                 "block_size, max_seqs and max_batch_tokens must be >= 1".into(),
             ));
         }
-        let per_block = PagedKvCache::bytes_per_token(&model.cfg) * cfg.block_size;
+        let on_device = cfg.kv_on_device.unwrap_or(!model.device().is_cpu());
+        let elem = if on_device { model.dtype().size_in_bytes() } else { 4 };
+        let per_block = PagedKvCache::bytes_per_token(&model.cfg) / 4 * elem * cfg.block_size;
         let num_blocks = if cfg.num_blocks > 0 {
             cfg.num_blocks
         } else {
@@ -181,7 +197,17 @@ impl Engine {
             tokenizer,
             max_context,
             kv: KvManager::new(num_blocks, cfg.block_size),
-            cache: PagedKvCache::new(&model.cfg, num_blocks, cfg.block_size),
+            cache: if on_device {
+                KvStore::Device(DeviceKvCache::new(
+                    &model.cfg,
+                    num_blocks,
+                    cfg.block_size,
+                    model.dtype(),
+                    model.device(),
+                )?)
+            } else {
+                KvStore::Host(PagedKvCache::new(&model.cfg, num_blocks, cfg.block_size))
+            },
             cfg,
             seqs: HashMap::new(),
             waiting: VecDeque::new(),
@@ -207,7 +233,10 @@ impl Engine {
 
     /// Bytes of the KV pool.
     pub fn kv_bytes(&self) -> usize {
-        self.cache.bytes()
+        match &self.cache {
+            KvStore::Host(c) => c.bytes(),
+            KvStore::Device(c) => c.bytes(),
+        }
     }
 
     /// Current policy version of the KV cache.
@@ -450,7 +479,7 @@ impl Engine {
                 continue;
             }
             let alloc = self.kv.append(id, need)?;
-            self.schedule(id, alloc, &mut batch, &mut ids);
+            self.schedule(id, alloc, &mut batch, &mut ids)?;
             scheduled.push(id);
             budget = budget.saturating_sub(need);
             i += 1;
@@ -493,7 +522,7 @@ impl Engine {
             }
             budget = budget.saturating_sub(alloc.slots.len());
             self.running.push(id);
-            self.schedule(id, alloc, &mut batch, &mut ids);
+            self.schedule(id, alloc, &mut batch, &mut ids)?;
             scheduled.push(id);
         }
 
@@ -508,12 +537,18 @@ impl Engine {
         let dev = self.model.device().clone();
         let input = Tensor::from_vec(ids, (1, n_tokens), &dev)?;
         let positions = batch.positions.clone();
-        let hidden = {
-            let mut backend = PagedAttention {
-                cache: &mut self.cache,
-                batch: &batch,
-            };
-            self.model.forward_with(&input, &positions, &mut backend)?
+        let hidden = match &mut self.cache {
+            KvStore::Host(cache) => {
+                let mut backend = PagedAttention {
+                    cache,
+                    batch: &batch,
+                };
+                self.model.forward_with(&input, &positions, &mut backend)?
+            }
+            KvStore::Device(cache) => {
+                let mut backend = DevicePagedAttention::new(cache, &batch)?;
+                self.model.forward_with(&input, &positions, &mut backend)?
+            }
         };
         // Last new token of each scheduled sequence.
         // Tokens are laid out sequence after sequence.
@@ -555,9 +590,12 @@ impl Engine {
         alloc: arbor_kv::Allocation,
         batch: &mut PagedBatch,
         ids: &mut Vec<u32>,
-    ) {
+    ) -> Result<(), EngineError> {
         for c in &alloc.copies {
-            self.cache.copy(c);
+            match &mut self.cache {
+                KvStore::Host(cache) => cache.copy(c),
+                KvStore::Device(cache) => cache.copy(c)?,
+            }
             self.stats.cow_copies += 1;
         }
         let k = batch.tables.len();
@@ -576,6 +614,7 @@ impl Engine {
             batch.token_seq.push(k);
             ids.push(s.tokens[pos]);
         }
+        Ok(())
     }
 
     /// The parent's prompt is computed: fork its KV into every child, each

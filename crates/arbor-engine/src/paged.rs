@@ -201,6 +201,20 @@ impl DeviceKvCache {
         self.num_blocks
     }
 
+    /// Copy the first `len` slots of one block into another, in every layer
+    /// (copy-on-write of a shared partial block).
+    pub fn copy(&self, op: &CopyOp) -> arbor_model::Result<()> {
+        let bs = self.block_size;
+        let dev = self.k.first().map(|t| t.device().clone()).unwrap_or(candle_core::Device::Cpu);
+        let dst: Vec<u32> = (0..op.len as u32).map(|i| op.dst * bs as u32 + i).collect();
+        let dst = Tensor::from_vec(dst, op.len, &dev)?;
+        for t in self.k.iter().chain(&self.v) {
+            let rows = t.narrow(0, op.src as usize * bs, op.len)?.copy()?;
+            arbor_ops::cache_write(t, &rows, &dst)?;
+        }
+        Ok(())
+    }
+
     /// Total bytes held.
     pub fn bytes(&self) -> usize {
         self.k

@@ -194,6 +194,27 @@ pub struct TrainConfig {
     /// KV-cache memory of the rollout engine.
     #[serde(default = "kv_mib")]
     pub kv_memory_mib: usize,
+    /// Where the policy, critic, optimizer state and rollout KV live:
+    /// `cpu` (default), `cuda` or `cuda:N` (needs a `--features cuda`
+    /// build). Resume is bit-exact on the CPU.
+    #[serde(default = "cpu")]
+    pub device: String,
+}
+
+fn cpu() -> String {
+    "cpu".into()
+}
+
+/// `cpu`, `cuda` or `cuda:N` as a candle device.
+pub fn parse_device(spec: &str) -> Result<Device, String> {
+    match spec {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Device::new_cuda(0).map_err(|e| format!("cannot open CUDA device 0: {e}")),
+        s => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => Device::new_cuda(n).map_err(|e| format!("cannot open CUDA device {n}: {e}")),
+            _ => Err(format!("`{s}` is not cpu, cuda or cuda:N")),
+        },
+    }
 }
 
 fn one() -> f32 {
@@ -244,6 +265,12 @@ impl TrainConfig {
         }
         if self.eval_every == 0 {
             return bad("eval_every", "must be >= 1");
+        }
+        let dev_ok = self.device == "cpu"
+            || self.device == "cuda"
+            || self.device.strip_prefix("cuda:").is_some_and(|n| n.parse::<usize>().is_ok());
+        if !dev_ok {
+            return bad("device", "must be cpu, cuda or cuda:N");
         }
         if self.learner.critic == CriticMode::Separate && !self.algo.has_critic() {
             return bad(
@@ -454,7 +481,8 @@ impl Trainer {
             Some((files, _, _, _)) => Some(Checkpoint::open(&files.weights)?),
             None => None,
         };
-        let dev = Device::Cpu;
+        let dev = parse_device(&cfg.device)
+            .map_err(|e| TrainError::Config(format!("key `device`: {e}")))?;
         let mut ocfg = cfg.optimizer;
         ocfg.total_steps = cfg.steps * cfg.learner.epochs.max(1) as u64;
         let latest = if resume {
