@@ -198,6 +198,12 @@ pub trait Env: Send {
         None
     }
 
+    /// Tool calls executed so far in this episode (0 for tasks without
+    /// tools). The trainer reports their mean per finished episode.
+    fn tool_calls(&self) -> usize {
+        0
+    }
+
     /// A human-readable summary of the current state (what `arbor replay`
     /// prints).
     fn summary(&self) -> String;

@@ -544,6 +544,10 @@ impl Env for Harness {
         self.task.id()
     }
 
+    fn tool_calls(&self) -> usize {
+        self.st.tool_calls
+    }
+
     fn reset(&mut self) -> Result<Observation> {
         self.task.reset()?;
         self.st = State {

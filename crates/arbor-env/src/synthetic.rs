@@ -716,6 +716,10 @@ impl Env for Register {
         self.cfg.mode.vocab()
     }
 
+    fn tool_calls(&self) -> usize {
+        self.log.len()
+    }
+
     fn summary(&self) -> String {
         format!(
             "{}: register {} (target {}), {}/{} instructions applied in {} steps, tool log [{}]{}",

@@ -39,6 +39,10 @@ pub trait TokenEpisode: Send {
     fn step(&mut self, action: &[u32]) -> Result<StepOut, TrainError>;
     /// An independent copy of this state (a fork point).
     fn fork(&self) -> Result<Box<dyn TokenEpisode>, TrainError>;
+    /// Tool calls executed so far in this episode (replayed ones included).
+    fn tool_calls(&self) -> usize {
+        0
+    }
 }
 
 /// A task: its id (group key), prompt tokens and fresh episode.
@@ -69,6 +73,12 @@ pub struct RolloutStats {
     pub prefill_cached: u64,
     pub generate_s: f64,
     pub env_s: f64,
+    /// Episodes that ended in this step's continuations, and the tool calls
+    /// they made in all (per episode, replayed prefixes included).
+    pub finished_episodes: u64,
+    pub tool_calls: u64,
+    /// Generated-token budget of the step, where one is enforced.
+    pub budget_tokens: Option<u64>,
 }
 
 /// One finished segment: action tokens, their logprobs, the observation,
@@ -150,6 +160,10 @@ fn run_conts(
                 reward,
             });
             cont.done = reward.is_some();
+            if cont.done {
+                stats.finished_episodes += 1;
+                stats.tool_calls += cont.env.tool_calls() as u64;
+            }
         }
         stats.env_s += t1.elapsed().as_secs_f64();
     }
@@ -457,6 +471,7 @@ pub fn ps_step(
     engine: &mut Engine,
     tasks: Vec<TaskInstance>,
     n: usize,
+    budget_prompts: Option<usize>,
     sampler: &mut arbor_rl::prefix::PrefixSampler,
     cfg: &RolloutConfig,
     seed: &mut u64,
@@ -485,6 +500,14 @@ pub fn ps_step(
     };
     run_conts(engine, &mut conts, cfg, seed, &mut stats)?;
     let success = |c: &Cont| c.steps.last().and_then(|s| s.reward).unwrap_or(0.0) >= 1.0;
+    // The baseline's budget: `budget_prompts` groups of `n` trajectories of
+    // the first pass's mean generated length; the first pass is charged.
+    let first_pass = stats.generated_tokens;
+    let budget = budget_prompts.map(|p| {
+        (first_pass as u128 * p as u128 / tasks.len().max(1) as u128) as u64
+    });
+    stats.budget_tokens = budget;
+    let mut planned = first_pass;
 
     let mut tree = RolloutTree::new();
     let mut keep: Vec<Cont> = Vec::new();
@@ -523,6 +546,22 @@ pub fn ps_step(
                 keep.extend(group);
             }
             GroupPlan::Replay { bucket, rerollouts } => {
+                // Expected cost: each source's generated tokens after the cut.
+                let cost: u64 = rerollouts
+                    .iter()
+                    .map(|r| {
+                        let src = &group[r.source];
+                        let len: usize = src.steps.iter().map(|s| s.action.len()).sum();
+                        len.saturating_sub(r.cut) as u64
+                    })
+                    .sum();
+                if budget.is_some_and(|b| planned + cost > b) {
+                    // Out of budget: the group trains as it is.
+                    keep_task.extend(std::iter::repeat_n(g, group.len()));
+                    keep.extend(group);
+                    continue;
+                }
+                planned += cost;
                 for r in rerollouts {
                     let src = &group[r.source];
                     // Number of whole segments inside the cut.

@@ -46,6 +46,14 @@ pub struct PsSettings {
     pub band: f64,
     /// The per-bucket ratio controller (`eta = 0`: fixed ratios).
     pub controller: arbor_rl::prefix::ControllerConfig,
+    /// Hold each step's generated tokens to the GRPO baseline's budget: the
+    /// first pass runs on `(1 - reserve) * prompts_per_step` prompts, the
+    /// budget is `prompts_per_step * samples_per_prompt` times the first
+    /// pass's mean trajectory length, and re-rollouts spend the rest
+    /// (a skewed group whose re-rollouts would not fit keeps its members).
+    pub match_budget: bool,
+    /// Share of the budget kept for re-rollouts.
+    pub reserve: f64,
 }
 
 impl Default for PsSettings {
@@ -53,6 +61,8 @@ impl Default for PsSettings {
         PsSettings {
             band: 0.125,
             controller: arbor_rl::prefix::ControllerConfig::default(),
+            match_budget: true,
+            reserve: 0.25,
         }
     }
 }
@@ -281,8 +291,11 @@ impl TrainConfig {
         if let Err(e) = self.ps.controller.validate() {
             return bad("ps.controller", &e.to_string());
         }
+        if !(0.0..1.0).contains(&self.ps.reserve) {
+            return bad("ps.reserve", "must be in [0, 1)");
+        }
         match &self.task {
-            TaskConfig::RunningSum { difficulty } => {
+            TaskConfig::RunningSum { difficulty } | TaskConfig::Register { difficulty, .. } => {
                 if *difficulty == 0 || *difficulty > 64 {
                     return bad("task.difficulty", "must be in 1..=64");
                 }
@@ -296,6 +309,34 @@ impl TrainConfig {
                 }
                 if *max_tokens == 0 {
                     return bad("task.max_tokens", "must be >= 1");
+                }
+                if self.warmup.steps > 0 {
+                    return bad(
+                        "warmup.steps",
+                        "the supervised warm-up only exists for synthetic tasks; set 0",
+                    );
+                }
+            }
+            TaskConfig::Swe {
+                max_tokens,
+                max_turns,
+                holdout_every,
+                ..
+            } => {
+                if self.model.path.is_none() {
+                    return bad(
+                        "model.path",
+                        "SWE tasks need an HF model (with its tokenizer)",
+                    );
+                }
+                if *max_tokens == 0 {
+                    return bad("task.max_tokens", "must be >= 1");
+                }
+                if *max_turns == 0 {
+                    return bad("task.max_turns", "must be >= 1");
+                }
+                if *holdout_every < 2 {
+                    return bad("task.holdout_every", "must be >= 2");
                 }
                 if self.warmup.steps > 0 {
                     return bad(
@@ -336,6 +377,14 @@ pub struct StepMetrics {
     pub time_generate_s: f64,
     pub time_env_s: f64,
     pub time_train_s: f64,
+    /// Mean tool calls per episode that ended this step (0 for tasks
+    /// without tools).
+    #[serde(default)]
+    pub tool_calls_per_episode: f64,
+    /// The step's generated-token budget where one is enforced (PS with
+    /// `ps.match_budget`: the GRPO baseline's).
+    #[serde(default)]
+    pub budget_tokens: Option<u64>,
 }
 
 /// Resumable state besides the weights.
@@ -633,10 +682,18 @@ impl Trainer {
             // Every step starts from an empty cache: a resumed run (fresh
             // engine) then computes exactly what an uninterrupted one does.
             engine.invalidate();
-            let tasks = (0..self.cfg.prompts_per_step as u64)
+            // PS with a matched budget runs its first pass on fewer prompts
+            // and spends the reserve on re-rollouts.
+            let ps_budget = self.cfg.algo == Algo::Ps && self.cfg.ps.match_budget;
+            let n_tasks = if ps_budget {
+                ((self.cfg.prompts_per_step as f64 * (1.0 - self.cfg.ps.reserve)).round() as usize).max(1)
+            } else {
+                self.cfg.prompts_per_step
+            };
+            let tasks = (0..n_tasks as u64)
                 .map(|i| self.sampler.train_task(self.state.cursor + i))
                 .collect::<Result<Vec<_>, _>>()?;
-            self.state.cursor += self.cfg.prompts_per_step as u64;
+            self.state.cursor += n_tasks as u64;
             let mut seed = self.state.seed_counter;
             let r: StepRollouts = match self.cfg.algo {
                 Algo::Grpo => grpo_step(
@@ -695,6 +752,7 @@ impl Trainer {
                         &mut engine,
                         tasks,
                         self.cfg.samples_per_prompt,
+                        ps_budget.then_some(self.cfg.prompts_per_step),
                         &mut sampler,
                         &rcfg,
                         &mut seed,
@@ -747,6 +805,9 @@ impl Trainer {
                 time_generate_s: r.stats.generate_s,
                 time_env_s: r.stats.env_s,
                 time_train_s: train_s,
+                tool_calls_per_episode: r.stats.tool_calls as f64
+                    / r.stats.finished_episodes.max(1) as f64,
+                budget_tokens: r.stats.budget_tokens,
             };
             append_metrics(&self.out_dir.join("metrics.jsonl"), &m)?;
             self.tensorboard(&m)?;

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use arbor_env::chat::ChatFormat;
 use arbor_env::math::{load_problems, DatasetFormat, MathEnv, MathProblem};
-use arbor_env::synthetic::{RunningSum, RunningSumConfig};
+use arbor_env::synthetic::{Register, RegisterConfig, RunningSum, RunningSumConfig};
 use arbor_env::{Action, Env};
 use arbor_model::Tokenizer;
 use arbor_rl::credit::LossRow;
@@ -54,6 +54,10 @@ impl TokenEpisode for EnvEpisode {
         })
     }
 
+    fn tool_calls(&self) -> usize {
+        self.env.tool_calls()
+    }
+
     fn fork(&self) -> Result<Box<dyn TokenEpisode>, TrainError> {
         let env = self.env.fork().ok_or_else(|| {
             TrainError::Rollout(format!("task {} cannot be forked", self.env.task_id()))
@@ -72,6 +76,15 @@ pub enum TaskConfig {
     /// `k` digits revealed one per turn; answer the running sum mod 10
     /// after each; reward 1 iff all `k` answers are right.
     RunningSum { difficulty: usize },
+    /// A stateful tool: `k` signed digits revealed one at a time; the policy
+    /// calls `<add> x` (and may call `<get>` to read the register); reward 1
+    /// iff the register ends at the signed sum mod 10. Every action is a
+    /// tool call. `subtract`: draw `-d` instructions too.
+    Register {
+        difficulty: usize,
+        #[serde(default)]
+        subtract: bool,
+    },
     /// Single-turn math: reward 1 iff the `\boxed{}` (or final) answer is
     /// equivalent to the reference. `train` / `eval`: `gsm8k`, `math`
     /// (Hendrycks), `math500`, `aime` (from `$ARBOR_SHARED_DATA` or
@@ -82,6 +95,101 @@ pub enum TaskConfig {
         /// Longest response.
         max_tokens: usize,
     },
+    /// Multi-turn repository tasks in SWE-bench format (the HumanEval-derived
+    /// tasks of `scripts/build_humaneval_tasks.sh`, or SWE-bench instances
+    /// with clones under `repos`) through the tool harness: the policy reads,
+    /// searches, edits and runs commands in a bubblewrap sandbox with Qwen
+    /// `<tool_call>`s and submits; reward 1 iff the hidden tests pass. Every
+    /// `holdout_every`-th instance (by position) is held out for evaluation.
+    Swe {
+        instances: String,
+        /// Repository clones (default: `repos/` beside the instances file).
+        #[serde(default)]
+        repos: Option<String>,
+        #[serde(default = "five")]
+        holdout_every: usize,
+        /// Longest policy turn, tokens.
+        max_tokens: usize,
+        /// Policy turns per episode (then the episode is cut off and scored).
+        max_turns: usize,
+        /// Run commands without bubblewrap when it is missing (explicit
+        /// opt-in; only for trusted models and tasks).
+        #[serde(default)]
+        allow_unsandboxed: bool,
+    },
+}
+
+fn five() -> usize {
+    5
+}
+
+/// Prepared SWE environments (repositories materialised once); episodes
+/// start from `fresh()` copies.
+#[derive(Debug, Default)]
+struct SwePool {
+    train: std::sync::Mutex<Vec<Box<dyn Env>>>,
+    eval: std::sync::Mutex<Vec<Box<dyn Env>>>,
+}
+
+impl SwePool {
+    fn load(cfg: &TaskConfig) -> Result<Option<Self>, TrainError> {
+        let TaskConfig::Swe {
+            instances,
+            repos,
+            holdout_every,
+            max_turns,
+            allow_unsandboxed,
+            ..
+        } = cfg
+        else {
+            return Ok(None);
+        };
+        let bad = |e: arbor_env::EnvError| TrainError::Config(format!("key `task.instances`: {e}"));
+        let file = std::path::Path::new(instances);
+        let list = arbor_env::swe::load_instances(file).map_err(bad)?;
+        if list.len() < 2 {
+            return Err(TrainError::Config(format!(
+                "key `task.instances`: {instances} has {} instances; need >= 2 (train and held-out)",
+                list.len()
+            )));
+        }
+        let repos = match repos {
+            Some(r) => PathBuf::from(r),
+            None => file.parent().unwrap_or(std::path::Path::new(".")).join("repos"),
+        };
+        let sandbox = arbor_env::swe::Sandbox::detect(arbor_env::swe::Limits::default(), *allow_unsandboxed)
+            .map_err(|e| TrainError::Config(format!("key `task.allow_unsandboxed`: {e}")))?;
+        let harness = arbor_env::harness::HarnessConfig {
+            chat: ChatFormat::Qwen,
+            max_steps: *max_turns,
+            ..Default::default()
+        };
+        let pool = SwePool::default();
+        for (k, inst) in list.into_iter().enumerate() {
+            let source = arbor_env::swe::SweTask::locate(&inst, &repos).map_err(bad)?;
+            let task = arbor_env::swe::SweTask::new(
+                inst,
+                &source,
+                arbor_env::swe::SweConfig::tests(sandbox.clone()),
+            )
+            .map_err(bad)?;
+            let env: Box<dyn Env> = Box::new(arbor_env::swe::swe_env(task, harness.clone()));
+            let dst = if (k + 1) % holdout_every.max(&2) == 0 { &pool.eval } else { &pool.train };
+            dst.lock().expect("fresh mutex").push(env);
+        }
+        Ok(Some(pool))
+    }
+
+    fn fresh(&self, eval: bool, i: u64) -> Result<Box<dyn Env>, TrainError> {
+        let list = if eval { &self.eval } else { &self.train };
+        let list = list.lock().map_err(|_| TrainError::Rollout("SWE pool poisoned".into()))?;
+        if list.is_empty() {
+            return Err(TrainError::Config("key `task.holdout_every`: leaves no tasks".into()));
+        }
+        list[(i % list.len() as u64) as usize]
+            .fresh()
+            .map_err(|e| TrainError::Rollout(e.to_string()))
+    }
 }
 
 impl Default for TaskConfig {
@@ -150,6 +258,7 @@ pub struct TaskSampler {
     eos: Vec<u32>,
     train: Vec<MathProblem>,
     eval: Vec<MathProblem>,
+    swe: Option<std::sync::Arc<SwePool>>,
 }
 
 impl TaskSampler {
@@ -195,6 +304,12 @@ impl TaskSampler {
                 train.swap(i, (z % (i as u64 + 1)) as usize);
             }
         }
+        if matches!(cfg, TaskConfig::Swe { .. }) && tokenizer.is_none() {
+            return Err(TrainError::Config(
+                "key `task`: SWE tasks need a model with a tokenizer (`model.path`)".into(),
+            ));
+        }
+        let swe = SwePool::load(&cfg)?.map(std::sync::Arc::new);
         Ok(TaskSampler {
             cfg,
             base_seed,
@@ -202,6 +317,7 @@ impl TaskSampler {
             eos,
             train,
             eval,
+            swe,
         })
     }
 
@@ -212,7 +328,7 @@ impl TaskSampler {
 
     /// Whether the task is text (needs a tokenizer and an HF model).
     pub fn is_text(&self) -> bool {
-        matches!(self.cfg, TaskConfig::Math { .. })
+        matches!(self.cfg, TaskConfig::Math { .. } | TaskConfig::Swe { .. })
     }
 
     /// How segments are generated for this task.
@@ -224,6 +340,23 @@ impl TaskSampler {
                 max_segment_tokens: 2,
                 max_segments: *difficulty,
             },
+            TaskConfig::Register { difficulty, .. } => RolloutConfig {
+                temperature,
+                segment_stop: vec![arbor_env::vocab::EOS],
+                max_segment_tokens: 3,
+                // The env ends a stalled episode after 3k steps itself.
+                max_segments: 3 * *difficulty,
+            },
+            TaskConfig::Swe {
+                max_tokens,
+                max_turns,
+                ..
+            } => RolloutConfig {
+                temperature,
+                segment_stop: self.eos.clone(),
+                max_segment_tokens: *max_tokens,
+                max_segments: *max_turns,
+            },
             TaskConfig::Math { max_tokens, .. } => RolloutConfig {
                 temperature,
                 segment_stop: self.eos.clone(),
@@ -233,13 +366,27 @@ impl TaskSampler {
         }
     }
 
-    fn running_sum(&self, seed: u64) -> Result<RunningSum, TrainError> {
+    /// The synthetic task instance for `seed` and its oracle's actions.
+    fn synthetic(&self, seed: u64) -> Result<(Box<dyn Env>, Vec<Action>), TrainError> {
+        let err = |e: arbor_env::EnvError| TrainError::Config(format!("task: {e}"));
         match &self.cfg {
             TaskConfig::RunningSum { difficulty } => {
-                RunningSum::new(RunningSumConfig::tokens(*difficulty), seed)
-                    .map_err(|e| TrainError::Config(format!("task: {e}")))
+                let env = RunningSum::new(RunningSumConfig::tokens(*difficulty), seed).map_err(err)?;
+                let oracle = env.oracle_actions();
+                Ok((Box::new(env), oracle))
             }
-            TaskConfig::Math { .. } => Err(TrainError::Config("not a synthetic task".into())),
+            TaskConfig::Register {
+                difficulty,
+                subtract,
+            } => {
+                let env = Register::new(RegisterConfig::tokens(*difficulty, *subtract), seed)
+                    .map_err(err)?;
+                let oracle = env.oracle_actions();
+                Ok((Box::new(env), oracle))
+            }
+            TaskConfig::Math { .. } | TaskConfig::Swe { .. } => {
+                Err(TrainError::Config("not a synthetic task".into()))
+            }
         }
     }
 
@@ -262,39 +409,49 @@ impl TaskSampler {
     /// Training task number `i`.
     pub fn train_task(&self, i: u64) -> Result<TaskInstance, TrainError> {
         match &self.cfg {
-            TaskConfig::RunningSum { .. } => self.instance(Box::new(
-                self.running_sum(self.base_seed.wrapping_add(2 * i))?,
-            )),
+            TaskConfig::RunningSum { .. } | TaskConfig::Register { .. } => {
+                self.instance(self.synthetic(self.base_seed.wrapping_add(2 * i))?.0)
+            }
             TaskConfig::Math { .. } => {
                 let p = self.train[(i % self.train.len() as u64) as usize].clone();
                 self.instance(Box::new(MathEnv::new(p, ChatFormat::Qwen)))
             }
+            TaskConfig::Swe { .. } => self.instance(self.swe_pool()?.fresh(false, i)?),
         }
     }
 
     /// Held-out evaluation task number `i`.
     pub fn eval_task(&self, i: u64) -> Result<TaskInstance, TrainError> {
         match &self.cfg {
-            TaskConfig::RunningSum { .. } => self.instance(Box::new(
-                self.running_sum(self.base_seed.wrapping_add(2 * i + 1))?,
-            )),
+            TaskConfig::RunningSum { .. } | TaskConfig::Register { .. } => {
+                self.instance(self.synthetic(self.base_seed.wrapping_add(2 * i + 1))?.0)
+            }
             TaskConfig::Math { .. } => {
                 let p = self.eval[(i % self.eval.len() as u64) as usize].clone();
                 self.instance(Box::new(MathEnv::new(p, ChatFormat::Qwen)))
             }
+            TaskConfig::Swe { .. } => self.instance(self.swe_pool()?.fresh(true, i)?),
         }
     }
 
     /// Number of distinct evaluation tasks (`None`: unbounded).
     pub fn eval_len(&self) -> Option<usize> {
-        self.is_text().then_some(self.eval.len())
+        match &self.swe {
+            Some(p) => p.eval.lock().ok().map(|l| l.len()),
+            None => self.is_text().then_some(self.eval.len()),
+        }
+    }
+
+    fn swe_pool(&self) -> Result<&SwePool, TrainError> {
+        self.swe
+            .as_deref()
+            .ok_or_else(|| TrainError::Config("SWE tasks were not loaded".into()))
     }
 
     /// A demonstration of training task `i` (the oracle's actions) as a loss
     /// row: action tokens trained, prompt and observations masked.
     pub fn demonstration(&self, i: u64) -> Result<LossRow, TrainError> {
-        let mut env = self.running_sum(self.base_seed.wrapping_add(2 * i))?;
-        let actions = env.oracle_actions();
+        let (mut env, actions) = self.synthetic(self.base_seed.wrapping_add(2 * i))?;
         let first = env
             .reset()
             .map_err(|e| TrainError::Rollout(e.to_string()))?;

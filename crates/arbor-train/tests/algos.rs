@@ -71,3 +71,39 @@ fn vineppo_and_grpo_refuse_a_separate_critic() {
         assert!(e.to_string().contains("learner.critic"), "{e}");
     }
 }
+
+/// The register task trains through the stateful tool: every action is a
+/// tool call, counted per finished episode (FOCUS forks included, PS replays
+/// through execution). The running-sum task calls no tools.
+#[test]
+fn tool_task_reports_tool_calls_per_episode() {
+    for algo in ["focus", "ps"] {
+        let text = config(algo, if algo == "focus" { "separate" } else { "shared" }).replace(
+            "kind = \"running_sum\"\ndifficulty = 3",
+            "kind = \"register\"\ndifficulty = 3\nsubtract = true",
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = TrainConfig::from_toml(&text, "test").unwrap();
+        let mut t = Trainer::new(cfg, dir.path(), false).unwrap();
+        t.warmup(|_, _| {}).unwrap();
+        t.run(|_| {}).unwrap();
+        let ms = read_metrics(&dir.path().join("metrics.jsonl")).unwrap();
+        for m in &ms {
+            // Malformed actions are no tool calls; an episode has at most
+            // 3k = 9 steps, and a rewarded one made at least its 3 adds.
+            assert!(
+                m.tool_calls_per_episode > 0.0 && m.tool_calls_per_episode <= 9.0,
+                "{algo}: {m:?}"
+            );
+            if m.pass_rate == 1.0 {
+                assert!(m.tool_calls_per_episode >= 3.0, "{algo}: {m:?}");
+            }
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = TrainConfig::from_toml(&config("grpo", "shared"), "test").unwrap();
+    let mut t = Trainer::new(cfg, dir.path(), false).unwrap();
+    t.run(|_| {}).unwrap();
+    let ms = read_metrics(&dir.path().join("metrics.jsonl")).unwrap();
+    assert!(ms.iter().all(|m| m.tool_calls_per_episode == 0.0));
+}
