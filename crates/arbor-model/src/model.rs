@@ -21,14 +21,73 @@ use crate::weights::{Init, ParamLoader};
 /// Std of the normal init used for fresh (random) weights.
 pub const INIT_STD: f64 = 0.02;
 
-/// `y = x W^T + b` with `W: [out, in]`, on inputs of any rank.
+/// `y = x W^T + b` with `W: [out, in]`, on inputs of any rank; with a LoRA
+/// adapter, `y = x W^T + b + s (x A^T) B^T` (`A: [r, in]`, `B: [out, r]`,
+/// `s = alpha / r`).
 #[derive(Debug, Clone)]
 pub struct Linear {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
+    pub lora: Option<LoraAdapter>,
+}
+
+/// A low-rank adapter on a [`Linear`] (Hu et al., LoRA): `A` drawn
+/// `N(0, 1/in)`, `B` zero, so training starts from the base model.
+#[derive(Debug, Clone)]
+pub struct LoraAdapter {
+    pub a: Tensor,
+    pub b: Tensor,
+    pub scale: f64,
+}
+
+/// LoRA on the policy: which projections get adapters, rank and alpha. The
+/// base weights stay frozen; only the adapters (and a value head) train.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoraConfig {
+    pub rank: usize,
+    pub alpha: f64,
+    /// Projection names (`q_proj`, `k_proj`, `v_proj`, `o_proj`,
+    /// `gate_proj`, `up_proj`, `down_proj`).
+    pub targets: Vec<String>,
+}
+
+impl Default for LoraConfig {
+    fn default() -> Self {
+        LoraConfig {
+            rank: 16,
+            alpha: 32.0,
+            targets: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+                .map(String::from)
+                .to_vec(),
+        }
+    }
+}
+
+impl LoraConfig {
+    /// Names a target that is no projection, or a zero rank.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        const OK: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+        if self.rank == 0 {
+            return Err("rank must be >= 1".into());
+        }
+        if let Some(t) = self.targets.iter().find(|t| !OK.contains(&t.as_str())) {
+            return Err(format!("target `{t}` is not one of {}", OK.join(", ")));
+        }
+        Ok(())
+    }
 }
 
 impl Linear {
+    /// A plain linear layer (no adapter).
+    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
+        Linear {
+            weight,
+            bias,
+            lora: None,
+        }
+    }
+
     fn load(p: &ParamLoader<'_>, name: &str, out: usize, inp: usize, bias: bool) -> Result<Self> {
         let weight = p.get(
             &format!("{name}.weight"),
@@ -40,7 +99,31 @@ impl Linear {
         } else {
             None
         };
-        Ok(Linear { weight, bias })
+        let short = name.rsplit('.').next().unwrap_or(name);
+        let lora = match p.lora() {
+            Some(l) if l.targets.iter().any(|t| t == short) => Some(LoraAdapter {
+                a: p.get_or_init(
+                    &format!("{name}.lora_A.weight"),
+                    &[l.rank, inp],
+                    Init::Normal(1.0 / (inp as f64).sqrt()),
+                )?,
+                b: p.get_or_init(&format!("{name}.lora_B.weight"), &[out, l.rank], Init::Zeros)?,
+                scale: l.alpha / l.rank as f64,
+            }),
+            _ => None,
+        };
+        Ok(Linear { weight, bias, lora })
+    }
+
+    /// `W + s B A` (the weight with the adapter folded in), in `W`'s dtype.
+    pub fn merged_weight(&self) -> Result<Tensor> {
+        Ok(match &self.lora {
+            None => self.weight.clone(),
+            Some(l) => {
+                let ba = (l.b.matmul(&l.a)? * l.scale)?.to_dtype(self.weight.dtype())?;
+                (&self.weight + ba)?
+            }
+        })
     }
 }
 
@@ -49,7 +132,11 @@ impl Module for Linear {
         let dims = x.dims();
         let inp = dims[dims.len() - 1];
         let n = x.elem_count() / inp;
-        let y = x.reshape((n, inp))?.matmul(&self.weight.t()?)?;
+        let x2 = x.reshape((n, inp))?;
+        let mut y = x2.matmul(&self.weight.t()?)?;
+        if let Some(l) = &self.lora {
+            y = (y + (x2.matmul(&l.a.t()?)?.matmul(&l.b.t()?)? * l.scale)?)?;
+        }
         let y = match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
@@ -384,7 +471,9 @@ impl Transformer {
     pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
         let mut out = vec![("model.embed_tokens.weight".to_string(), self.embed.clone())];
         let lin = |out: &mut Vec<(String, Tensor)>, name: String, l: &Linear| {
-            out.push((format!("{name}.weight"), l.weight.clone()));
+            // HF-loadable: adapters folded into the weights.
+            let w = l.merged_weight().unwrap_or_else(|_| l.weight.clone());
+            out.push((format!("{name}.weight"), w));
             if let Some(b) = &l.bias {
                 out.push((format!("{name}.bias"), b.clone()));
             }
@@ -421,6 +510,32 @@ impl Transformer {
         out
     }
 
+    /// The LoRA adapters under their HF/PEFT-style names
+    /// (`model.layers.N.self_attn.q_proj.lora_A.weight`, ...); empty without LoRA.
+    pub fn lora_tensors(&self) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            let a = &layer.attn;
+            let m = &layer.mlp;
+            for (name, l) in [
+                ("self_attn.q_proj", &a.q),
+                ("self_attn.k_proj", &a.k),
+                ("self_attn.v_proj", &a.v),
+                ("self_attn.o_proj", &a.o),
+                ("mlp.gate_proj", &m.gate),
+                ("mlp.up_proj", &m.up),
+                ("mlp.down_proj", &m.down),
+            ] {
+                if let Some(ad) = &l.lora {
+                    out.push((format!("{p}.{name}.lora_A.weight"), ad.a.clone()));
+                    out.push((format!("{p}.{name}.lora_B.weight"), ad.b.clone()));
+                }
+            }
+        }
+        out
+    }
+
     /// Write an HF-loadable checkpoint: `config.json` and `model.safetensors`
     /// (in `dtype`), each written to a temporary file, fsynced and renamed,
     /// so a crash never leaves a half-written file under the final name.
@@ -431,10 +546,6 @@ impl Transformer {
     /// Full logits `[.., V]` for hidden states `[.., H]`, in the model dtype.
     /// Only for small inputs: use [`crate::logprobs`] for training-size batches.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        let lin = Linear {
-            weight: self.lm_head.clone(),
-            bias: None,
-        };
-        Ok(lin.forward(hidden)?)
+        Ok(Linear::new(self.lm_head.clone(), None).forward(hidden)?)
     }
 }

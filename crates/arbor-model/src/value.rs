@@ -20,10 +20,10 @@ impl ValueHead {
     /// checkpoint has them; otherwise initialises `N(0, 0.02^2)` / zero.
     pub fn load(p: &ParamLoader<'_>, hidden: usize) -> Result<Self> {
         Ok(ValueHead {
-            linear: Linear {
-                weight: p.get_or_init("value_head.weight", &[1, hidden], Init::Normal(INIT_STD))?,
-                bias: Some(p.get_or_init("value_head.bias", &[1], Init::Zeros)?),
-            },
+            linear: Linear::new(
+                p.get_or_init("value_head.weight", &[1, hidden], Init::Normal(INIT_STD))?,
+                Some(p.get_or_init("value_head.bias", &[1], Init::Zeros)?),
+            ),
         })
     }
 

@@ -373,6 +373,7 @@ pub struct ParamLoader<'a> {
     pub dtype: DType,
     pub device: Device,
     vars: Option<VarMap>,
+    lora: Option<crate::model::LoraConfig>,
 }
 
 impl std::fmt::Debug for ParamLoader<'_> {
@@ -393,6 +394,7 @@ impl<'a> ParamLoader<'a> {
             dtype,
             device: device.clone(),
             vars: None,
+            lora: None,
         }
     }
 
@@ -403,7 +405,21 @@ impl<'a> ParamLoader<'a> {
             dtype,
             device: device.clone(),
             vars: Some(vars),
+            lora: None,
         }
+    }
+
+    /// Put LoRA adapters on the projections `cfg` names. The base model's
+    /// tensors (`model.*`, `lm_head.*`) are then frozen: only the adapters
+    /// and any other head (a value head) are registered as trainable.
+    pub fn with_lora(mut self, cfg: crate::model::LoraConfig) -> Self {
+        self.lora = Some(cfg);
+        self
+    }
+
+    /// The LoRA settings, if any.
+    pub fn lora(&self) -> Option<&crate::model::LoraConfig> {
+        self.lora.as_ref()
     }
 
     /// The registry of trainable parameters, if any.
@@ -446,7 +462,12 @@ impl<'a> ParamLoader<'a> {
     }
 
     fn register(&self, name: &str, t: Tensor) -> Result<Tensor> {
+        let frozen_base = self.lora.is_some()
+            && (name.starts_with("model.") || name.starts_with("lm_head."))
+            && !name.contains(".lora_A.")
+            && !name.contains(".lora_B.");
         match &self.vars {
+            _ if frozen_base => Ok(t),
             None => Ok(t),
             Some(vm) => {
                 let var = Var::from_tensor(&t)?;

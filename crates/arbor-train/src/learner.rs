@@ -83,6 +83,38 @@ impl Learner {
             .map(|(n, v)| (n, v.as_tensor().clone()))
             .collect()
     }
+
+    /// The policy's trainable tensors (with LoRA: the adapters and any value
+    /// head; the frozen base is not among them).
+    pub fn policy_trainable_tensors(&self) -> Vec<(String, Tensor)> {
+        named_vars(&self.policy_vars, "")
+            .into_iter()
+            .map(|(n, v)| (n, v.as_tensor().clone()))
+            .collect()
+    }
+
+    /// Set the policy's trainable tensors from a checkpoint; every one must
+    /// be present with its shape.
+    pub fn load_policy_trainable(
+        &self,
+        t: &std::collections::HashMap<String, Tensor>,
+        origin: &str,
+    ) -> Result<(), TrainError> {
+        for (name, var) in named_vars(&self.policy_vars, "") {
+            let v = t.get(&name).ok_or_else(|| {
+                TrainError::Checkpoint(format!("{origin}: tensor `{name}` missing"))
+            })?;
+            if v.dims() != var.dims() {
+                return Err(TrainError::Checkpoint(format!(
+                    "{origin}: tensor `{name}` is {:?}, the model needs {:?}",
+                    v.dims(),
+                    var.dims()
+                )));
+            }
+            var.set(&v.to_dtype(var.dtype())?)?;
+        }
+        Ok(())
+    }
 }
 
 impl std::fmt::Debug for Learner {
@@ -183,6 +215,7 @@ impl Learner {
     /// own tensors (`value_head.*`, and `model.*` of a separate backbone).
     /// Without `critic`, a separate backbone starts from the policy weights
     /// and the value head is initialised.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         cfg: &ModelConfig,
         policy: Option<&arbor_model::Checkpoint>,
@@ -191,6 +224,7 @@ impl Learner {
         device: &Device,
         lcfg: LearnerConfig,
         ocfg: AdamWConfig,
+        lora: Option<&arbor_model::LoraConfig>,
     ) -> Result<Self, TrainError> {
         let (pv, cv) = (VarMap::new(), VarMap::new());
         fn source(c: Option<&arbor_model::Checkpoint>, seed: u64) -> ParamSource<'_> {
@@ -199,7 +233,11 @@ impl Learner {
                 None => ParamSource::Random { seed },
             }
         }
-        let pl = ParamLoader::trainable(source(policy, seed), DType::F32, device, pv.clone());
+        let mut pl = ParamLoader::trainable(source(policy, seed), DType::F32, device, pv.clone());
+        if let Some(l) = lora {
+            // Frozen base, trainable adapters (and value head).
+            pl = pl.with_lora(l.clone());
+        }
         let cl = ParamLoader::trainable(
             source(critic.or(policy), seed ^ 0xC817),
             DType::F32,

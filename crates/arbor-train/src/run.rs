@@ -90,6 +90,10 @@ pub struct ModelSpec {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub intermediate_size: usize,
+    /// LoRA on the policy (`[model.lora]`: rank, alpha, targets): the base
+    /// weights stay frozen, adapters train; checkpoints keep the adapters
+    /// (`policy_lora.safetensors`) and export the merged model under `policy/`.
+    pub lora: Option<arbor_model::LoraConfig>,
 }
 
 impl Default for ModelSpec {
@@ -102,6 +106,7 @@ impl Default for ModelSpec {
             kv_heads: 2,
             head_dim: 16,
             intermediate_size: 128,
+            lora: None,
         }
     }
 }
@@ -290,6 +295,11 @@ impl TrainConfig {
         }
         if let Err(e) = self.ps.controller.validate() {
             return bad("ps.controller", &e.to_string());
+        }
+        if let Some(l) = &self.model.lora {
+            if let Err(e) = l.validate() {
+                return bad("model.lora", &e);
+            }
         }
         if !(0.0..1.0).contains(&self.ps.reserve) {
             return bad("ps.reserve", "must be in [0, 1)");
@@ -549,15 +559,25 @@ impl Trainer {
             Some((_, dir)) => {
                 let policy = Checkpoint::open(&[dir.join("policy/model.safetensors")])?;
                 let critic = Checkpoint::open(&[dir.join("critic.safetensors")])?;
+                // With LoRA the base is the original (frozen) model and the
+                // adapters come from the checkpoint; `policy/` is the merged export.
+                let lora = cfg.model.lora.as_ref();
+                let base = if lora.is_some() { hf_ckpt.as_ref() } else { Some(&policy) };
                 let mut learner = Learner::new(
                     &mcfg,
-                    Some(&policy),
+                    base,
                     Some(&critic),
                     cfg.seed,
                     &dev,
                     cfg.learner,
                     ocfg,
+                    lora,
                 )?;
+                if lora.is_some() {
+                    let p = dir.join("policy_lora.safetensors");
+                    let t = candle_core::safetensors::load(&p, &dev)?;
+                    learner.load_policy_trainable(&t, &p.display().to_string())?;
+                }
                 let text = std::fs::read_to_string(dir.join("trainer_state.json"))?;
                 let state: TrainerState = serde_json::from_str(&text).map_err(|e| {
                     TrainError::Checkpoint(format!(
@@ -580,6 +600,7 @@ impl Trainer {
                     &dev,
                     cfg.learner,
                     ocfg,
+                    cfg.model.lora.as_ref(),
                 )?;
                 let _ = std::fs::remove_file(out_dir.join("metrics.jsonl"));
                 let state = TrainerState {
@@ -882,6 +903,12 @@ impl Trainer {
             self.learner.critic_tensors().into_iter().collect(),
             &tmp.join("critic.safetensors"),
         )?;
+        if self.cfg.model.lora.is_some() {
+            save_tensors(
+                self.learner.policy_trainable_tensors().into_iter().collect(),
+                &tmp.join("policy_lora.safetensors"),
+            )?;
+        }
         let (opt, _) = self.learner.opt.state();
         save_tensors(opt, &tmp.join("optimizer.safetensors"))?;
         let state = serde_json::to_vec_pretty(&self.state)

@@ -68,6 +68,7 @@ fn learner() -> Learner {
         &Device::Cpu,
         lcfg,
         AdamWConfig::default(),
+        None,
     )
     .unwrap()
 }
