@@ -80,13 +80,14 @@ LOGPROB_OPS(float, f32)
 LOGPROB_OPS(__nv_bfloat16, bf16)
 LOGPROB_OPS(__half, f16)
 
-// acc += x (n elements), for accumulating chunked gradients in place.
-#define AXPY(TY, SUF)                                                                       \
-  extern "C" __global__ void add_inplace_##SUF(TY* acc, const TY* x, size_t n) {            \
+// acc += x (n elements) with an f32 accumulator, for summing the chunked
+// dh in full precision whatever the input dtype (rounded once at the end).
+#define ADD_TO_F32(TY, SUF)                                                                 \
+  extern "C" __global__ void add_to_f32_##SUF(float* acc, const TY* x, size_t n) {          \
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;                    \
          i += (size_t)gridDim.x * blockDim.x)                                                \
-      acc[i] = from_f<TY>(to_f(acc[i]) + to_f(x[i]));                                        \
+      acc[i] += to_f(x[i]);                                                                  \
   }
-AXPY(float, f32)
-AXPY(__nv_bfloat16, bf16)
-AXPY(__half, f16)
+ADD_TO_F32(float, f32)
+ADD_TO_F32(__nv_bfloat16, bf16)
+ADD_TO_F32(__half, f16)

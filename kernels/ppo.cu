@@ -1,5 +1,6 @@
-// Masked clipped PPO loss and clipped value loss, forward (one block,
-// reduced to a few scalars) and backward (per token).
+// Masked clipped PPO loss and clipped value loss, forward (grid-stride
+// blocks, each reduced then added atomically into a zeroed output: the
+// summation order is not fixed) and backward (per token).
 //
 // PPO, token t with aux_t = (logp_old, A, w, _): r = exp(logp - logp_old),
 //   L_t = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
@@ -33,7 +34,7 @@ extern "C" __global__ void ppo_loss_fwd(const float* logp, const float* aux, flo
                                         float eps_low, float eps_high) {
   __shared__ float scratch[32];
   float s_loss = 0.f, s_clip = 0.f, s_kl = 0.f, s_w = 0.f;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
     const float* a = aux + 4 * (size_t)i;
     const float w = a[2];
     if (w == 0.f) continue;
@@ -48,7 +49,12 @@ extern "C" __global__ void ppo_loss_fwd(const float* logp, const float* aux, flo
   s_clip = block_sum(s_clip, scratch);
   s_kl = block_sum(s_kl, scratch);
   s_w = block_sum(s_w, scratch);
-  if (threadIdx.x == 0) { out[0] = s_loss; out[1] = s_clip; out[2] = s_kl; out[3] = s_w; }
+  if (threadIdx.x == 0) {
+    atomicAdd(out + 0, s_loss);
+    atomicAdd(out + 1, s_clip);
+    atomicAdd(out + 2, s_kl);
+    atomicAdd(out + 3, s_w);
+  }
 }
 
 extern "C" __global__ void ppo_loss_bwd(const float* logp, const float* aux, const float* gout, float* glogp,
@@ -87,7 +93,7 @@ __device__ __forceinline__ void value_token(float v, const float* a, float clip,
 extern "C" __global__ void value_loss_fwd(const float* v, const float* aux, float* out, int n, float clip) {
   __shared__ float scratch[32];
   float s_loss = 0.f, s_clip = 0.f;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
     const float* a = aux + 4 * (size_t)i;
     const float w = a[2];
     if (w == 0.f) continue;
@@ -98,7 +104,10 @@ extern "C" __global__ void value_loss_fwd(const float* v, const float* aux, floa
   }
   s_loss = block_sum(s_loss, scratch);
   s_clip = block_sum(s_clip, scratch);
-  if (threadIdx.x == 0) { out[0] = s_loss; out[1] = s_clip; }
+  if (threadIdx.x == 0) {
+    atomicAdd(out + 0, s_loss);
+    atomicAdd(out + 1, s_clip);
+  }
 }
 
 extern "C" __global__ void value_loss_bwd(const float* v, const float* aux, const float* gout, float* gv, int n,

@@ -241,9 +241,23 @@ fn kernel_checks(dev: &Device, quick: bool, rng: &mut Rng, out: &mut Vec<Check>)
     }
     // PPO and value losses (f32).
     let n = if quick { 4096 } else { 1 << 20 };
-    let lp = rng.uniform(n, -4.0, -0.05);
-    let old: Vec<f64> = lp.iter().map(|x| x + (rng.next_f64() - 0.5) * 0.6).collect();
-    let adv = rng.uniform(n, -2.0, 2.0);
+    let clip = arbor_ops::PpoClip { eps_low: 0.2, eps_high: 0.28 };
+    // Inputs rounded to f32 (what the device sees) for both sides, and
+    // log-ratios kept off the clip edges, where the gradient jumps between
+    // -A r and 0 and a last-bit difference would flip a whole token.
+    let f32r = |x: f64| x as f32 as f64;
+    let lp: Vec<f64> = rng.uniform(n, -4.0, -0.05).into_iter().map(f32r).collect();
+    let edges = [(1.0 - clip.eps_low as f64).ln(), (1.0 + clip.eps_high as f64).ln()];
+    let old: Vec<f64> = lp
+        .iter()
+        .map(|&x| loop {
+            let o = f32r(x + (rng.next_f64() - 0.5) * 0.6);
+            if edges.iter().all(|e| ((x - o) - e).abs() > 1e-4) {
+                break o;
+            }
+        })
+        .collect();
+    let adv: Vec<f64> = rng.uniform(n, -2.0, 2.0).into_iter().map(|x| x as f32 as f64).collect();
     let mask: Vec<f32> = (0..n).map(|_| if rng.next_f64() < 0.8 { 1.0 } else { 0.0 }).collect();
     let seq: Vec<usize> = (0..n).map(|i| i / 97).collect();
     let w: Vec<f64> = arbor_ops::token_weights(&mask, &seq, arbor_ops::Aggregation::Sequence)
@@ -251,7 +265,6 @@ fn kernel_checks(dev: &Device, quick: bool, rng: &mut Rng, out: &mut Vec<Check>)
         .map(f64::from)
         .collect();
     let aux_rows = |a: &[f64], b: &[f64]| -> Vec<f64> { (0..n).flat_map(|i| [a[i], b[i], w[i], 0.0]).collect() };
-    let clip = arbor_ops::PpoClip { eps_low: 0.2, eps_high: 0.28 };
     let aux = aux_rows(&old, &adv);
     let both = |x: &[f64], aux: &[f64], f: &dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>| -> Result<(Tensor, Tensor, Tensor, Tensor)> {
         let mut res = Vec::new();
@@ -268,9 +281,9 @@ fn kernel_checks(dev: &Device, quick: bool, rng: &mut Rng, out: &mut Vec<Check>)
     let (o, g, ro, rg) = both(&lp, &aux, &|x, a| arbor_ops::ppo_loss(x, a, clip))?;
     push(out, "kernel", "ppo loss fwd (loss, clip, kl, w)", DType::F32, rel_err(&o, &ro)?);
     push(out, "kernel", "ppo loss bwd", DType::F32, rel_err(&g, &rg)?);
-    let vals = rng.uniform(n, -1.0, 1.0);
-    let vold: Vec<f64> = vals.iter().map(|x| x + (rng.next_f64() - 0.5) * 0.5).collect();
-    let ret = rng.uniform(n, -1.0, 1.0);
+    let vals: Vec<f64> = rng.uniform(n, -1.0, 1.0).into_iter().map(f32r).collect();
+    let vold: Vec<f64> = vals.iter().map(|x| f32r(x + (rng.next_f64() - 0.5) * 0.5)).collect();
+    let ret: Vec<f64> = rng.uniform(n, -1.0, 1.0).into_iter().map(f32r).collect();
     let vaux = aux_rows(&ret, &vold);
     let (o, g, ro, rg) = both(&vals, &vaux, &|x, a| arbor_ops::value_loss(x, a, 0.2))?;
     push(out, "kernel", "value loss fwd", DType::F32, rel_err(&o, &ro)?);

@@ -209,7 +209,8 @@ impl DeviceKvCache {
         let dst: Vec<u32> = (0..op.len as u32).map(|i| op.dst * bs as u32 + i).collect();
         let dst = Tensor::from_vec(dst, op.len, &dev)?;
         for t in self.k.iter().chain(&self.v) {
-            let rows = t.narrow(0, op.src as usize * bs, op.len)?.copy()?;
+            // A fresh buffer of just these rows (not an alias of the cache).
+            let rows = t.narrow(0, op.src as usize * bs, op.len)?.force_contiguous()?;
             arbor_ops::cache_write(t, &rows, &dst)?;
         }
         Ok(())
@@ -247,6 +248,18 @@ impl<'a> DevicePagedAttention<'a> {
             cache.block_size,
             &dev,
         )?;
+        let n_slots = cache.num_blocks * cache.block_size;
+        if let Some(&s) = batch.slots.iter().find(|&&s| s >= n_slots) {
+            return Err(ModelError::Input(format!(
+                "paged attention: slot {s} outside the cache ({n_slots} slots)"
+            )));
+        }
+        if let Some(&b) = batch.tables.iter().flatten().find(|&&b| b as usize >= cache.num_blocks) {
+            return Err(ModelError::Input(format!(
+                "paged attention: block {b} outside the cache ({} blocks)",
+                cache.num_blocks
+            )));
+        }
         let slots: Vec<u32> = batch.slots.iter().map(|&s| s as u32).collect();
         let n = slots.len();
         Ok(DevicePagedAttention {

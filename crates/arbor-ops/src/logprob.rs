@@ -19,7 +19,11 @@
 //!
 //! The CPU path is the reference (f64 accumulation, f32/f64 storage; bf16 and
 //! f16 inputs are upcast to f32); the CUDA path uses cuBLAS for the matmuls
-//! and `kernels/logprob.cu` for the row passes.
+//! and `kernels/logprob.cu` for the row passes, with `dh` summed over the
+//! vocabulary chunks in f32. Known limit of the CUDA bf16/f16 path: each
+//! chunk's logits leave cuBLAS in the input dtype (f32 accumulation inside,
+//! one rounding at the end), so a log-probability carries an error of about
+//! `|z| 2^-9`; an f32-output GEMM (`cublasGemmEx`) is the planned fix.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
@@ -383,7 +387,7 @@ impl CustomOp3 for FusedLogprobGrad {
         let dt = hs.dtype();
         let suf = cuda::suffix(dt)?;
         let grad_f = dev.get_or_load_custom_func(&format!("logprob_grad_{suf}"), "arbor_logprob", cuda::ptx("logprob")?)?;
-        let add_f = dev.get_or_load_custom_func(&format!("add_inplace_{suf}"), "arbor_logprob", cuda::ptx("logprob")?)?;
+        let add_f = dev.get_or_load_custom_func(&format!("add_to_f32_{suf}"), "arbor_logprob", cuda::ptx("logprob")?)?;
         let aux = cuda::view::<f32>(auxs, auxl)?;
         let total = (n + v) * h;
         let mut out = match dt {
@@ -392,7 +396,8 @@ impl CustomOp3 for FusedLogprobGrad {
             _ => cuda::wrap(cuda::alloc_out::<::half::f16>(&dev, total)?, &dev),
         };
         let cols = chunk_len(self.chunk_elems, n);
-        let mut dh: Option<candle_core::CudaStorage> = None;
+        // dh summed over vocabulary chunks in f32, rounded once.
+        let mut dh = dev.alloc_zeros::<f32>(n * h)?;
         let mut v0 = 0;
         while v0 < v {
             let vc = cols.min(v - v0);
@@ -417,29 +422,27 @@ impl CustomOp3 for FusedLogprobGrad {
             dw.copy_strided_src(&mut out, (n + v0) * h, &Layout::contiguous((vc, h)))?;
             let wc = Layout::contiguous_with_offset((vc, h), wl.start_offset() + v0 * h);
             let part = z.matmul(ws, (1, n, h, vc), &zl, &wc)?;
-            dh = Some(match dh {
-                None => part,
-                Some(mut acc) => {
-                    let len = n * h;
-                    let mut b = add_f.builder();
-                    match (&mut acc.slice, &part.slice) {
-                        (S::F32(a), S::F32(p)) => b.arg(a).arg(p),
-                        (S::BF16(a), S::BF16(p)) => b.arg(a).arg(p),
-                        (S::F16(a), S::F16(p)) => b.arg(a).arg(p),
-                        _ => candle_core::bail!("fused_logprobs: dtype mismatch"),
-                    };
-                    b.arg(&len);
-                    // SAFETY: matches `add_inplace_*`; both hold n*h elements.
-                    #[allow(unsafe_code)]
-                    unsafe { b.launch(cuda::grid1d(len, 256)) }.w()?;
-                    acc
-                }
-            });
+            {
+                let len = n * h;
+                let mut b = add_f.builder();
+                b.arg(&mut dh);
+                match &part.slice {
+                    S::F32(p) => b.arg(p),
+                    S::BF16(p) => b.arg(p),
+                    S::F16(p) => b.arg(p),
+                    _ => candle_core::bail!("fused_logprobs: unsupported CUDA dtype"),
+                };
+                b.arg(&len);
+                // SAFETY: matches `add_to_f32_*`; both hold n*h elements.
+                #[allow(unsafe_code)]
+                unsafe { b.launch(cuda::grid1d(len, 256)) }.w()?;
+            }
             v0 += vc;
         }
-        if let Some(dh) = dh {
-            dh.copy_strided_src(&mut out, 0, &Layout::contiguous((n, h)))?;
-        }
+        let l = Layout::contiguous((n, h));
+        let dh = cuda::wrap(dh, &dev);
+        let dh = if dt == DType::F32 { dh } else { dh.to_dtype(&l, dt)? };
+        dh.copy_strided_src(&mut out, 0, &l)?;
         Ok((out, Shape::from(total)))
     }
 }

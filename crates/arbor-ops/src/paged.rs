@@ -21,6 +21,8 @@ pub struct PagedMeta {
     /// `[S, max_blocks]` u32 block tables, padded with 0.
     pub tables: Tensor,
     pub block_size: usize,
+    /// Largest block id in `tables` (checked against the cache size).
+    pub max_block: u32,
 }
 
 impl PagedMeta {
@@ -53,11 +55,13 @@ impl PagedMeta {
             flat[s * maxb..s * maxb + tab.len()].copy_from_slice(tab);
         }
         let seq: Vec<u32> = token_seq.iter().map(|&s| s as u32).collect();
+        let max_block = tables.iter().flatten().copied().max().unwrap_or(0);
         Ok(PagedMeta {
             positions: Tensor::from_slice(positions, t, dev)?,
             token_seq: Tensor::from_vec(seq, t, dev)?,
             tables: Tensor::from_vec(flat, (tables.len().max(1), maxb), dev)?,
             block_size,
+            max_block,
         })
     }
 }
@@ -81,6 +85,17 @@ pub fn paged_attention_op(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: 
     if meta.positions.dims1()? != t {
         candle_core::bail!("paged_attention: {t} queries but {} positions", meta.positions.dims1()?);
     }
+    let blocks = k_cache.dim(0)? / meta.block_size.max(1);
+    if meta.max_block as usize >= blocks {
+        candle_core::bail!(
+            "paged_attention: block {} in the tables, the cache has {blocks} blocks of {}",
+            meta.max_block,
+            meta.block_size
+        );
+    }
+    if t == 0 {
+        return Tensor::zeros((0, nh, d), q.dtype(), q.device());
+    }
     q.contiguous()?.apply_op3_no_bwd(k_cache, v_cache, &PagedAttn { meta: meta.clone() })
 }
 
@@ -99,7 +114,13 @@ pub fn cache_write(cache: &Tensor, rows: &Tensor, slots: &Tensor) -> Result<()> 
     if !cache.is_contiguous() {
         candle_core::bail!("cache_write: the cache must be contiguous");
     }
-    let _ = n_slots;
+    // Checked here for every device (the CUDA kernel trusts its slots).
+    if let Some(bad) = slots.to_vec1::<u32>()?.into_iter().find(|&s| s as usize >= n_slots) {
+        candle_core::bail!("cache_write: slot {bad} outside the cache ({n_slots} slots)");
+    }
+    if t == 0 {
+        return Ok(());
+    }
     cache.inplace_op3(&rows.to_dtype(cache.dtype())?.contiguous()?, &slots.contiguous()?, &CacheWrite)
 }
 
@@ -206,8 +227,9 @@ impl CustomOp3 for PagedAttn {
             ($ty:ty, $q:expr, $k:expr, $v:expr) => {{
                 let (q, k, v) = ($q, $k, $v);
                 let qv = q.slice(ql.start_offset()..ql.start_offset() + t * nh * d);
-                let kvw = k.slice(kl.start_offset()..kl.start_offset() + kl.shape().elem_count());
-                let vvw = v.slice(vl.start_offset()..vl.start_offset() + vl.shape().elem_count());
+                let _ = (k, v);
+                let kvw = cuda::view::<$ty>(ks, kl)?;
+                let vvw = cuda::view::<$ty>(vs, vl)?;
                 let mut out = cuda::alloc_out::<$ty>(&dev, t * nh * d)?;
                 let mut b = f.builder();
                 b.arg(&qv).arg(&kvw).arg(&vvw).arg(&pv).arg(&sv).arg(&tv).arg(&mut out);
@@ -395,6 +417,11 @@ mod tests {
         let rows = Tensor::ones((1, 1, 2), DType::F32, &dev)?;
         let e = cache_write(&cache, &rows, &Tensor::new(&[4u32], &dev)?).unwrap_err().to_string();
         assert!(e.contains("outside the cache"), "{e}");
+        // A table naming a block past the cache (4 slots = 2 blocks of 2).
+        let meta = PagedMeta::new(&[0], &[0], &[vec![2u32]], 2, &dev)?;
+        let q = Tensor::ones((1, 1, 2), DType::F32, &dev)?;
+        let e = paged_attention_op(&q, &cache, &cache, &meta).unwrap_err().to_string();
+        assert!(e.contains("block 2"), "{e}");
         Ok(())
     }
 }

@@ -16,7 +16,8 @@
 //! `v_c = v_old + clamp(v - v_old, -c, c)`,
 //! `L_t = 0.5 max((v - R)^2, (v_c - R)^2)`; output `[2] = (sum w L, sum w [clipped])`.
 //!
-//! CPU: f64 arithmetic (the reference); CUDA: `kernels/ppo.cu`, f32.
+//! CPU: f64 arithmetic (the reference); CUDA: `kernels/ppo.cu`, f32, the
+//! forward summed by many blocks with float atomics (order not fixed).
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
@@ -239,14 +240,16 @@ mod gpu {
         let xv = cuda::view::<f32>(x, xl)?;
         let av = cuda::view::<f32>(aux, al)?;
         let n = xl.shape().elem_count() as i32;
-        let mut out = cuda::alloc_out::<f32>(&dev, outs)?;
+        // Blocks add into the output atomically: it starts at zero.
+        let mut out = dev.alloc_zeros::<f32>(outs)?;
         let mut b = f.builder();
         b.arg(&xv).arg(&av).arg(&mut out).arg(&n);
         for p in params {
             b.arg(p);
         }
+        let blocks = (n as usize).div_ceil(1024).clamp(1, 528) as u32;
         let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
+            grid_dim: (blocks, 1, 1),
             block_dim: (1024, 1, 1),
             shared_mem_bytes: 0,
         };
