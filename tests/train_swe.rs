@@ -54,7 +54,7 @@ fn swe_training_runs_for_focus_ps_grpo() {
 seed = 0
 steps = 1
 algo = "{algo}"
-prompts_per_step = 1
+prompts_per_step = 2
 samples_per_prompt = 2
 eval_every = 1
 eval_tasks = 1

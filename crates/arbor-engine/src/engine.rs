@@ -218,6 +218,11 @@ impl Engine {
         })
     }
 
+    /// Longest sequence (prompt + generated) the engine accepts.
+    pub fn max_context(&self) -> usize {
+        self.max_context
+    }
+
     pub fn config(&self) -> &EngineConfig {
         &self.cfg
     }

@@ -157,8 +157,9 @@ impl AttentionBackend for PagedAttention<'_> {
 /// in the model's dtype): the layout of [`PagedKvCache`], on any candle
 /// device. With the `cuda` feature this is the GPU engine's cache; on the
 /// CPU it runs the same kernels as [`PagedAttention`] through
-/// `arbor_ops::paged_attention_op`.
-#[derive(Debug, Clone)]
+/// `arbor_ops::paged_attention_op`. Not `Clone`: writes go into the
+/// tensors' storage in place, so a clone would alias the cache.
+#[derive(Debug)]
 pub struct DeviceKvCache {
     k: Vec<Tensor>,
     v: Vec<Tensor>,

@@ -198,8 +198,9 @@ pub trait Env: Send {
         None
     }
 
-    /// Tool calls executed so far in this episode (0 for tasks without
-    /// tools). The trainer reports their mean per finished episode.
+    /// Tool calls executed so far in this episode (malformed or failed
+    /// calls not counted; 0 for tasks without tools). The trainer reports
+    /// their mean per finished trajectory.
     fn tool_calls(&self) -> usize {
         0
     }

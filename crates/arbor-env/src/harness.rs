@@ -544,8 +544,9 @@ impl Env for Harness {
         self.task.id()
     }
 
+    /// Tool calls executed (parsed calls minus those that failed to run).
     fn tool_calls(&self) -> usize {
-        self.st.tool_calls
+        self.st.tool_calls.saturating_sub(self.st.tool_errors)
     }
 
     fn reset(&mut self) -> Result<Observation> {

@@ -71,8 +71,18 @@ impl LoraConfig {
         if self.rank == 0 {
             return Err("rank must be >= 1".into());
         }
+        if !(self.alpha.is_finite() && self.alpha > 0.0) {
+            return Err(format!("alpha must be > 0, got {}", self.alpha));
+        }
+        if self.targets.is_empty() {
+            return Err("targets is empty: the frozen policy would not train at all".into());
+        }
         if let Some(t) = self.targets.iter().find(|t| !OK.contains(&t.as_str())) {
             return Err(format!("target `{t}` is not one of {}", OK.join(", ")));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        if let Some(t) = self.targets.iter().find(|t| !seen.insert(t.as_str())) {
+            return Err(format!("target `{t}` is listed twice"));
         }
         Ok(())
     }
@@ -468,32 +478,32 @@ impl Transformer {
     }
 
     /// Every parameter under its HF name (the tied lm_head is not repeated).
-    pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
+    pub fn named_tensors(&self) -> Result<Vec<(String, Tensor)>> {
         let mut out = vec![("model.embed_tokens.weight".to_string(), self.embed.clone())];
-        let lin = |out: &mut Vec<(String, Tensor)>, name: String, l: &Linear| {
+        let lin = |out: &mut Vec<(String, Tensor)>, name: String, l: &Linear| -> Result<()> {
             // HF-loadable: adapters folded into the weights.
-            let w = l.merged_weight().unwrap_or_else(|_| l.weight.clone());
-            out.push((format!("{name}.weight"), w));
+            out.push((format!("{name}.weight"), l.merged_weight()?));
             if let Some(b) = &l.bias {
                 out.push((format!("{name}.bias"), b.clone()));
             }
+            Ok(())
         };
         for (i, layer) in self.layers.iter().enumerate() {
             let p = format!("model.layers.{i}");
             let a = &layer.attn;
-            lin(&mut out, format!("{p}.self_attn.q_proj"), &a.q);
-            lin(&mut out, format!("{p}.self_attn.k_proj"), &a.k);
-            lin(&mut out, format!("{p}.self_attn.v_proj"), &a.v);
-            lin(&mut out, format!("{p}.self_attn.o_proj"), &a.o);
+            lin(&mut out, format!("{p}.self_attn.q_proj"), &a.q)?;
+            lin(&mut out, format!("{p}.self_attn.k_proj"), &a.k)?;
+            lin(&mut out, format!("{p}.self_attn.v_proj"), &a.v)?;
+            lin(&mut out, format!("{p}.self_attn.o_proj"), &a.o)?;
             if let Some(n) = &a.q_norm {
                 out.push((format!("{p}.self_attn.q_norm.weight"), n.weight.clone()));
             }
             if let Some(n) = &a.k_norm {
                 out.push((format!("{p}.self_attn.k_norm.weight"), n.weight.clone()));
             }
-            lin(&mut out, format!("{p}.mlp.gate_proj"), &layer.mlp.gate);
-            lin(&mut out, format!("{p}.mlp.up_proj"), &layer.mlp.up);
-            lin(&mut out, format!("{p}.mlp.down_proj"), &layer.mlp.down);
+            lin(&mut out, format!("{p}.mlp.gate_proj"), &layer.mlp.gate)?;
+            lin(&mut out, format!("{p}.mlp.up_proj"), &layer.mlp.up)?;
+            lin(&mut out, format!("{p}.mlp.down_proj"), &layer.mlp.down)?;
             out.push((
                 format!("{p}.input_layernorm.weight"),
                 layer.input_norm.weight.clone(),
@@ -507,40 +517,14 @@ impl Transformer {
         if !self.cfg.tie_word_embeddings {
             out.push(("lm_head.weight".to_string(), self.lm_head.clone()));
         }
-        out
-    }
-
-    /// The LoRA adapters under their HF/PEFT-style names
-    /// (`model.layers.N.self_attn.q_proj.lora_A.weight`, ...); empty without LoRA.
-    pub fn lora_tensors(&self) -> Vec<(String, Tensor)> {
-        let mut out = Vec::new();
-        for (i, layer) in self.layers.iter().enumerate() {
-            let p = format!("model.layers.{i}");
-            let a = &layer.attn;
-            let m = &layer.mlp;
-            for (name, l) in [
-                ("self_attn.q_proj", &a.q),
-                ("self_attn.k_proj", &a.k),
-                ("self_attn.v_proj", &a.v),
-                ("self_attn.o_proj", &a.o),
-                ("mlp.gate_proj", &m.gate),
-                ("mlp.up_proj", &m.up),
-                ("mlp.down_proj", &m.down),
-            ] {
-                if let Some(ad) = &l.lora {
-                    out.push((format!("{p}.{name}.lora_A.weight"), ad.a.clone()));
-                    out.push((format!("{p}.{name}.lora_B.weight"), ad.b.clone()));
-                }
-            }
-        }
-        out
+        Ok(out)
     }
 
     /// Write an HF-loadable checkpoint: `config.json` and `model.safetensors`
     /// (in `dtype`), each written to a temporary file, fsynced and renamed,
     /// so a crash never leaves a half-written file under the final name.
     pub fn save_pretrained(&self, dir: &std::path::Path, dtype: DType) -> Result<()> {
-        crate::weights::save_pretrained(dir, &self.cfg, &self.named_tensors(), dtype)
+        crate::weights::save_pretrained(dir, &self.cfg, &self.named_tensors()?, dtype)
     }
 
     /// Full logits `[.., V]` for hidden states `[.., H]`, in the model dtype.

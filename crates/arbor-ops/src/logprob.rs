@@ -91,10 +91,12 @@ pub struct FusedLogprob {
 }
 
 /// The backward op: `(hidden, weight, aux [N, 6] = (y, g_lp, g_ent, g_lse,
-/// lse, H))` -> packed `[N*H + V*H]` = `dh` then `dW`, in the input dtype.
+/// lse, H))` -> packed `[N*H + V*H]` = `dh` then `dW` (`[N*H]`, `dh` only,
+/// when `need_dw` is false: a frozen LM head), in the input dtype.
 #[derive(Debug, Clone, Copy)]
 pub struct FusedLogprobGrad {
     pub chunk_elems: usize,
+    pub need_dw: bool,
 }
 
 /// Rows per forward chunk / columns per backward chunk.
@@ -287,16 +289,24 @@ impl CustomOp3 for FusedLogprob {
         )?
         .detach()
         .contiguous()?;
+        // A frozen head (LoRA, or a detached weight) needs no dW: skip its
+        // matmuls and its [V, H] buffer.
+        let need_dw = weight.track_op();
         let packed = hidden.detach().apply_op3_no_bwd(
             &weight.detach(),
             &aux,
             &FusedLogprobGrad {
                 chunk_elems: self.chunk_elems,
+                need_dw,
             },
         )?;
         let dh = packed.narrow(0, 0, n * h)?.reshape((n, h))?;
-        let dw = packed.narrow(0, n * h, v * h)?.reshape((v, h))?;
-        Ok((Some(dh), Some(dw), None))
+        let dw = if need_dw {
+            Some(packed.narrow(0, n * h, v * h)?.reshape((v, h))?)
+        } else {
+            None
+        };
+        Ok((Some(dh), dw, None))
     }
 }
 
@@ -321,9 +331,10 @@ impl CustomOp3 for FusedLogprobGrad {
         let (ws, wl) = cpu_float(ws, wl)?;
         let wdt = hs.dtype();
         let (auxs, auxl) = (auxs.to_dtype(auxl, wdt)?, Layout::contiguous((n, 6)));
+        let rows_w = if self.need_dw { v } else { 0 };
         let mut out = match wdt {
-            DType::F64 => CpuStorage::F64(vec![0.0; (n + v) * h]),
-            _ => CpuStorage::F32(vec![0.0; (n + v) * h]),
+            DType::F64 => CpuStorage::F64(vec![0.0; (n + rows_w) * h]),
+            _ => CpuStorage::F32(vec![0.0; (n + rows_w) * h]),
         };
         let cols = chunk_len(self.chunk_elems, n);
         let mut dh: Option<CpuStorage> = None;
@@ -343,9 +354,11 @@ impl CustomOp3 for FusedLogprobGrad {
                 _ => unreachable!("cpu_float gives f32/f64"),
             }
             let zl = Layout::contiguous((n, vc));
-            // dW[v0..v0+vc] = dz^T h
-            let dw = z.matmul(&hs, (1, vc, h, n), &zl.transpose(0, 1)?, &hl)?;
-            dw.copy_strided_src(&mut out, (n + v0) * h, &Layout::contiguous((vc, h)))?;
+            if self.need_dw {
+                // dW[v0..v0+vc] = dz^T h
+                let dw = z.matmul(&hs, (1, vc, h, n), &zl.transpose(0, 1)?, &hl)?;
+                dw.copy_strided_src(&mut out, (n + v0) * h, &Layout::contiguous((vc, h)))?;
+            }
             // dh += dz W[v0..v0+vc]
             let wc = Layout::contiguous_with_offset((vc, h), wl.start_offset() + v0 * h);
             let part = z.matmul(&ws, (1, n, h, vc), &zl, &wc)?;
@@ -361,12 +374,13 @@ impl CustomOp3 for FusedLogprobGrad {
         if let Some(dh) = dh {
             dh.copy_strided_src(&mut out, 0, &Layout::contiguous((n, h)))?;
         }
+        let total = (n + rows_w) * h;
         let out = if in_dtype == wdt {
             out
         } else {
-            out.to_dtype(&Layout::contiguous((n + v) * h), in_dtype)?
+            out.to_dtype(&Layout::contiguous(total), in_dtype)?
         };
-        Ok((out, Shape::from((n + v) * h)))
+        Ok((out, Shape::from(total)))
     }
 
     #[cfg(feature = "cuda")]
@@ -389,7 +403,7 @@ impl CustomOp3 for FusedLogprobGrad {
         let grad_f = dev.get_or_load_custom_func(&format!("logprob_grad_{suf}"), "arbor_logprob", cuda::ptx("logprob")?)?;
         let add_f = dev.get_or_load_custom_func(&format!("add_to_f32_{suf}"), "arbor_logprob", cuda::ptx("logprob")?)?;
         let aux = cuda::view::<f32>(auxs, auxl)?;
-        let total = (n + v) * h;
+        let total = (n + if self.need_dw { v } else { 0 }) * h;
         let mut out = match dt {
             DType::F32 => cuda::wrap(cuda::alloc_out::<f32>(&dev, total)?, &dev),
             DType::BF16 => cuda::wrap(cuda::alloc_out::<::half::bf16>(&dev, total)?, &dev),
@@ -418,8 +432,10 @@ impl CustomOp3 for FusedLogprobGrad {
                 unsafe { b.launch(cuda::grid1d(n * vc, 256)) }.w()?;
             }
             let zl = Layout::contiguous((n, vc));
-            let dw = z.matmul(hs, (1, vc, h, n), &zl.transpose(0, 1)?, hl)?;
-            dw.copy_strided_src(&mut out, (n + v0) * h, &Layout::contiguous((vc, h)))?;
+            if self.need_dw {
+                let dw = z.matmul(hs, (1, vc, h, n), &zl.transpose(0, 1)?, hl)?;
+                dw.copy_strided_src(&mut out, (n + v0) * h, &Layout::contiguous((vc, h)))?;
+            }
             let wc = Layout::contiguous_with_offset((vc, h), wl.start_offset() + v0 * h);
             let part = z.matmul(ws, (1, n, h, vc), &zl, &wc)?;
             {
@@ -547,6 +563,31 @@ mod tests {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// A frozen (untracked) weight gets no gradient slot and `dh` is
+    /// unchanged: the backward skips the `dW` matmuls.
+    #[test]
+    fn frozen_weight_gets_no_gradient() -> Result<()> {
+        let mut rng = StdRng::seed_from_u64(3);
+        let (n, v, h) = (4, 11, 3);
+        let dev = Device::Cpu;
+        let hid = Tensor::from_vec(rand_vec(&mut rng, n * h, 1.0), (n, h), &dev)?;
+        let w = Tensor::from_vec(rand_vec(&mut rng, v * h, 1.0), (v, h), &dev)?;
+        let y = Tensor::new(&[0u32, 3, 10, 5], &dev)?;
+        let grads = |train_w: bool| -> Result<(Tensor, Option<Tensor>)> {
+            let hv = Var::from_tensor(&hid)?;
+            let wv = Var::from_tensor(&w)?;
+            let wt = if train_w { wv.as_tensor().clone() } else { w.clone() };
+            let g = fused_logprobs(hv.as_tensor(), &wt, &y, 20)?.sum_all()?.backward()?;
+            Ok((g.get(hv.as_tensor()).expect("dh").clone(), g.get(&wt).cloned()))
+        };
+        let (dh_full, dw) = grads(true)?;
+        let (dh_frozen, none) = grads(false)?;
+        assert!(dw.is_some() && none.is_none());
+        let d = (dh_full - dh_frozen)?.abs()?.max_all()?.to_scalar::<f64>()?;
+        assert_eq!(d, 0.0);
         Ok(())
     }
 

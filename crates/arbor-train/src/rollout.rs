@@ -87,7 +87,10 @@ struct SegmentRecord {
     action: Vec<u32>,
     logprobs: Vec<f32>,
     observation: Vec<u32>,
-    env_after: Box<dyn TokenEpisode>,
+    /// The environment after this segment (kept only where later work
+    /// starts from it: FOCUS, PS sources, VinePPO; a SWE snapshot is a
+    /// workspace copy).
+    env_after: Option<Box<dyn TokenEpisode>>,
     reward: Option<f64>,
 }
 
@@ -111,8 +114,26 @@ fn run_conts(
     cfg: &RolloutConfig,
     seed: &mut u64,
     stats: &mut RolloutStats,
+    keep_snapshots: bool,
 ) -> Result<(), TrainError> {
     loop {
+        // A context that has no room for another token ends truncated
+        // (reward 0) instead of failing the step (long multi-turn episodes).
+        let room = engine.max_context();
+        for c in conts.iter_mut().filter(|c| !c.done && c.context.len() + 1 >= room) {
+            c.done = true;
+            stats.finished_episodes += 1;
+            stats.tool_calls += c.env.tool_calls() as u64;
+            match c.steps.last_mut() {
+                Some(last) => last.reward = Some(0.0),
+                None => {
+                    return Err(TrainError::Rollout(format!(
+                        "a prompt of {} tokens leaves no room in the engine's context ({room})",
+                        c.context.len()
+                    )))
+                }
+            }
+        }
         let live: Vec<usize> = (0..conts.len()).filter(|&i| !conts[i].done).collect();
         if live.is_empty() {
             return Ok(());
@@ -151,7 +172,11 @@ fn run_conts(
             let segments = cont.replayed.len() + cont.steps.len() + 1;
             let truncated = out.reward.is_none() && segments >= cfg.max_segments;
             let reward = if truncated { Some(0.0) } else { out.reward };
-            let snapshot = cont.env.fork()?;
+            let snapshot = if keep_snapshots && reward.is_none() {
+                Some(cont.env.fork()?)
+            } else {
+                None
+            };
             cont.steps.push(SegmentRecord {
                 action: c.tokens,
                 logprobs: c.logprobs,
@@ -298,7 +323,7 @@ pub fn grpo_step(
         continuations: conts.len(),
         ..Default::default()
     };
-    run_conts(engine, &mut conts, cfg, seed, &mut stats)?;
+    run_conts(engine, &mut conts, cfg, seed, &mut stats, false)?;
     for c in &conts {
         let values = vec![0.5; c.steps.len()];
         tree.add_path(c.from, to_steps(c, &values)?)?;
@@ -386,15 +411,15 @@ pub fn focus_step(
             });
         }
         stats.continuations += conts.len();
-        run_conts(engine, &mut conts, cfg, seed, &mut stats)?;
+        run_conts(engine, &mut conts, cfg, seed, &mut stats, true)?;
         let values = segment_values(learner, &conts, &tree)?;
         for (c, v) in conts.into_iter().zip(values) {
             let steps = to_steps(&c, &v)?;
             let ticket = c.ticket.expect("FOCUS continuations have tickets");
             let new = alloc.complete(&mut tree, ticket, steps)?;
             for (id, s) in new.into_iter().zip(c.steps) {
-                if s.reward.is_none() {
-                    snapshots.insert(id, s.env_after);
+                if let Some(env) = s.env_after {
+                    snapshots.insert(id, env);
                 }
             }
         }
@@ -451,7 +476,7 @@ pub fn evaluate(
     };
     let mut stats = RolloutStats::default();
     let mut seed = 0;
-    run_conts(engine, &mut conts, &greedy, &mut seed, &mut stats)?;
+    run_conts(engine, &mut conts, &greedy, &mut seed, &mut stats, false)?;
     let solved = conts
         .iter()
         .filter(|c| c.steps.last().and_then(|s| s.reward).unwrap_or(0.0) >= 1.0)
@@ -498,7 +523,7 @@ pub fn ps_step(
         continuations: conts.len(),
         ..Default::default()
     };
-    run_conts(engine, &mut conts, cfg, seed, &mut stats)?;
+    run_conts(engine, &mut conts, cfg, seed, &mut stats, true)?;
     let success = |c: &Cont| c.steps.last().and_then(|s| s.reward).unwrap_or(0.0) >= 1.0;
     // The baseline's budget: `budget_prompts` groups of `n` trajectories of
     // the first pass's mean generated length; the first pass is charged.
@@ -586,7 +611,13 @@ pub fn ps_step(
                         ticket: None,
                         from: NodeId(0),
                         context,
-                        env: src.steps[j - 1].env_after.fork()?,
+                        env: src.steps[j - 1]
+                            .env_after
+                            .as_ref()
+                            .ok_or_else(|| {
+                                TrainError::Rollout("no environment snapshot kept for a PS source".into())
+                            })?
+                            .fork()?,
                         replayed,
                         steps: Vec::new(),
                         done: false,
@@ -597,7 +628,7 @@ pub fn ps_step(
         }
     }
     stats.continuations += reroll.len();
-    run_conts(engine, &mut reroll, cfg, seed, &mut stats)?;
+    run_conts(engine, &mut reroll, cfg, seed, &mut stats, false)?;
     let mut outcomes: std::collections::BTreeMap<arbor_rl::prefix::Bucket, (u64, u64)> =
         Default::default();
     for (c, (_, b)) in reroll.iter().zip(&reroll_meta) {
@@ -674,8 +705,8 @@ fn complete_conts(
             .ok_or_else(|| TrainError::Rollout("continuation without a ticket".into()))?;
         let new = tree.complete(ticket, steps)?;
         for (id, s) in new.into_iter().zip(c.steps) {
-            if s.reward.is_none() {
-                snapshots.insert(id, s.env_after);
+            if let Some(env) = s.env_after {
+                snapshots.insert(id, env);
             }
         }
     }
@@ -715,7 +746,7 @@ pub fn ppo_step(
         continuations: conts.len(),
         ..Default::default()
     };
-    run_conts(engine, &mut conts, cfg, seed, &mut stats)?;
+    run_conts(engine, &mut conts, cfg, seed, &mut stats, false)?;
     let values = segment_values(learner, &conts, &tree)?;
     complete_conts(&mut tree, &mut snapshots, conts, Some(values))?;
     let adv = PpoGae {
@@ -770,7 +801,7 @@ pub fn vineppo_step(
     };
     let mut main = begin_conts(&mut tree, &snapshots, &roots)?;
     stats.continuations += main.len();
-    run_conts(engine, &mut main, cfg, seed, &mut stats)?;
+    run_conts(engine, &mut main, cfg, seed, &mut stats, true)?;
     complete_conts(&mut tree, &mut snapshots, main, None)?;
     // Continuations launched at a root are main trajectories themselves, so
     // their states are planned in the next round; later rounds launch only
@@ -786,7 +817,7 @@ pub fn vineppo_step(
             .collect();
         let mut mc = begin_conts(&mut tree, &snapshots, &from)?;
         stats.continuations += mc.len();
-        run_conts(engine, &mut mc, cfg, seed, &mut stats)?;
+        run_conts(engine, &mut mc, cfg, seed, &mut stats, true)?;
         complete_conts(&mut tree, &mut snapshots, mc, None)?;
     }
     let adv = vine.advantages(&tree)?;

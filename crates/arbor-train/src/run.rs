@@ -249,6 +249,12 @@ fn kv_mib() -> usize {
 }
 
 impl TrainConfig {
+    /// Prompts of a budget-matched PS step's first pass:
+    /// `floor((1 - reserve) * prompts_per_step)`.
+    pub fn ps_first_pass_prompts(&self) -> usize {
+        (self.prompts_per_step as f64 * (1.0 - self.ps.reserve)).floor() as usize
+    }
+
     /// Parse TOML; errors name the key (and line).
     pub fn from_toml(text: &str, origin: &str) -> Result<Self, TrainError> {
         let cfg: TrainConfig =
@@ -301,8 +307,23 @@ impl TrainConfig {
                 return bad("model.lora", &e);
             }
         }
-        if !(0.0..1.0).contains(&self.ps.reserve) {
-            return bad("ps.reserve", "must be in [0, 1)");
+        if self.algo == Algo::Ps && self.ps.match_budget {
+            if !(self.ps.reserve > 0.0 && self.ps.reserve < 1.0) {
+                return bad("ps.reserve", "must be in (0, 1) with ps.match_budget");
+            }
+            let first = self.ps_first_pass_prompts();
+            if first == 0 || first >= self.prompts_per_step {
+                return bad(
+                    "ps.reserve",
+                    &format!(
+                        "with prompts_per_step = {}, the first pass would run on {first} prompts \
+                         and leave no budget for re-rollouts (need 1..{}); raise \
+                         prompts_per_step or set ps.match_budget = false",
+                        self.prompts_per_step,
+                        self.prompts_per_step - 1
+                    ),
+                );
+            }
         }
         match &self.task {
             TaskConfig::RunningSum { difficulty } | TaskConfig::Register { difficulty, .. } => {
@@ -387,8 +408,9 @@ pub struct StepMetrics {
     pub time_generate_s: f64,
     pub time_env_s: f64,
     pub time_train_s: f64,
-    /// Mean tool calls per episode that ended this step (0 for tasks
-    /// without tools).
+    /// Mean tool calls executed per trajectory that ended this step (a FOCUS
+    /// tree has one trajectory per leaf; replayed prefixes' calls included;
+    /// 0 for tasks without tools).
     #[serde(default)]
     pub tool_calls_per_episode: f64,
     /// The step's generated-token budget where one is enforced (PS with
@@ -562,6 +584,22 @@ impl Trainer {
                 // With LoRA the base is the original (frozen) model and the
                 // adapters come from the checkpoint; `policy/` is the merged export.
                 let lora = cfg.model.lora.as_ref();
+                let adapters = dir.join("policy_lora.safetensors");
+                match (lora.is_some(), adapters.is_file()) {
+                    (true, false) => {
+                        return Err(TrainError::Checkpoint(format!(
+                            "{}: missing; the checkpoint was written without [model.lora]",
+                            adapters.display()
+                        )))
+                    }
+                    (false, true) => {
+                        return Err(TrainError::Checkpoint(format!(
+                            "{}: the checkpoint has LoRA adapters but the config has no [model.lora]",
+                            adapters.display()
+                        )))
+                    }
+                    _ => {}
+                }
                 let base = if lora.is_some() { hf_ckpt.as_ref() } else { Some(&policy) };
                 let mut learner = Learner::new(
                     &mcfg,
@@ -574,9 +612,10 @@ impl Trainer {
                     lora,
                 )?;
                 if lora.is_some() {
-                    let p = dir.join("policy_lora.safetensors");
-                    let t = candle_core::safetensors::load(&p, &dev)?;
-                    learner.load_policy_trainable(&t, &p.display().to_string())?;
+                    let t = candle_core::safetensors::load(&adapters, &dev).map_err(|e| {
+                        TrainError::Checkpoint(format!("{}: {e}", adapters.display()))
+                    })?;
+                    learner.load_policy_trainable(&t, &adapters.display().to_string())?;
                 }
                 let text = std::fs::read_to_string(dir.join("trainer_state.json"))?;
                 let state: TrainerState = serde_json::from_str(&text).map_err(|e| {
@@ -707,7 +746,7 @@ impl Trainer {
             // and spends the reserve on re-rollouts.
             let ps_budget = self.cfg.algo == Algo::Ps && self.cfg.ps.match_budget;
             let n_tasks = if ps_budget {
-                ((self.cfg.prompts_per_step as f64 * (1.0 - self.cfg.ps.reserve)).round() as usize).max(1)
+                self.cfg.ps_first_pass_prompts()
             } else {
                 self.cfg.prompts_per_step
             };

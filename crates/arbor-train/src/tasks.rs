@@ -21,6 +21,10 @@ use crate::TrainError;
 pub struct EnvEpisode {
     pub env: Box<dyn Env>,
     pub tokenizer: Option<Tokenizer>,
+    /// Decode actions with their special tokens (multi-turn chat tasks: the
+    /// harness closes a turn the policy closed with `<|im_end|>` itself
+    /// instead of adding a second one).
+    pub keep_special: bool,
 }
 
 impl EnvEpisode {
@@ -40,7 +44,9 @@ impl EnvEpisode {
 impl TokenEpisode for EnvEpisode {
     fn step(&mut self, action: &[u32]) -> Result<StepOut, TrainError> {
         let act = match &self.tokenizer {
-            Some(tok) if self.env.vocab().is_none() => Action::Text(tok.decode(action, true)?),
+            Some(tok) if self.env.vocab().is_none() => {
+                Action::Text(tok.decode(action, !self.keep_special)?)
+            }
             _ => Action::Tokens(action.to_vec()),
         };
         let out = self
@@ -65,6 +71,7 @@ impl TokenEpisode for EnvEpisode {
         Ok(Box::new(EnvEpisode {
             env,
             tokenizer: self.tokenizer.clone(),
+            keep_special: self.keep_special,
         }))
     }
 }
@@ -119,6 +126,52 @@ pub enum TaskConfig {
     },
 }
 
+/// Seeded Fisher-Yates shuffle (SplitMix64), the training order of dataset tasks.
+fn shuffle<T>(v: &mut [T], seed: u64) {
+    let mut s = seed;
+    for i in (1..v.len()).rev() {
+        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        v.swap(i, (z % (i as u64 + 1)) as usize);
+    }
+}
+
+/// The SWE sandbox: bubblewrap, checked to actually run a command here
+/// (installed but blocked user namespaces would otherwise zero every
+/// reward), or unsandboxed only by `task.allow_unsandboxed`.
+fn sandbox(allow_unsandboxed: bool) -> Result<arbor_env::swe::Sandbox, TrainError> {
+    use arbor_env::swe::{Limits, Sandbox};
+    let hint = "install bubblewrap (apt-get install bubblewrap) or set `allow_unsandboxed = true` \
+                under [task] (trusted models and tasks only)";
+    match Sandbox::bubblewrap(Limits::default()) {
+        Ok(sb) => {
+            let dir = tempfile::tempdir()?;
+            arbor_env::swe::sandbox::chown_for_sandbox(dir.path())
+                .map_err(|e| TrainError::Config(format!("key `task`: sandbox probe: {e}")))?;
+            match sb.run(dir.path(), "true") {
+                Ok(o) if o.success() => Ok(sb),
+                Ok(o) if allow_unsandboxed => {
+                    tracing::warn!("bubblewrap cannot run here ({}); running SWE commands unsandboxed", o.render());
+                    Ok(Sandbox::unsandboxed(Limits::default()))
+                }
+                Ok(o) => Err(TrainError::Config(format!(
+                    "key `task.allow_unsandboxed`: bubblewrap is installed but cannot run a command here ({}); {hint}",
+                    o.render()
+                ))),
+                Err(e) => Err(TrainError::Config(format!("key `task.allow_unsandboxed`: {e}; {hint}"))),
+            }
+        }
+        Err(_) if allow_unsandboxed => {
+            tracing::warn!("bubblewrap not found; running SWE commands unsandboxed (task.allow_unsandboxed)");
+            Ok(Sandbox::unsandboxed(Limits::default()))
+        }
+        Err(e) => Err(TrainError::Config(format!("key `task.allow_unsandboxed`: {e}; {hint}"))),
+    }
+}
+
 fn five() -> usize {
     5
 }
@@ -132,7 +185,7 @@ struct SwePool {
 }
 
 impl SwePool {
-    fn load(cfg: &TaskConfig) -> Result<Option<Self>, TrainError> {
+    fn load(cfg: &TaskConfig, seed: u64) -> Result<Option<Self>, TrainError> {
         let TaskConfig::Swe {
             instances,
             repos,
@@ -146,7 +199,7 @@ impl SwePool {
         };
         let bad = |e: arbor_env::EnvError| TrainError::Config(format!("key `task.instances`: {e}"));
         let file = std::path::Path::new(instances);
-        let list = arbor_env::swe::load_instances(file).map_err(bad)?;
+        let mut list = arbor_env::swe::load_instances(file).map_err(bad)?;
         if list.len() < 2 {
             return Err(TrainError::Config(format!(
                 "key `task.instances`: {instances} has {} instances; need >= 2 (train and held-out)",
@@ -157,25 +210,50 @@ impl SwePool {
             Some(r) => PathBuf::from(r),
             None => file.parent().unwrap_or(std::path::Path::new(".")).join("repos"),
         };
-        let sandbox = arbor_env::swe::Sandbox::detect(arbor_env::swe::Limits::default(), *allow_unsandboxed)
-            .map_err(|e| TrainError::Config(format!("key `task.allow_unsandboxed`: {e}")))?;
+        let bad_repo = |e: arbor_env::EnvError| {
+            TrainError::Config(format!(
+                "key `task.repos` ({}): {e} (instance from {instances})",
+                repos.display()
+            ))
+        };
+        let sandbox = sandbox(*allow_unsandboxed)?;
+        // The same seeded order for every run (held-out split first, so it
+        // does not depend on the seed).
+        let mut eval_list = Vec::new();
+        let mut train_list = Vec::new();
+        for (k, inst) in list.drain(..).enumerate() {
+            if (k + 1) % (*holdout_every).max(2) == 0 {
+                eval_list.push(inst);
+            } else {
+                train_list.push(inst);
+            }
+        }
+        if eval_list.is_empty() || train_list.is_empty() {
+            return Err(TrainError::Config(format!(
+                "key `task.holdout_every`: {} instances in {instances} with holdout_every = {holdout_every} \
+                 leave no held-out or no training task",
+                eval_list.len() + train_list.len()
+            )));
+        }
+        shuffle(&mut train_list, seed);
         let harness = arbor_env::harness::HarnessConfig {
             chat: ChatFormat::Qwen,
             max_steps: *max_turns,
             ..Default::default()
         };
         let pool = SwePool::default();
-        for (k, inst) in list.into_iter().enumerate() {
-            let source = arbor_env::swe::SweTask::locate(&inst, &repos).map_err(bad)?;
-            let task = arbor_env::swe::SweTask::new(
-                inst,
-                &source,
-                arbor_env::swe::SweConfig::tests(sandbox.clone()),
-            )
-            .map_err(bad)?;
-            let env: Box<dyn Env> = Box::new(arbor_env::swe::swe_env(task, harness.clone()));
-            let dst = if (k + 1) % holdout_every.max(&2) == 0 { &pool.eval } else { &pool.train };
-            dst.lock().expect("fresh mutex").push(env);
+        for (list, dst) in [(train_list, &pool.train), (eval_list, &pool.eval)] {
+            for inst in list {
+                let source = arbor_env::swe::SweTask::locate(&inst, &repos).map_err(bad_repo)?;
+                let task = arbor_env::swe::SweTask::new(
+                    inst,
+                    &source,
+                    arbor_env::swe::SweConfig::tests(sandbox.clone()),
+                )
+                .map_err(bad_repo)?;
+                let env: Box<dyn Env> = Box::new(arbor_env::swe::swe_env(task, harness.clone()));
+                dst.lock().expect("fresh mutex").push(env);
+            }
         }
         Ok(Some(pool))
     }
@@ -294,22 +372,14 @@ impl TaskSampler {
                 ));
             }
             // Seeded order of the training problems (Fisher-Yates, SplitMix64).
-            let mut s = base_seed;
-            for i in (1..train.len()).rev() {
-                s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-                let mut z = s;
-                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-                z ^= z >> 31;
-                train.swap(i, (z % (i as u64 + 1)) as usize);
-            }
+            shuffle(&mut train, base_seed);
         }
         if matches!(cfg, TaskConfig::Swe { .. }) && tokenizer.is_none() {
             return Err(TrainError::Config(
                 "key `task`: SWE tasks need a model with a tokenizer (`model.path`)".into(),
             ));
         }
-        let swe = SwePool::load(&cfg)?.map(std::sync::Arc::new);
+        let swe = SwePool::load(&cfg, base_seed)?.map(std::sync::Arc::new);
         Ok(TaskSampler {
             cfg,
             base_seed,
@@ -397,6 +467,7 @@ impl TaskSampler {
         let ep = EnvEpisode {
             env,
             tokenizer: self.tokenizer.clone(),
+            keep_special: matches!(self.cfg, TaskConfig::Swe { .. }),
         };
         let prompt = ep.observation_tokens(first)?;
         Ok(TaskInstance {
