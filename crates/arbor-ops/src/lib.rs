@@ -13,7 +13,9 @@
 //! - [`segment_broadcast`], [`segment_sum`], [`segment_mean`]: per-segment
 //!   advantages to token positions and back;
 //! - [`paged_attention_op`], [`cache_write`]: attention over the engine's
-//!   block tables and KV writes into the paged cache.
+//!   block tables and KV writes into the paged cache;
+//! - [`small_matmul_op`]: the CPU decode-batch matmul (`m <= 16` rows,
+//!   AVX-512, weights streamed once).
 //!
 //! The slice-level [`paged_attention`] is the engine's CPU kernel, compiled
 //! for several x86 feature levels and picked at run time (`multiversion`).
@@ -22,12 +24,14 @@ mod attention;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod logprob;
+pub mod matmul;
 pub mod paged;
 pub mod ppo;
 pub mod segment;
 
 pub use attention::{paged_attention, PagedAttentionArgs};
 pub use logprob::{fused_logprobs, DEFAULT_CHUNK_ELEMS};
+pub use matmul::{small_matmul, small_matmul_available, small_matmul_op};
 pub use paged::{cache_write, paged_attention_op, PagedMeta};
 pub use ppo::{pack_aux, ppo_loss, token_weights, value_loss, Aggregation, PpoClip};
 pub use segment::{segment_broadcast, segment_mean, segment_sum};
