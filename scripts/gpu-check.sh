@@ -14,6 +14,8 @@
 #       directory gpu-smoke/, nvidia-smi.txt.
 #
 # With no argument: `run` where nvidia-smi sees a GPU, else `build`.
+# dist/ is git-ignored: carry it to the GPU machine with the working tree
+# (the device tool's `carry: ["dist"]`).
 # On your own GPU box with Rust installed, `scripts/gpu-check.sh build &&
 # scripts/gpu-check.sh run` does both.
 set -euo pipefail
@@ -40,7 +42,13 @@ run)
   bin=dist/arbor-cuda
   if [ ! -x "$bin" ]; then
     if [ -f dist/arbor-cuda.xz ]; then
-      xz -d -k -c dist/arbor-cuda.xz > "$bin" && chmod +x "$bin"
+      if command -v xz >/dev/null; then
+        xz -d -k -c dist/arbor-cuda.xz > "$bin"
+      else
+        python3 -c 'import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+          dist/arbor-cuda.xz "$bin"
+      fi
+      chmod +x "$bin"
     elif [ -x target/release/arbor ]; then
       bin=target/release/arbor
     else
