@@ -67,14 +67,15 @@ run)
       done
     done
   done
-  for d in "${CUDA_HOME:-}"/lib64 /usr/local/cuda/lib64 /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu; do
+  for d in ${CUDA_HOME:+"$CUDA_HOME/lib64"} /usr/local/cuda/lib64 /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu; do
     [ -d "$d" ] && libs="$libs:$d"
   done
   export LD_LIBRARY_PATH="${libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
-  if ldd "$bin" | grep -q "not found"; then
-    echo "gpu-check: missing libraries:" >&2
-    ldd "$bin" | grep "not found" >&2
+  missing="$(ldd "$bin" | grep "not found" || true)"
+  if [ -n "$missing" ]; then
+    echo "gpu-check: libraries not found (LD_LIBRARY_PATH=$LD_LIBRARY_PATH):" >&2
+    echo "$missing" >&2
     exit 1
   fi
   set +e

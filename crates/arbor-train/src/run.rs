@@ -220,13 +220,19 @@ fn cpu() -> String {
     "cpu".into()
 }
 
+/// The first line of an error (candle's carry a backtrace).
+fn first_line(e: &dyn std::fmt::Display) -> String {
+    e.to_string().lines().next().unwrap_or_default().to_string()
+}
+
 /// `cpu`, `cuda` or `cuda:N` as a candle device.
 pub fn parse_device(spec: &str) -> Result<Device, String> {
     match spec {
         "cpu" => Ok(Device::Cpu),
-        "cuda" => Device::new_cuda(0).map_err(|e| format!("cannot open CUDA device 0: {e}")),
+        "cuda" => Device::new_cuda(0).map_err(|e| format!("cannot open CUDA device 0: {}", first_line(&e))),
         s => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
-            Some(Ok(n)) => Device::new_cuda(n).map_err(|e| format!("cannot open CUDA device {n}: {e}")),
+            Some(Ok(n)) => Device::new_cuda(n)
+                .map_err(|e| format!("cannot open CUDA device {n}: {}", first_line(&e))),
             _ => Err(format!("`{s}` is not cpu, cuda or cuda:N")),
         },
     }
