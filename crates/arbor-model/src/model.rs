@@ -143,7 +143,7 @@ impl Module for Linear {
         let inp = dims[dims.len() - 1];
         let n = x.elem_count() / inp;
         let x2 = x.reshape((n, inp))?;
-        let mut y = small_batch_matmul(&x2, &self.weight)?;
+        let mut y = x2.matmul(&self.weight.t()?)?;
         if let Some(l) = &self.lora {
             y = (y + (x2.matmul(&l.a.t()?)?.matmul(&l.b.t()?)? * l.scale)?)?;
         }
@@ -154,30 +154,6 @@ impl Module for Linear {
         let mut out_dims = dims.to_vec();
         *out_dims.last_mut().expect("rank >= 1") = self.weight.dim(0)?;
         y.reshape(out_dims)
-    }
-}
-
-/// Rows up to which [`small_batch_matmul`] takes Arbor's kernel: there it
-/// measured 3.5-4.3x candle's matmul on layer-sized weights at 8 rows, and
-/// no faster at 16 (`cargo run --release -p arbor-ops --example
-/// small_matmul_bench`, docs/benchmarks.md).
-pub const SMALL_BATCH_ROWS: usize = 8;
-
-/// `x [n, in] @ w[out, in]^T`: for decode-sized batches
-/// (`n <= SMALL_BATCH_ROWS`) of f32 on an AVX-512 CPU, Arbor's
-/// weight-streaming kernel ([`arbor_ops::small_matmul_op`], same backward);
-/// otherwise candle's matmul.
-pub fn small_batch_matmul(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    let n = x.dim(0)?;
-    if n <= SMALL_BATCH_ROWS
-        && x.device().is_cpu()
-        && x.dtype() == DType::F32
-        && w.dtype() == DType::F32
-        && arbor_ops::small_matmul_available()
-    {
-        arbor_ops::small_matmul_op(x, w)
-    } else {
-        x.matmul(&w.t()?)
     }
 }
 

@@ -4,11 +4,16 @@
 //!
 //! At decode batch sizes a general GEMM spends its time packing and in a
 //! microkernel shaped for large `m`; here the weights are read exactly once
-//! per call, so the step runs at memory bandwidth. Used through
-//! [`small_matmul_op`] (a candle op with the usual matmul backward) when
-//! [`small_matmul_available`]; otherwise callers keep candle's matmul.
-//! Summation order differs from a GEMM's, so results agree to f32 rounding,
-//! not bit for bit.
+//! per call, so the step runs at memory bandwidth (3.5-5.5x candle's matmul
+//! at 8 rows on layer-sized weights; `examples/small_matmul_bench.rs`).
+//! [`small_matmul_op`] is a candle op with the usual matmul backward.
+//!
+//! Not wired into the model yet: its summation order differs from candle's
+//! GEMM, so a row's result would depend on whether its decode batch had
+//! <= 8 rows. That breaks the engine's batch invariance (same seed, same
+//! tokens whatever the batch) and the trainer's bit-exact resume (seen in
+//! `tests/train_resume.rs`). Using it for every row count (tiles of 8)
+//! keeps invariance but is slower than GEMM at 32 rows and on the LM head.
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
