@@ -78,13 +78,15 @@ __device__ void paged_attn(const T* __restrict__ q, const T* __restrict__ kc, co
 }
 
 // Write the step's new K or V rows (src: [t, row]) into their cache slots.
+// A slot past the cache (n_slots) is skipped, never written out of bounds;
+// callers validate slots on the host, where they come from.
 template <typename T>
 __device__ void cache_write(const T* __restrict__ src, T* __restrict__ cache, const uint32_t* __restrict__ slots,
-                            int t, int row) {
+                            int t, int row, uint32_t n_slots) {
   const size_t total = (size_t)t * row;
   for (size_t x = (size_t)blockIdx.x * blockDim.x + threadIdx.x; x < total; x += (size_t)gridDim.x * blockDim.x) {
     const size_t i = x / row, e = x % row;
-    cache[(size_t)slots[i] * row + e] = src[x];
+    if (slots[i] < n_slots) cache[(size_t)slots[i] * row + e] = src[x];
   }
 }
 
@@ -96,8 +98,8 @@ __device__ void cache_write(const T* __restrict__ src, T* __restrict__ cache, co
     paged_attn<TY>(q, kc, vc, pos, seq, tables, out, nh, nkv, d, bs, maxb, scale);                     \
   }                                                                                                     \
   extern "C" __global__ void cache_write_##SUF(const TY* src, TY* cache, const uint32_t* slots, int t,   \
-                                               int row) {                                               \
-    cache_write<TY>(src, cache, slots, t, row);                                                         \
+                                               int row, uint32_t n_slots) {                             \
+    cache_write<TY>(src, cache, slots, t, row, n_slots);                                                \
   }
 
 PAGED_OPS(float, f32)

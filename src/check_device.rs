@@ -95,13 +95,8 @@ pub fn run(a: CheckDeviceArgs) -> Result<()> {
             if !cfg!(feature = "cuda") {
                 bail!("this arbor was built without CUDA; rebuild with `--features cuda` (see scripts/gpu-check.sh) or pass --device cpu");
             }
-            Device::new_cuda(a.ordinal).map_err(|e| {
-                // candle's error carries a backtrace; its first line says it all.
-                let first = e.to_string().lines().next().unwrap_or_default().to_string();
-                anyhow::anyhow!(
-                    "no usable CUDA device {}: {first} (is the NVIDIA driver loaded, libcuda.so.1 the driver's?)",
-                    a.ordinal
-                )
+            arbor_train::run::parse_device(&format!("cuda:{}", a.ordinal)).map_err(|e| {
+                anyhow::anyhow!("no usable CUDA device: {e} (is the NVIDIA driver loaded, libcuda.so.1 the driver's?)")
             })?
         }
         other => bail!("--device must be cuda or cpu, not `{other}`"),

@@ -255,12 +255,7 @@ impl<'a> DevicePagedAttention<'a> {
                 "paged attention: slot {s} outside the cache ({n_slots} slots)"
             )));
         }
-        if let Some(&b) = batch.tables.iter().flatten().find(|&&b| b as usize >= cache.num_blocks) {
-            return Err(ModelError::Input(format!(
-                "paged attention: block {b} outside the cache ({} blocks)",
-                cache.num_blocks
-            )));
-        }
+        // Table entries are checked by `paged_attention_op` against the cache.
         let slots: Vec<u32> = batch.slots.iter().map(|&s| s as u32).collect();
         let n = slots.len();
         Ok(DevicePagedAttention {

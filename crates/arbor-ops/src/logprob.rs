@@ -99,6 +99,13 @@ pub struct FusedLogprobGrad {
     pub need_dw: bool,
 }
 
+impl FusedLogprobGrad {
+    /// Elements of the packed output: `dh`, then `dW` when needed.
+    fn out_len(&self, n: usize, v: usize, h: usize) -> usize {
+        (n + if self.need_dw { v } else { 0 }) * h
+    }
+}
+
 /// Rows per forward chunk / columns per backward chunk.
 fn chunk_len(chunk_elems: usize, other: usize) -> usize {
     (chunk_elems / other.max(1)).max(1)
@@ -331,10 +338,10 @@ impl CustomOp3 for FusedLogprobGrad {
         let (ws, wl) = cpu_float(ws, wl)?;
         let wdt = hs.dtype();
         let (auxs, auxl) = (auxs.to_dtype(auxl, wdt)?, Layout::contiguous((n, 6)));
-        let rows_w = if self.need_dw { v } else { 0 };
+        let total = self.out_len(n, v, h);
         let mut out = match wdt {
-            DType::F64 => CpuStorage::F64(vec![0.0; (n + rows_w) * h]),
-            _ => CpuStorage::F32(vec![0.0; (n + rows_w) * h]),
+            DType::F64 => CpuStorage::F64(vec![0.0; total]),
+            _ => CpuStorage::F32(vec![0.0; total]),
         };
         let cols = chunk_len(self.chunk_elems, n);
         let mut dh: Option<CpuStorage> = None;
@@ -374,7 +381,6 @@ impl CustomOp3 for FusedLogprobGrad {
         if let Some(dh) = dh {
             dh.copy_strided_src(&mut out, 0, &Layout::contiguous((n, h)))?;
         }
-        let total = (n + rows_w) * h;
         let out = if in_dtype == wdt {
             out
         } else {
@@ -403,7 +409,7 @@ impl CustomOp3 for FusedLogprobGrad {
         let grad_f = dev.get_or_load_custom_func(&format!("logprob_grad_{suf}"), "arbor_logprob", cuda::ptx("logprob")?)?;
         let add_f = dev.get_or_load_custom_func(&format!("add_to_f32_{suf}"), "arbor_logprob", cuda::ptx("logprob")?)?;
         let aux = cuda::view::<f32>(auxs, auxl)?;
-        let total = (n + if self.need_dw { v } else { 0 }) * h;
+        let total = self.out_len(n, v, h);
         let mut out = match dt {
             DType::F32 => cuda::wrap(cuda::alloc_out::<f32>(&dev, total)?, &dev),
             DType::BF16 => cuda::wrap(cuda::alloc_out::<::half::bf16>(&dev, total)?, &dev),

@@ -102,7 +102,7 @@ pub fn paged_attention_op(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: 
 /// Write `rows: [t, n_kv, d]` into `cache: [slots, n_kv, d]` at `slots: [t]` (u32), in place.
 pub fn cache_write(cache: &Tensor, rows: &Tensor, slots: &Tensor) -> Result<()> {
     let (t, nkv, d) = rows.dims3()?;
-    let (n_slots, nkv2, d2) = cache.dims3()?;
+    let (_, nkv2, d2) = cache.dims3()?;
     if nkv != nkv2 || d != d2 || slots.dims() != [t] || slots.dtype() != DType::U32 {
         candle_core::bail!(
             "cache_write: rows {:?} / slots {:?} do not fit cache {:?}",
@@ -114,10 +114,9 @@ pub fn cache_write(cache: &Tensor, rows: &Tensor, slots: &Tensor) -> Result<()> 
     if !cache.is_contiguous() {
         candle_core::bail!("cache_write: the cache must be contiguous");
     }
-    // Checked here for every device (the CUDA kernel trusts its slots).
-    if let Some(bad) = slots.to_vec1::<u32>()?.into_iter().find(|&s| s as usize >= n_slots) {
-        candle_core::bail!("cache_write: slot {bad} outside the cache ({n_slots} slots)");
-    }
+    // Slots are bounds-checked by the op: an error on the CPU; on CUDA the
+    // kernel skips them (reading the slots back would sync every layer), so
+    // callers check on the host, as `DevicePagedAttention::new` does.
     if t == 0 {
         return Ok(());
     }
@@ -197,7 +196,6 @@ impl CustomOp3 for PagedAttn {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         use crate::cuda::{self, PushKernelArg, WrapErr};
         use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
-        use candle_core::cuda_backend::CudaStorageSlice as S;
         use candle_core::Storage;
         let dev = qs.device.clone();
         let (t, nh, d) = ql.shape().dims3()?;
@@ -224,10 +222,8 @@ impl CustomOp3 for PagedAttn {
             shared_mem_bytes: warps * d as u32 * 4,
         };
         macro_rules! go {
-            ($ty:ty, $q:expr, $k:expr, $v:expr) => {{
-                let (q, k, v) = ($q, $k, $v);
-                let qv = q.slice(ql.start_offset()..ql.start_offset() + t * nh * d);
-                let _ = (k, v);
+            ($ty:ty) => {{
+                let qv = cuda::view::<$ty>(qs, ql)?;
                 let kvw = cuda::view::<$ty>(ks, kl)?;
                 let vvw = cuda::view::<$ty>(vs, vl)?;
                 let mut out = cuda::alloc_out::<$ty>(&dev, t * nh * d)?;
@@ -241,10 +237,11 @@ impl CustomOp3 for PagedAttn {
                 cuda::wrap(out, &dev)
             }};
         }
-        let out = match (&qs.slice, &ks.slice, &vs.slice) {
-            (S::F32(q), S::F32(k), S::F32(v)) => go!(f32, q, k, v),
-            (S::BF16(q), S::BF16(k), S::BF16(v)) => go!(::half::bf16, q, k, v),
-            (S::F16(q), S::F16(k), S::F16(v)) => go!(::half::f16, q, k, v),
+        // q, k and v share `dt` (checked above).
+        let out = match dt {
+            DType::F32 => go!(f32),
+            DType::BF16 => go!(::half::bf16),
+            DType::F16 => go!(::half::f16),
             _ => candle_core::bail!("paged_attention: unsupported CUDA dtype {dt:?}"),
         };
         Ok((out, Shape::from((t, nh, d))))
@@ -310,6 +307,7 @@ impl InplaceOp3 for CacheWrite {
         let dev = cache.device.clone();
         let (t, nkv, d) = rl.shape().dims3()?;
         let (ti, row) = (t as i32, (nkv * d) as i32);
+        let n_slots = cl.shape().dims()[0] as u32;
         let f = dev.get_or_load_custom_func(&format!("cache_write_{}", cuda::suffix(rows.dtype())?), "arbor_paged_attention", cuda::ptx("paged_attention")?)?;
         let sv = cuda::view::<u32>(slots, sl)?;
         let c0 = cl.start_offset();
@@ -320,9 +318,9 @@ impl InplaceOp3 for CacheWrite {
                 let rv = $r.slice(r0..r0 + n);
                 let mut cv = $c.slice_mut(c0..);
                 let mut b = f.builder();
-                b.arg(&rv).arg(&mut cv).arg(&sv).arg(&ti).arg(&row);
-                // SAFETY: matches `cache_write_*` in kernels/paged_attention.cu;
-                // slots < cache slots is the caller's contract.
+                b.arg(&rv).arg(&mut cv).arg(&sv).arg(&ti).arg(&row).arg(&n_slots);
+                // SAFETY: matches `cache_write_*` in kernels/paged_attention.cu,
+                // which skips slots past the cache.
                 #[allow(unsafe_code)]
                 unsafe { b.launch(cuda::grid1d(n, 256)) }.w()?;
             }};

@@ -121,9 +121,7 @@ fn run_conts(
         // (reward 0) instead of failing the step (long multi-turn episodes).
         let room = engine.max_context();
         for c in conts.iter_mut().filter(|c| !c.done && c.context.len() + 1 >= room) {
-            c.done = true;
-            stats.finished_episodes += 1;
-            stats.tool_calls += c.env.tool_calls() as u64;
+            end_episode(c, stats);
             match c.steps.last_mut() {
                 Some(last) => last.reward = Some(0.0),
                 None => {
@@ -184,14 +182,19 @@ fn run_conts(
                 env_after: snapshot,
                 reward,
             });
-            cont.done = reward.is_some();
-            if cont.done {
-                stats.finished_episodes += 1;
-                stats.tool_calls += cont.env.tool_calls() as u64;
+            if reward.is_some() {
+                end_episode(cont, stats);
             }
         }
         stats.env_s += t1.elapsed().as_secs_f64();
     }
+}
+
+/// Mark a continuation's episode over and count it (and its tool calls).
+fn end_episode(c: &mut Cont, stats: &mut RolloutStats) {
+    c.done = true;
+    stats.finished_episodes += 1;
+    stats.tool_calls += c.env.tool_calls() as u64;
 }
 
 /// Turn a finished continuation into tree steps, with critic values at each

@@ -148,10 +148,7 @@ fn sandbox(allow_unsandboxed: bool) -> Result<arbor_env::swe::Sandbox, TrainErro
                 under [task] (trusted models and tasks only)";
     match Sandbox::bubblewrap(Limits::default()) {
         Ok(sb) => {
-            let dir = tempfile::tempdir()?;
-            arbor_env::swe::sandbox::chown_for_sandbox(dir.path())
-                .map_err(|e| TrainError::Config(format!("key `task`: sandbox probe: {e}")))?;
-            match sb.run(dir.path(), "true") {
+            match sb.probe("true") {
                 Ok(o) if o.success() => Ok(sb),
                 Ok(o) if allow_unsandboxed => {
                     tracing::warn!("bubblewrap cannot run here ({}); running SWE commands unsandboxed", o.render());

@@ -303,6 +303,15 @@ impl Sandbox {
         c
     }
 
+    /// Runs `command` in a fresh empty workspace: whether this sandbox can
+    /// run anything here (bubblewrap may be installed while user namespaces
+    /// are blocked).
+    pub fn probe(&self, command: &str) -> Result<RunOutput> {
+        let dir = tempfile::tempdir().map_err(|e| EnvError::Sandbox(format!("probe dir: {e}")))?;
+        chown_for_sandbox(dir.path())?;
+        self.run(dir.path(), command)
+    }
+
     /// Runs `command` with bash in `workspace` (mounted at [`WORKDIR`]).
     /// Limit hits are reported in the output, not as errors; `Err` means the
     /// sandbox itself could not start.
@@ -439,11 +448,9 @@ pub(crate) mod tests {
         };
         match Sandbox::bubblewrap(limits) {
             Ok(s) => {
-                // bwrap may be installed but unusable (no user namespaces).
-                let dir = tempfile::tempdir().ok()?;
-                chown_for_sandbox(dir.path()).ok()?;
-                // The tests also need python3 inside the sandbox.
-                match s.run(dir.path(), "python3 -c pass") {
+                // bwrap may be installed but unusable (no user namespaces);
+                // the tests also need python3 inside the sandbox.
+                match s.probe("python3 -c pass") {
                     Ok(o) if o.success() => Some(s),
                     other => {
                         println!(
