@@ -461,21 +461,36 @@ pub fn logprob_memory(a: LogprobMemArgs) -> Result<()> {
     let dev = Device::Cpu;
     let hid = candle_core::Var::from_tensor(&Tensor::randn(0f32, 1.0, (n, h), &dev)?)?;
     let w = candle_core::Var::from_tensor(&(Tensor::randn(0f32, 1.0, (v, h), &dev)? * 0.05)?)?;
-    let y: Vec<u32> = (0..n as u64).map(|i| (i.wrapping_mul(2654435761) % v as u64) as u32).collect();
+    let y: Vec<u32> = (0..n as u64)
+        .map(|i| (i.wrapping_mul(2654435761) % v as u64) as u32)
+        .collect();
     let y = Tensor::from_vec(y, n, &dev)?;
     let measure = |f: &dyn Fn() -> Result<()>| -> Result<(usize, f64)> {
         let base = alloc_count::live();
         alloc_count::reset_peak();
         let t0 = std::time::Instant::now();
         f()?;
-        Ok((alloc_count::peak().saturating_sub(base), t0.elapsed().as_secs_f64()))
+        Ok((
+            alloc_count::peak().saturating_sub(base),
+            t0.elapsed().as_secs_f64(),
+        ))
     };
     let (fused_fwd, t_ff) = measure(&|| {
-        let _o = arbor_ops::fused_logprobs(&hid.as_tensor().detach(), &w.as_tensor().detach(), &y, arbor_ops::DEFAULT_CHUNK_ELEMS)?;
+        let _o = arbor_ops::fused_logprobs(
+            &hid.as_tensor().detach(),
+            &w.as_tensor().detach(),
+            &y,
+            arbor_ops::DEFAULT_CHUNK_ELEMS,
+        )?;
         Ok(())
     })?;
     let (fused_all, t_fa) = measure(&|| {
-        let o = arbor_ops::fused_logprobs(hid.as_tensor(), w.as_tensor(), &y, arbor_ops::DEFAULT_CHUNK_ELEMS)?;
+        let o = arbor_ops::fused_logprobs(
+            hid.as_tensor(),
+            w.as_tensor(),
+            &y,
+            arbor_ops::DEFAULT_CHUNK_ELEMS,
+        )?;
         let _g = o.narrow(1, 0, 1)?.sum_all()?.backward()?;
         Ok(())
     })?;
@@ -512,8 +527,14 @@ pub fn logprob_memory(a: LogprobMemArgs) -> Result<()> {
         println!("| path | peak GiB | time s |");
         println!("|---|---|---|");
         println!("| fused forward | {:.3} | {t_ff:.1} |", gib(fused_fwd));
-        println!("| fused forward + backward | {:.3} | {t_fa:.1} |", gib(fused_all));
-        println!("| naive forward (logits, log_softmax, gather) | {:.3} | {t_nf:.1} |", gib(naive_fwd));
+        println!(
+            "| fused forward + backward | {:.3} | {t_fa:.1} |",
+            gib(fused_all)
+        );
+        println!(
+            "| naive forward (logits, log_softmax, gather) | {:.3} | {t_nf:.1} |",
+            gib(naive_fwd)
+        );
         if let Some((b, t)) = naive_all {
             println!("| naive forward + backward | {:.3} | {t:.1} |", gib(b));
         }

@@ -85,10 +85,13 @@ struct Report {
 }
 
 pub fn run(a: CheckDeviceArgs) -> Result<()> {
-    let want = a
-        .device
-        .clone()
-        .unwrap_or_else(|| if cfg!(feature = "cuda") { "cuda".into() } else { "cpu".into() });
+    let want = a.device.clone().unwrap_or_else(|| {
+        if cfg!(feature = "cuda") {
+            "cuda".into()
+        } else {
+            "cpu".into()
+        }
+    });
     let dev = match want.as_str() {
         "cpu" => Device::Cpu,
         "cuda" => {
@@ -108,7 +111,10 @@ pub fn run(a: CheckDeviceArgs) -> Result<()> {
             .unwrap_or(1)
     });
     let quick = a.quick || dev.is_cpu();
-    eprintln!("check-device: {want} (seed {seed}{})", if quick { ", quick sizes" } else { "" });
+    eprintln!(
+        "check-device: {want} (seed {seed}{})",
+        if quick { ", quick sizes" } else { "" }
+    );
     arbor_ops::set_poison(true);
     let mut rng = Rng(seed);
     let mut checks = Vec::new();
@@ -170,20 +176,35 @@ impl Rng {
         (0..n).map(|_| lo + (hi - lo) * self.next_f64()).collect()
     }
     fn below(&mut self, n: usize, k: u64) -> Vec<u32> {
-        (0..n).map(|_| (self.next_f64() * k as f64) as u32 % k as u32).collect()
+        (0..n)
+            .map(|_| (self.next_f64() * k as f64) as u32 % k as u32)
+            .collect()
     }
 }
 
 /// A random tensor in `dt` on `dev`, and its (rounded) values as f64 on the CPU.
-fn rand_t(rng: &mut Rng, shape: &[usize], lo: f64, hi: f64, dt: DType, dev: &Device) -> Result<(Tensor, Tensor)> {
+fn rand_t(
+    rng: &mut Rng,
+    shape: &[usize],
+    lo: f64,
+    hi: f64,
+    dt: DType,
+    dev: &Device,
+) -> Result<(Tensor, Tensor)> {
     let n = shape.iter().product();
     let host = Tensor::from_vec(rng.uniform(n, lo, hi), shape, &Device::Cpu)?.to_dtype(dt)?;
     Ok((host.to_device(dev)?, host.to_dtype(DType::F64)?))
 }
 
 fn rel_err(got: &Tensor, want: &Tensor) -> Result<f64> {
-    let g = got.to_device(&Device::Cpu)?.to_dtype(DType::F64)?.flatten_all()?;
-    let w = want.to_device(&Device::Cpu)?.to_dtype(DType::F64)?.flatten_all()?;
+    let g = got
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F64)?
+        .flatten_all()?;
+    let w = want
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F64)?
+        .flatten_all()?;
     let num = (&g - &w)?.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt();
     let den = w.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt().max(1e-300);
     let e = num / den;
@@ -191,9 +212,16 @@ fn rel_err(got: &Tensor, want: &Tensor) -> Result<f64> {
 }
 
 fn push(out: &mut Vec<Check>, section: &str, name: &str, dt: DType, err: f64) {
-    let tol = if dt == DType::F32 || dt == DType::F64 { 1e-4 } else { 1e-2 };
+    let tol = if dt == DType::F32 || dt == DType::F64 {
+        1e-4
+    } else {
+        1e-2
+    };
     let pass = err.is_finite() && err <= tol;
-    eprintln!("  {section:<8} {name:<36} {dt:?}: {err:.2e} (tol {tol:.0e}) {}", if pass { "ok" } else { "FAIL" });
+    eprintln!(
+        "  {section:<8} {name:<36} {dt:?}: {err:.2e} (tol {tol:.0e}) {}",
+        if pass { "ok" } else { "FAIL" }
+    );
     out.push(Check {
         section: section.into(),
         name: name.into(),
@@ -215,14 +243,25 @@ fn float_dtypes(dev: &Device) -> Vec<DType> {
 fn kernel_checks(dev: &Device, quick: bool, rng: &mut Rng, out: &mut Vec<Check>) -> Result<()> {
     let cpu = Device::Cpu;
     // Fused logprob gather, forward and backward.
-    let (n, v, h) = if quick { (48, 1000, 32) } else { (256, 151_936, 1024) };
+    let (n, v, h) = if quick {
+        (48, 1000, 32)
+    } else {
+        (256, 151_936, 1024)
+    };
     for dt in float_dtypes(dev) {
         let (hd, h64) = rand_t(rng, &[n, h], -1.0, 1.0, dt, dev)?;
         let (wd, w64) = rand_t(rng, &[v, h], -0.1, 0.1, dt, dev)?;
         let y = rng.below(n, v as u64);
-        let (yd, yc) = (Tensor::new(y.as_slice(), dev)?, Tensor::new(y.as_slice(), &cpu)?);
+        let (yd, yc) = (
+            Tensor::new(y.as_slice(), dev)?,
+            Tensor::new(y.as_slice(), &cpu)?,
+        );
         let coef = [0.7, -0.3, 0.1];
-        let chunk = if quick { 1 << 14 } else { arbor_ops::DEFAULT_CHUNK_ELEMS };
+        let chunk = if quick {
+            1 << 14
+        } else {
+            arbor_ops::DEFAULT_CHUNK_ELEMS
+        };
         let run = |hh: &Tensor, ww: &Tensor, yy: &Tensor| -> Result<(Tensor, Tensor, Tensor)> {
             let hv = candle_core::Var::from_tensor(hh)?;
             let wv = candle_core::Var::from_tensor(ww)?;
@@ -235,19 +274,43 @@ fn kernel_checks(dev: &Device, quick: bool, rng: &mut Rng, out: &mut Vec<Check>)
         };
         let (o, gh, gw) = run(&hd, &wd, &yd)?;
         let (ro, rgh, rgw) = run(&h64, &w64, &yc)?;
-        push(out, "kernel", "logprob fwd (logp, entropy, lse)", dt, rel_err(&o, &ro)?);
-        push(out, "kernel", "logprob bwd d hidden", dt, rel_err(&gh, &rgh)?);
-        push(out, "kernel", "logprob bwd d weight", dt, rel_err(&gw, &rgw)?);
+        push(
+            out,
+            "kernel",
+            "logprob fwd (logp, entropy, lse)",
+            dt,
+            rel_err(&o, &ro)?,
+        );
+        push(
+            out,
+            "kernel",
+            "logprob bwd d hidden",
+            dt,
+            rel_err(&gh, &rgh)?,
+        );
+        push(
+            out,
+            "kernel",
+            "logprob bwd d weight",
+            dt,
+            rel_err(&gw, &rgw)?,
+        );
     }
     // PPO and value losses (f32).
     let n = if quick { 4096 } else { 1 << 20 };
-    let clip = arbor_ops::PpoClip { eps_low: 0.2, eps_high: 0.28 };
+    let clip = arbor_ops::PpoClip {
+        eps_low: 0.2,
+        eps_high: 0.28,
+    };
     // Inputs rounded to f32 (what the device sees) for both sides, and
     // log-ratios kept off the clip edges, where the gradient jumps between
     // -A r and 0 and a last-bit difference would flip a whole token.
     let f32r = |x: f64| x as f32 as f64;
     let lp: Vec<f64> = rng.uniform(n, -4.0, -0.05).into_iter().map(f32r).collect();
-    let edges = [(1.0 - clip.eps_low as f64).ln(), (1.0 + clip.eps_high as f64).ln()];
+    let edges = [
+        (1.0 - clip.eps_low as f64).ln(),
+        (1.0 + clip.eps_high as f64).ln(),
+    ];
     let old: Vec<f64> = lp
         .iter()
         .map(|&x| loop {
@@ -257,20 +320,34 @@ fn kernel_checks(dev: &Device, quick: bool, rng: &mut Rng, out: &mut Vec<Check>)
             }
         })
         .collect();
-    let adv: Vec<f64> = rng.uniform(n, -2.0, 2.0).into_iter().map(|x| x as f32 as f64).collect();
-    let mask: Vec<f32> = (0..n).map(|_| if rng.next_f64() < 0.8 { 1.0 } else { 0.0 }).collect();
+    let adv: Vec<f64> = rng
+        .uniform(n, -2.0, 2.0)
+        .into_iter()
+        .map(|x| x as f32 as f64)
+        .collect();
+    let mask: Vec<f32> = (0..n)
+        .map(|_| if rng.next_f64() < 0.8 { 1.0 } else { 0.0 })
+        .collect();
     let seq: Vec<usize> = (0..n).map(|i| i / 97).collect();
     let w: Vec<f64> = arbor_ops::token_weights(&mask, &seq, arbor_ops::Aggregation::Sequence)
         .into_iter()
         .map(f64::from)
         .collect();
-    let aux_rows = |a: &[f64], b: &[f64]| -> Vec<f64> { (0..n).flat_map(|i| [a[i], b[i], w[i], 0.0]).collect() };
+    let aux_rows = |a: &[f64], b: &[f64]| -> Vec<f64> {
+        (0..n).flat_map(|i| [a[i], b[i], w[i], 0.0]).collect()
+    };
     let aux = aux_rows(&old, &adv);
-    let both = |x: &[f64], aux: &[f64], f: &dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>| -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+    let both = |x: &[f64],
+                aux: &[f64],
+                f: &dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>|
+     -> Result<(Tensor, Tensor, Tensor, Tensor)> {
         let mut res = Vec::new();
         for (d, dt) in [(dev, DType::F32), (&cpu, DType::F64)] {
-            let xv = candle_core::Var::from_tensor(&Tensor::new(x, &cpu)?.to_dtype(dt)?.to_device(d)?)?;
-            let at = Tensor::from_slice(aux, (n, 4), &cpu)?.to_dtype(dt)?.to_device(d)?;
+            let xv =
+                candle_core::Var::from_tensor(&Tensor::new(x, &cpu)?.to_dtype(dt)?.to_device(d)?)?;
+            let at = Tensor::from_slice(aux, (n, 4), &cpu)?
+                .to_dtype(dt)?
+                .to_device(d)?;
             let o = f(xv.as_tensor(), &at)?;
             let g = o.get(0)?.backward()?;
             res.push((o, g.get(xv.as_tensor()).context("no grad")?.clone()));
@@ -279,30 +356,81 @@ fn kernel_checks(dev: &Device, quick: bool, rng: &mut Rng, out: &mut Vec<Check>)
         Ok((a.0, a.1, b.0, b.1))
     };
     let (o, g, ro, rg) = both(&lp, &aux, &|x, a| arbor_ops::ppo_loss(x, a, clip))?;
-    push(out, "kernel", "ppo loss fwd (loss, clip, kl, w)", DType::F32, rel_err(&o, &ro)?);
+    push(
+        out,
+        "kernel",
+        "ppo loss fwd (loss, clip, kl, w)",
+        DType::F32,
+        rel_err(&o, &ro)?,
+    );
     push(out, "kernel", "ppo loss bwd", DType::F32, rel_err(&g, &rg)?);
     let vals: Vec<f64> = rng.uniform(n, -1.0, 1.0).into_iter().map(f32r).collect();
-    let vold: Vec<f64> = vals.iter().map(|x| f32r(x + (rng.next_f64() - 0.5) * 0.5)).collect();
+    let vold: Vec<f64> = vals
+        .iter()
+        .map(|x| f32r(x + (rng.next_f64() - 0.5) * 0.5))
+        .collect();
     let ret: Vec<f64> = rng.uniform(n, -1.0, 1.0).into_iter().map(f32r).collect();
     let vaux = aux_rows(&ret, &vold);
     let (o, g, ro, rg) = both(&vals, &vaux, &|x, a| arbor_ops::value_loss(x, a, 0.2))?;
-    push(out, "kernel", "value loss fwd", DType::F32, rel_err(&o, &ro)?);
-    push(out, "kernel", "value loss bwd", DType::F32, rel_err(&g, &rg)?);
+    push(
+        out,
+        "kernel",
+        "value loss fwd",
+        DType::F32,
+        rel_err(&o, &ro)?,
+    );
+    push(
+        out,
+        "kernel",
+        "value loss bwd",
+        DType::F32,
+        rel_err(&g, &rg)?,
+    );
     // Segment broadcast / sum.
     let s = n / 13;
-    let seg: Vec<i64> = (0..n).map(|_| (rng.next_f64() * (s as f64 + 8.0)) as i64 - 4).collect();
+    let seg: Vec<i64> = (0..n)
+        .map(|_| (rng.next_f64() * (s as f64 + 8.0)) as i64 - 4)
+        .collect();
     let segv = rng.uniform(s, -1.0, 1.0);
     let x = rng.uniform(n, -1.0, 1.0);
-    let (sd, sc) = (Tensor::new(seg.as_slice(), dev)?, Tensor::new(seg.as_slice(), &cpu)?);
-    let b = arbor_ops::segment_broadcast(&Tensor::new(segv.as_slice(), &cpu)?.to_dtype(DType::F32)?.to_device(dev)?, &sd)?;
+    let (sd, sc) = (
+        Tensor::new(seg.as_slice(), dev)?,
+        Tensor::new(seg.as_slice(), &cpu)?,
+    );
+    let b = arbor_ops::segment_broadcast(
+        &Tensor::new(segv.as_slice(), &cpu)?
+            .to_dtype(DType::F32)?
+            .to_device(dev)?,
+        &sd,
+    )?;
     let rb = arbor_ops::segment_broadcast(&Tensor::new(segv.as_slice(), &cpu)?, &sc)?;
-    push(out, "kernel", "segment broadcast", DType::F32, rel_err(&b, &rb)?);
-    let sm = arbor_ops::segment_sum(&Tensor::new(x.as_slice(), &cpu)?.to_dtype(DType::F32)?.to_device(dev)?, &sd, s)?;
+    push(
+        out,
+        "kernel",
+        "segment broadcast",
+        DType::F32,
+        rel_err(&b, &rb)?,
+    );
+    let sm = arbor_ops::segment_sum(
+        &Tensor::new(x.as_slice(), &cpu)?
+            .to_dtype(DType::F32)?
+            .to_device(dev)?,
+        &sd,
+        s,
+    )?;
     let rs = arbor_ops::segment_sum(&Tensor::new(x.as_slice(), &cpu)?, &sc, s)?;
     push(out, "kernel", "segment sum", DType::F32, rel_err(&sm, &rs)?);
     // Paged attention (decode and chunked prefill over a cached prefix).
-    let (nh, nkv, d, bs) = if quick { (4, 2, 32, 16) } else { (16, 8, 128, 16) };
-    let lens: Vec<usize> = if quick { vec![5, 40, 17] } else { vec![1, 300, 2048, 777, 64] };
+    let (nh, nkv, d, bs) = if quick {
+        (4, 2, 32, 16)
+    } else {
+        (16, 8, 128, 16)
+    };
+    let lens: Vec<usize> = if quick {
+        vec![5, 40, 17]
+    } else {
+        vec![1, 300, 2048, 777, 64]
+    };
     let blocks_per: Vec<usize> = lens.iter().map(|l| l.div_ceil(bs)).collect();
     let total_blocks: usize = blocks_per.iter().sum::<usize>() + 3;
     // Shuffled block ids so tables are not contiguous.
@@ -335,11 +463,20 @@ fn kernel_checks(dev: &Device, quick: bool, rng: &mut Rng, out: &mut Vec<Check>)
         let want = brute_attention(&q64, &k64, &v64, &positions, &token_seq, &tables, bs)?;
         push(out, "kernel", "paged attention", dt, rel_err(&got, &want)?);
         // KV write: scatter rows into fresh slots and read them back.
-        let rows = Tensor::from_vec(rng.uniform(t * nkv * d, -1.0, 1.0), (t, nkv, d), &cpu)?.to_dtype(dt)?;
-        let dst: Vec<u32> = (0..t as u32).map(|i| (i * 7) % slots as u32).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+        let rows = Tensor::from_vec(rng.uniform(t * nkv * d, -1.0, 1.0), (t, nkv, d), &cpu)?
+            .to_dtype(dt)?;
+        let dst: Vec<u32> = (0..t as u32)
+            .map(|i| (i * 7) % slots as u32)
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
         let rows = rows.narrow(0, 0, dst.len())?;
         let cache = kd.copy()?;
-        arbor_ops::cache_write(&cache, &rows.to_device(dev)?, &Tensor::new(dst.as_slice(), dev)?)?;
+        arbor_ops::cache_write(
+            &cache,
+            &rows.to_device(dev)?,
+            &Tensor::new(dst.as_slice(), dev)?,
+        )?;
         let back = cache.index_select(&Tensor::new(dst.as_slice(), dev)?, 0)?;
         push(out, "kernel", "kv cache write", dt, rel_err(&back, &rows)?);
     }
@@ -370,7 +507,13 @@ fn brute_attention(
             let qh = &q[(i * nh + h) * d..(i * nh + h + 1) * d];
             let row = |j: usize| (tab[j / bs] as usize * bs + j % bs) * nkv * d + g * d;
             let sc: Vec<f64> = (0..ctx)
-                .map(|j| qh.iter().zip(&k[row(j)..row(j) + d]).map(|(a, b)| a * b).sum::<f64>() / (d as f64).sqrt())
+                .map(|j| {
+                    qh.iter()
+                        .zip(&k[row(j)..row(j) + d])
+                        .map(|(a, b)| a * b)
+                        .sum::<f64>()
+                        / (d as f64).sqrt()
+                })
                 .collect();
             let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let z: f64 = sc.iter().map(|s| (s - m).exp()).sum();
@@ -409,7 +552,9 @@ fn model_on(cfg: &ModelConfig, dt: DType, dev: &Device) -> Result<Transformer> {
 fn model_checks(dev: &Device, quick: bool, out: &mut Vec<Check>) -> Result<()> {
     let cfg = model_cfg(quick);
     let t = if quick { 24 } else { 64 };
-    let ids: Vec<u32> = (0..t as u32).map(|i| (i * 7919 + 13) % cfg.vocab_size as u32).collect();
+    let ids: Vec<u32> = (0..t as u32)
+        .map(|i| (i * 7919 + 13) % cfg.vocab_size as u32)
+        .collect();
     let cpu_model = model_on(&cfg, DType::F64, &Device::Cpu)?;
     let x = Tensor::from_vec(ids.clone(), (1, t), &Device::Cpu)?;
     let want = cpu_model.logits(&cpu_model.forward_hidden(&x)?)?;
@@ -418,7 +563,13 @@ fn model_checks(dev: &Device, quick: bool, out: &mut Vec<Check>) -> Result<()> {
         let m = model_on(&cfg, dt, dev)?;
         let xd = x.to_device(dev)?;
         let got = m.logits(&m.forward_hidden(&xd)?)?;
-        push(out, "model", "logits, dense forward", dt, rel_err(&got, &want)?);
+        push(
+            out,
+            "model",
+            "logits, dense forward",
+            dt,
+            rel_err(&got, &want)?,
+        );
         // Paged path: prefill t-1 tokens then decode the last one.
         let bs = 16;
         let cache = DeviceKvCache::new(&cfg, t.div_ceil(bs) + 1, bs, dt, dev)?;
@@ -438,7 +589,13 @@ fn model_checks(dev: &Device, quick: bool, out: &mut Vec<Check>) -> Result<()> {
         let h = last.context("decode step")?;
         let got = m.logits(&h)?.squeeze(0)?;
         let want_last = want.squeeze(0)?.narrow(0, t - 1, 1)?;
-        push(out, "model", "logits, paged decode", dt, rel_err(&got, &want_last)?);
+        push(
+            out,
+            "model",
+            "logits, paged decode",
+            dt,
+            rel_err(&got, &want_last)?,
+        );
     }
     Ok(())
 }
@@ -468,14 +625,26 @@ fn train_check(dev: &Device, quick: bool, rng: &mut Rng, out: &mut Vec<Check>) -
         let inputs = x.narrow(1, 0, t - 1)?;
         let targets = x.narrow(1, 1, t - 1)?.flatten_all()?;
         let loss_of = |m: &Transformer, old: Option<&Tensor>| -> Result<(Tensor, Tensor)> {
-            let hid = m.forward_hidden(&inputs)?.reshape((b * (t - 1), cfg.hidden_size))?;
-            let lp = arbor_ops::fused_logprobs(&hid, &m.lm_head, &targets, 1 << 16)?.narrow(1, 0, 1)?.squeeze(1)?;
+            let hid = m
+                .forward_hidden(&inputs)?
+                .reshape((b * (t - 1), cfg.hidden_size))?;
+            let lp = arbor_ops::fused_logprobs(&hid, &m.lm_head, &targets, 1 << 16)?
+                .narrow(1, 0, 1)?
+                .squeeze(1)?;
             let old = old.cloned().unwrap_or_else(|| lp.detach());
             let w = vec![1.0f32 / (b * (t - 1)) as f32; b * (t - 1)];
             let oldv: Vec<f32> = old.to_vec1()?;
             let advv: Vec<f32> = adv.iter().map(|&a| a as f32).collect();
             let aux = arbor_ops::pack_aux(&oldv, &advv, &w, &d)?;
-            let l = arbor_ops::ppo_loss(&lp, &aux, arbor_ops::PpoClip { eps_low: 0.2, eps_high: 0.2 })?.get(0)?;
+            let l = arbor_ops::ppo_loss(
+                &lp,
+                &aux,
+                arbor_ops::PpoClip {
+                    eps_low: 0.2,
+                    eps_high: 0.2,
+                },
+            )?
+            .get(0)?;
             Ok((l, old))
         };
         let (l0, old) = loss_of(&m, None)?;
@@ -502,16 +671,30 @@ fn train_check(dev: &Device, quick: bool, rng: &mut Rng, out: &mut Vec<Check>) -
     }
     let (dg, cg) = (&grads[1], &grads[0]);
     if dg.len() != cg.len() {
-        bail!("device step produced gradients for {} tensors, CPU for {}", dg.len(), cg.len());
+        bail!(
+            "device step produced gradients for {} tensors, CPU for {}",
+            dg.len(),
+            cg.len()
+        );
     }
     let flat = |v: &[(String, Tensor)]| -> Result<Tensor> {
         let parts: Vec<Tensor> = v
             .iter()
-            .map(|(_, t)| t.to_device(&Device::Cpu)?.to_dtype(DType::F64)?.flatten_all())
+            .map(|(_, t)| {
+                t.to_device(&Device::Cpu)?
+                    .to_dtype(DType::F64)?
+                    .flatten_all()
+            })
             .collect::<candle_core::Result<_>>()?;
         Ok(Tensor::cat(&parts, 0)?)
     };
-    push(out, "train", &format!("ppo step grads ({} tensors)", dg.len()), DType::F32, rel_err(&flat(dg)?, &flat(cg)?)?);
+    push(
+        out,
+        "train",
+        &format!("ppo step grads ({} tensors)", dg.len()),
+        DType::F32,
+        rel_err(&flat(dg)?, &flat(cg)?)?,
+    );
     let fell = losses.last().copied().unwrap_or(0.0) < losses[0];
     eprintln!("  train    AdamW losses on device: {losses:?}");
     out.push(Check {
@@ -552,7 +735,11 @@ fn ceilings(dev: &Device, quick: bool) -> Result<(f64, f64)> {
         Ok(())
     })?;
     let bw = 2.0 * 4.0 * n as f64 / (ms * 1e-3);
-    let (m, dt) = if quick { (512, DType::F32) } else { (8192, DType::BF16) };
+    let (m, dt) = if quick {
+        (512, DType::F32)
+    } else {
+        (8192, DType::BF16)
+    };
     let a = Tensor::rand(-1f32, 1f32, (m, m), dev)?.to_dtype(dt)?;
     let b = Tensor::rand(-1f32, 1f32, (m, m), dev)?.to_dtype(dt)?;
     let ms = time_ms(dev, 10, || {
@@ -560,11 +747,23 @@ fn ceilings(dev: &Device, quick: bool) -> Result<(f64, f64)> {
         Ok(())
     })?;
     let rate = 2.0 * (m as f64).powi(3) / (ms * 1e-3);
-    eprintln!("ceilings: copy {:.0} GB/s, {dt:?} matmul {:.1} TFLOP/s", bw / 1e9, rate / 1e12);
+    eprintln!(
+        "ceilings: copy {:.0} GB/s, {dt:?} matmul {:.1} TFLOP/s",
+        bw / 1e9,
+        rate / 1e12
+    );
     Ok((bw, rate))
 }
 
-fn bench_row(name: &str, ms: f64, bytes: f64, flops: f64, bw: f64, rate: f64, note: String) -> Bench {
+fn bench_row(
+    name: &str,
+    ms: f64,
+    bytes: f64,
+    flops: f64,
+    bw: f64,
+    rate: f64,
+    note: String,
+) -> Bench {
     let bf = bytes / bw * 1e3;
     let ff = flops / rate * 1e3;
     eprintln!("  {name:<40} {ms:9.3} ms  floors: bytes {bf:.3} ms, flops {ff:.3} ms");
@@ -578,38 +777,81 @@ fn bench_row(name: &str, ms: f64, bytes: f64, flops: f64, bw: f64, rate: f64, no
     }
 }
 
-fn kernel_benches(dev: &Device, quick: bool, bw: f64, rate: f64, rng: &mut Rng, out: &mut Vec<Bench>) -> Result<()> {
-    let dt = if dev.is_cpu() { DType::F32 } else { DType::BF16 };
+fn kernel_benches(
+    dev: &Device,
+    quick: bool,
+    bw: f64,
+    rate: f64,
+    rng: &mut Rng,
+    out: &mut Vec<Bench>,
+) -> Result<()> {
+    let dt = if dev.is_cpu() {
+        DType::F32
+    } else {
+        DType::BF16
+    };
     let es = dt.size_in_bytes() as f64;
     // Fused logprob forward + backward at Qwen3-0.6B's vocabulary.
-    let (n, v, h) = if quick { (256, 4096, 64) } else { (8192, 151_936, 1024) };
+    let (n, v, h) = if quick {
+        (256, 4096, 64)
+    } else {
+        (8192, 151_936, 1024)
+    };
     let (hd, _) = rand_t(rng, &[n, h], -1.0, 1.0, dt, dev)?;
     let (wd, _) = rand_t(rng, &[v, h], -0.05, 0.05, dt, dev)?;
     let y = Tensor::new(rng.below(n, v as u64).as_slice(), dev)?;
     let hv = candle_core::Var::from_tensor(&hd)?;
     let wv = candle_core::Var::from_tensor(&wd)?;
     let ms = time_ms(dev, 5, || {
-        let o = arbor_ops::fused_logprobs(hv.as_tensor(), wv.as_tensor(), &y, arbor_ops::DEFAULT_CHUNK_ELEMS)?;
+        let o = arbor_ops::fused_logprobs(
+            hv.as_tensor(),
+            wv.as_tensor(),
+            &y,
+            arbor_ops::DEFAULT_CHUNK_ELEMS,
+        )?;
         let _g = o.narrow(1, 0, 1)?.sum_all()?.backward()?;
         Ok(())
     })?;
     // fwd: 1 matmul; bwd: 3 matmuls (recompute, dW, dh).
     let flops = 4.0 * 2.0 * (n * v * h) as f64;
     let bytes = es * (2.0 * (v * h) as f64 + 2.0 * (n * h) as f64) * 2.0;
-    out.push(bench_row(&format!("logprob fwd+bwd N={n} V={v} H={h}"), ms, bytes, flops, bw, rate, format!("{dt:?}")));
+    out.push(bench_row(
+        &format!("logprob fwd+bwd N={n} V={v} H={h}"),
+        ms,
+        bytes,
+        flops,
+        bw,
+        rate,
+        format!("{dt:?}"),
+    ));
     // PPO loss forward + backward.
     let n = if quick { 1 << 16 } else { 1 << 24 };
     let lp = Tensor::rand(-3f32, -0.1, n, dev)?;
     let aux = Tensor::rand(0f32, 0.001, (n, 4), dev)?;
     let lv = candle_core::Var::from_tensor(&lp)?;
     let ms = time_ms(dev, 10, || {
-        let o = arbor_ops::ppo_loss(lv.as_tensor(), &aux, arbor_ops::PpoClip { eps_low: 0.2, eps_high: 0.28 })?;
+        let o = arbor_ops::ppo_loss(
+            lv.as_tensor(),
+            &aux,
+            arbor_ops::PpoClip {
+                eps_low: 0.2,
+                eps_high: 0.28,
+            },
+        )?;
         let _g = o.get(0)?.backward()?;
         Ok(())
     })?;
     // fwd reads logp + aux; bwd reads them again and writes the gradient.
     let bytes = 4.0 * n as f64 * (5.0 + 5.0 + 1.0);
-    out.push(bench_row(&format!("ppo loss fwd+bwd N={n}"), ms, bytes, 0.0, bw, rate, "f32".into()));
+    out.push(bench_row(
+        &format!("ppo loss fwd+bwd N={n}"),
+        ms,
+        bytes,
+        0.0,
+        bw,
+        rate,
+        "f32".into(),
+    ));
     // Segment broadcast.
     let s = n / 64;
     let seg: Vec<i64> = (0..n as i64).map(|i| i / 64).collect();
@@ -619,31 +861,69 @@ fn kernel_benches(dev: &Device, quick: bool, bw: f64, rate: f64, rng: &mut Rng, 
         let _b = arbor_ops::segment_broadcast(&vals, &segt)?;
         Ok(())
     })?;
-    out.push(bench_row(&format!("segment broadcast N={n}"), ms, (8.0 + 4.0) * n as f64, 0.0, bw, rate, "f32, i64 ids".into()));
+    out.push(bench_row(
+        &format!("segment broadcast N={n}"),
+        ms,
+        (8.0 + 4.0) * n as f64,
+        0.0,
+        bw,
+        rate,
+        "f32, i64 ids".into(),
+    ));
     // Paged attention decode at Qwen3-0.6B's head shape.
-    let (b, ctx, nh, nkv, d, bs) = if quick { (8, 256, 4, 2, 64, 16) } else { (64, 2048, 16, 8, 128, 16) };
+    let (b, ctx, nh, nkv, d, bs) = if quick {
+        (8, 256, 4, 2, 64, 16)
+    } else {
+        (64, 2048, 16, 8, 128, 16)
+    };
     let nb = b * ctx / bs;
     let k = Tensor::rand(-1f32, 1.0, (nb * bs, nkv, d), dev)?.to_dtype(dt)?;
     let vv = Tensor::rand(-1f32, 1.0, (nb * bs, nkv, d), dev)?.to_dtype(dt)?;
     let q = Tensor::rand(-1f32, 1.0, (b, nh, d), dev)?.to_dtype(dt)?;
-    let tables: Vec<Vec<u32>> = (0..b).map(|i| ((i * ctx / bs) as u32..((i + 1) * ctx / bs) as u32).collect()).collect();
-    let meta = arbor_ops::PagedMeta::new(&vec![(ctx - 1) as u32; b], &(0..b).collect::<Vec<_>>(), &tables, bs, dev)?;
+    let tables: Vec<Vec<u32>> = (0..b)
+        .map(|i| ((i * ctx / bs) as u32..((i + 1) * ctx / bs) as u32).collect())
+        .collect();
+    let meta = arbor_ops::PagedMeta::new(
+        &vec![(ctx - 1) as u32; b],
+        &(0..b).collect::<Vec<_>>(),
+        &tables,
+        bs,
+        dev,
+    )?;
     let ms = time_ms(dev, 10, || {
         let _o = arbor_ops::paged_attention_op(&q, &k, &vv, &meta)?;
         Ok(())
     })?;
     let bytes = es * (2.0 * (b * ctx * nkv * d) as f64 + 2.0 * (b * nh * d) as f64);
     let flops = 4.0 * (b * ctx * nh * d) as f64;
-    out.push(bench_row(&format!("paged attention decode B={b} ctx={ctx}"), ms, bytes, flops, bw, rate, format!("{dt:?}, {nh}/{nkv} heads, d {d}")));
+    out.push(bench_row(
+        &format!("paged attention decode B={b} ctx={ctx}"),
+        ms,
+        bytes,
+        flops,
+        bw,
+        rate,
+        format!("{dt:?}, {nh}/{nkv} heads, d {d}"),
+    ));
     Ok(())
 }
 
 /// Decode tokens/s of a Qwen3-0.6B-shaped random model through the paged
 /// device cache, at several batch sizes, vs the roofline
 /// `max(weights + KV bytes / bandwidth, FLOPs / matmul rate)` per step.
-fn decode_benches(dev: &Device, quick: bool, bw: f64, rate: f64, out: &mut Vec<Bench>) -> Result<()> {
+fn decode_benches(
+    dev: &Device,
+    quick: bool,
+    bw: f64,
+    rate: f64,
+    out: &mut Vec<Bench>,
+) -> Result<()> {
     let cfg = model_cfg(quick);
-    let dt = if dev.is_cpu() { DType::F32 } else { DType::BF16 };
+    let dt = if dev.is_cpu() {
+        DType::F32
+    } else {
+        DType::BF16
+    };
     let m = model_on(&cfg, dt, dev)?;
     let params = cfg.num_parameters() as f64;
     let (prompt, steps): (usize, usize) = if quick { (16, 8) } else { (128, 32) };
@@ -652,10 +932,15 @@ fn decode_benches(dev: &Device, quick: bool, bw: f64, rate: f64, out: &mut Vec<B
     for &b in batches {
         let per = (prompt + steps + 2).div_ceil(bs);
         let cache = DeviceKvCache::new(&cfg, b * per, bs, dt, dev)?;
-        let tables: Vec<Vec<u32>> = (0..b).map(|i| ((i * per) as u32..((i + 1) * per) as u32).collect()).collect();
+        let tables: Vec<Vec<u32>> = (0..b)
+            .map(|i| ((i * per) as u32..((i + 1) * per) as u32).collect())
+            .collect();
         let slot = |i: usize, p: usize| (tables[i][p / bs] as usize) * bs + p % bs;
         // Prefill every prompt in one packed step.
-        let mut batch = PagedBatch { tables: tables.clone(), ..Default::default() };
+        let mut batch = PagedBatch {
+            tables: tables.clone(),
+            ..Default::default()
+        };
         let mut ids = Vec::new();
         for i in 0..b {
             for p in 0..prompt {
@@ -666,10 +951,16 @@ fn decode_benches(dev: &Device, quick: bool, bw: f64, rate: f64, out: &mut Vec<B
             }
         }
         let input = Tensor::from_vec(ids, (1, b * prompt), dev)?;
-        let h = m.forward_with(&input, &batch.positions, &mut DevicePagedAttention::new(&cache, &batch)?)?;
+        let h = m.forward_with(
+            &input,
+            &batch.positions,
+            &mut DevicePagedAttention::new(&cache, &batch)?,
+        )?;
         let last: Vec<u32> = (0..b).map(|i| (i * prompt + prompt - 1) as u32).collect();
         let rows = Tensor::new(last.as_slice(), dev)?;
-        let mut next = m.logits(&h.squeeze(0)?.index_select(&rows, 0)?)?.argmax(D::Minus1)?;
+        let mut next = m
+            .logits(&h.squeeze(0)?.index_select(&rows, 0)?)?
+            .argmax(D::Minus1)?;
         dev.synchronize()?;
         let t0 = Instant::now();
         for s in 0..steps {
@@ -681,21 +972,42 @@ fn decode_benches(dev: &Device, quick: bool, bw: f64, rate: f64, out: &mut Vec<B
                 tables: tables.clone(),
             };
             let input = next.reshape((1, b))?;
-            let h = m.forward_with(&input, &batch.positions, &mut DevicePagedAttention::new(&cache, &batch)?)?;
+            let h = m.forward_with(
+                &input,
+                &batch.positions,
+                &mut DevicePagedAttention::new(&cache, &batch)?,
+            )?;
             next = m.logits(&h.squeeze(0)?)?.argmax(D::Minus1)?;
         }
         let _ = next.to_vec1::<u32>()?;
         dev.synchronize()?;
         let ms = t0.elapsed().as_secs_f64() * 1e3 / steps as f64;
         let ctx = (prompt + steps / 2) as f64;
-        let kv_bytes = b as f64 * ctx * (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim) as f64 * dt.size_in_bytes() as f64;
+        let kv_bytes = b as f64
+            * ctx
+            * (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim) as f64
+            * dt.size_in_bytes() as f64;
         let bytes = params * dt.size_in_bytes() as f64 + kv_bytes;
         let flops = 2.0 * params * b as f64
-            + 4.0 * b as f64 * ctx * (cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim) as f64;
-        let row = bench_row(&format!("decode B={b} (ctx {prompt}+{steps})"), ms, bytes, flops, bw, rate, String::new());
+            + 4.0
+                * b as f64
+                * ctx
+                * (cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim) as f64;
+        let row = bench_row(
+            &format!("decode B={b} (ctx {prompt}+{steps})"),
+            ms,
+            bytes,
+            flops,
+            bw,
+            rate,
+            String::new(),
+        );
         let tps = b as f64 / (ms * 1e-3);
         let roof = b as f64 / (row.bytes_floor_ms.max(row.flop_floor_ms) * 1e-3);
-        out.push(Bench { note: format!("{tps:.0} tok/s, roofline {roof:.0} tok/s, {dt:?}"), ..row });
+        out.push(Bench {
+            note: format!("{tps:.0} tok/s, roofline {roof:.0} tok/s, {dt:?}"),
+            ..row
+        });
     }
     Ok(())
 }

@@ -20,9 +20,14 @@ fn check_device_on_cpu_passes_and_writes_json() {
         json.to_str().unwrap(),
     ]);
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(text.contains("ALL PASS"), "{text}");
-    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(r["all_pass"], true);
     let names: Vec<&str> = r["checks"]
         .as_array()
@@ -43,12 +48,21 @@ fn check_device_on_cpu_passes_and_writes_json() {
         "logits, paged decode",
         "ppo step grads",
     ] {
-        assert!(names.iter().any(|n| n.starts_with(want)), "no check `{want}` in {names:?}");
+        assert!(
+            names.iter().any(|n| n.starts_with(want)),
+            "no check `{want}` in {names:?}"
+        );
     }
     for c in r["checks"].as_array().unwrap() {
-        assert!(c["rel_err"].as_f64().unwrap() <= c["tol"].as_f64().unwrap() || c["section"] == "train");
+        assert!(
+            c["rel_err"].as_f64().unwrap() <= c["tol"].as_f64().unwrap() || c["section"] == "train"
+        );
     }
-    assert!(r["benches"].as_array().unwrap().iter().any(|b| b["name"].as_str().unwrap().starts_with("decode B=")));
+    assert!(r["benches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|b| b["name"].as_str().unwrap().starts_with("decode B=")));
 }
 
 #[test]

@@ -164,10 +164,16 @@ fn bad_configs_name_the_key() {
         &CONFIG.replace("[warmup]", "[warmup]\nlearning = 1"),
         "learning",
     );
-    check(&CONFIG.replace("seed = 3", "seed = 3\ndevice = \"gpu\""), "device");
+    check(
+        &CONFIG.replace("seed = 3", "seed = 3\ndevice = \"gpu\""),
+        "device",
+    );
     if !cfg!(feature = "cuda") {
         // A CUDA device in a CPU build: one clear error naming the key.
-        check(&CONFIG.replace("seed = 3", "seed = 3\ndevice = \"cuda\""), "device");
+        check(
+            &CONFIG.replace("seed = 3", "seed = 3\ndevice = \"cuda\""),
+            "device",
+        );
     }
     let o = arbor().arg("train").arg("/no/such.toml").output().unwrap();
     assert!(String::from_utf8_lossy(&o.stderr).contains("/no/such.toml"));

@@ -30,7 +30,11 @@ fn swe_training_runs_for_focus_ps_grpo() {
     let Some(model) = tiny_qwen3_with_tokenizer() else {
         return;
     };
-    if std::process::Command::new("python3").arg("-V").output().is_err() {
+    if std::process::Command::new("python3")
+        .arg("-V")
+        .output()
+        .is_err()
+    {
         eprintln!("SKIP: python3 not found");
         return;
     }
@@ -46,9 +50,16 @@ fn swe_training_runs_for_focus_ps_grpo() {
     }
     let inst = dir.path().join("instances.jsonl");
     std::fs::write(&inst, lines).unwrap();
-    let sandboxed = std::process::Command::new("bwrap").arg("--version").output().is_ok();
+    let sandboxed = std::process::Command::new("bwrap")
+        .arg("--version")
+        .output()
+        .is_ok();
     for algo in ["focus", "ps", "grpo"] {
-        let critic = if algo == "focus" { "separate" } else { "shared" };
+        let critic = if algo == "focus" {
+            "separate"
+        } else {
+            "shared"
+        };
         let cfg = format!(
             r#"
 seed = 0
@@ -82,7 +93,11 @@ critic = "{critic}"
         std::fs::write(&p, cfg).unwrap();
         let out = dir.path().join(format!("run-{algo}"));
         let o = arbor(&["train", p.to_str().unwrap(), "--out", out.to_str().unwrap()]);
-        assert!(o.status.success(), "{algo}: {}", String::from_utf8_lossy(&o.stderr));
+        assert!(
+            o.status.success(),
+            "{algo}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
         let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
         let m: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
         assert!(m["generated_tokens"].as_u64().unwrap() > 0, "{algo}: {m}");
@@ -100,7 +115,15 @@ critic = "{critic}"
         ),
     )
     .unwrap();
-    let o = arbor(&["train", p.to_str().unwrap(), "--out", dir.path().join("bad").to_str().unwrap()]);
+    let o = arbor(&[
+        "train",
+        p.to_str().unwrap(),
+        "--out",
+        dir.path().join("bad").to_str().unwrap(),
+    ]);
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success() && err.contains("task.max_turns"), "{err}");
+    assert!(
+        !o.status.success() && err.contains("task.max_turns"),
+        "{err}"
+    );
 }

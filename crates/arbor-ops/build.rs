@@ -15,7 +15,13 @@ fn main() {
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
-    for v in ["NVCC", "CUDA_ROOT", "CUDA_HOME", "CUDA_PATH", "CUDA_COMPUTE_CAP"] {
+    for v in [
+        "NVCC",
+        "CUDA_ROOT",
+        "CUDA_HOME",
+        "CUDA_PATH",
+        "CUDA_COMPUTE_CAP",
+    ] {
         println!("cargo:rerun-if-env-changed={v}");
     }
     let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
@@ -24,7 +30,10 @@ fn main() {
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
     let cap = cap.trim().replace('.', "");
     let nvcc = find_nvcc();
-    println!("cargo:rerun-if-changed={}", kdir.join("common.cuh").display());
+    println!(
+        "cargo:rerun-if-changed={}",
+        kdir.join("common.cuh").display()
+    );
     for k in KERNELS {
         let src = kdir.join(format!("{k}.cu"));
         println!("cargo:rerun-if-changed={}", src.display());
@@ -45,7 +54,11 @@ fn main() {
                     nvcc.display()
                 )
             });
-        assert!(status.success(), "arbor-ops: nvcc failed on {}", src.display());
+        assert!(
+            status.success(),
+            "arbor-ops: nvcc failed on {}",
+            src.display()
+        );
     }
 }
 

@@ -175,7 +175,11 @@ impl Engine {
             ));
         }
         let on_device = cfg.kv_on_device.unwrap_or(!model.device().is_cpu());
-        let elem = if on_device { model.dtype().size_in_bytes() } else { 4 };
+        let elem = if on_device {
+            model.dtype().size_in_bytes()
+        } else {
+            4
+        };
         let per_block = PagedKvCache::bytes_per_token(&model.cfg) / 4 * elem * cfg.block_size;
         let num_blocks = if cfg.num_blocks > 0 {
             cfg.num_blocks

@@ -206,12 +206,18 @@ impl DeviceKvCache {
     /// (copy-on-write of a shared partial block).
     pub fn copy(&self, op: &CopyOp) -> arbor_model::Result<()> {
         let bs = self.block_size;
-        let dev = self.k.first().map(|t| t.device().clone()).unwrap_or(candle_core::Device::Cpu);
+        let dev = self
+            .k
+            .first()
+            .map(|t| t.device().clone())
+            .unwrap_or(candle_core::Device::Cpu);
         let dst: Vec<u32> = (0..op.len as u32).map(|i| op.dst * bs as u32 + i).collect();
         let dst = Tensor::from_vec(dst, op.len, &dev)?;
         for t in self.k.iter().chain(&self.v) {
             // A fresh buffer of just these rows (not an alias of the cache).
-            let rows = t.narrow(0, op.src as usize * bs, op.len)?.force_contiguous()?;
+            let rows = t
+                .narrow(0, op.src as usize * bs, op.len)?
+                .force_contiguous()?;
             arbor_ops::cache_write(t, &rows, &dst)?;
         }
         Ok(())
@@ -241,7 +247,11 @@ pub struct DevicePagedAttention<'a> {
 impl<'a> DevicePagedAttention<'a> {
     /// Upload a [`PagedBatch`] to the cache's device.
     pub fn new(cache: &'a DeviceKvCache, batch: &PagedBatch) -> arbor_model::Result<Self> {
-        let dev = cache.k.first().map(|t| t.device().clone()).unwrap_or(candle_core::Device::Cpu);
+        let dev = cache
+            .k
+            .first()
+            .map(|t| t.device().clone())
+            .unwrap_or(candle_core::Device::Cpu);
         let meta = arbor_ops::PagedMeta::new(
             &batch.positions,
             &batch.token_seq,
@@ -284,7 +294,10 @@ impl AttentionBackend for DevicePagedAttention<'_> {
         }
         let (kc, vc) = (&self.cache.k[layer], &self.cache.v[layer]);
         let rows = |x: &Tensor| -> candle_core::Result<Tensor> {
-            x.squeeze(0)?.transpose(0, 1)?.to_dtype(kc.dtype())?.contiguous()
+            x.squeeze(0)?
+                .transpose(0, 1)?
+                .to_dtype(kc.dtype())?
+                .contiguous()
         };
         arbor_ops::cache_write(kc, &rows(k)?, &self.slots)?;
         arbor_ops::cache_write(vc, &rows(v)?, &self.slots)?;

@@ -384,9 +384,20 @@ fn device_kv_cache_engine_matches_host_cache_engine() {
             seed: 9,
             ..Default::default()
         };
-        e.submit((3..22).collect(), vec![sampled.clone(), SamplingParams { seed: 10, ..sampled }])
-            .unwrap();
-        let id = e.submit((50..63).collect(), vec![SamplingParams::greedy(8)]).unwrap()[0];
+        e.submit(
+            (3..22).collect(),
+            vec![
+                sampled.clone(),
+                SamplingParams {
+                    seed: 10,
+                    ..sampled
+                },
+            ],
+        )
+        .unwrap();
+        let id = e
+            .submit((50..63).collect(), vec![SamplingParams::greedy(8)])
+            .unwrap()[0];
         for _ in 0..3 {
             e.step().unwrap();
         }
@@ -399,7 +410,10 @@ fn device_kv_cache_engine_matches_host_cache_engine() {
     };
     let (host, hs) = run(false);
     let (dev, ds) = run(true);
-    assert!(hs.preemptions > 0 && hs.cow_copies > 0, "scenario must preempt and copy: {hs:?}");
+    assert!(
+        hs.preemptions > 0 && hs.cow_copies > 0,
+        "scenario must preempt and copy: {hs:?}"
+    );
     assert_eq!(hs.preemptions, ds.preemptions);
     assert_eq!(host.len(), dev.len());
     for (a, b) in host.iter().zip(&dev) {

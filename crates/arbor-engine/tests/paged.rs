@@ -4,7 +4,9 @@
 
 use std::path::PathBuf;
 
-use arbor_engine::paged::{DeviceKvCache, DevicePagedAttention, PagedAttention, PagedBatch, PagedKvCache};
+use arbor_engine::paged::{
+    DeviceKvCache, DevicePagedAttention, PagedAttention, PagedBatch, PagedKvCache,
+};
 use arbor_kv::KvManager;
 use arbor_model::{LoadOptions, LoadedModel};
 use candle_core::{DType, Tensor};
@@ -82,7 +84,10 @@ fn paged_chunks_equal_dense_hidden_states() {
                 )
                 .unwrap();
             let diff = (&h - &hd).unwrap().abs().unwrap().max_all().unwrap();
-            assert!(diff.to_scalar::<f64>().unwrap() < 1e-9, "{name}: device backend differs");
+            assert!(
+                diff.to_scalar::<f64>().unwrap() < 1e-9,
+                "{name}: device backend differs"
+            );
             let rows: Vec<Vec<f64>> = h.squeeze(0).unwrap().to_vec2().unwrap();
             for (r, &i) in rows.into_iter().zip(&owner) {
                 got[i].extend(r);

@@ -57,9 +57,17 @@ impl Default for LoraConfig {
         LoraConfig {
             rank: 16,
             alpha: 32.0,
-            targets: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-                .map(String::from)
-                .to_vec(),
+            targets: [
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+            ]
+            .map(String::from)
+            .to_vec(),
         }
     }
 }
@@ -67,7 +75,15 @@ impl Default for LoraConfig {
 impl LoraConfig {
     /// Names a target that is no projection, or a zero rank.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        const OK: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+        const OK: [&str; 7] = [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ];
         if self.rank == 0 {
             return Err("rank must be >= 1".into());
         }
@@ -117,7 +133,11 @@ impl Linear {
                     &[l.rank, inp],
                     Init::Normal(1.0 / (inp as f64).sqrt()),
                 )?,
-                b: p.get_or_init(&format!("{name}.lora_B.weight"), &[out, l.rank], Init::Zeros)?,
+                b: p.get_or_init(
+                    &format!("{name}.lora_B.weight"),
+                    &[out, l.rank],
+                    Init::Zeros,
+                )?,
                 scale: l.alpha / l.rank as f64,
             }),
             _ => None,

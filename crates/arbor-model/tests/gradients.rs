@@ -300,7 +300,8 @@ fn lora_adapter_gradients() {
     );
     // The merged export equals the adapted forward.
     let m = &s.model.policy;
-    let merged: std::collections::HashMap<String, Tensor> = m.named_tensors().unwrap().into_iter().collect();
+    let merged: std::collections::HashMap<String, Tensor> =
+        m.named_tensors().unwrap().into_iter().collect();
     let q = &m.layers[0].attn.q;
     let x = Tensor::rand(-1f64, 1.0, (3, 16), &Device::Cpu).unwrap();
     use candle_core::Module;

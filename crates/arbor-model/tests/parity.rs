@@ -133,7 +133,8 @@ fn save_pretrained_roundtrips() {
         // Same tensor set as the HF checkpoint itself.
         let mut ours: Vec<String> = m
             .model
-            .named_tensors().unwrap()
+            .named_tensors()
+            .unwrap()
             .into_iter()
             .map(|(n, _)| n)
             .collect();

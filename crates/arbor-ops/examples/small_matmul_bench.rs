@@ -40,7 +40,10 @@ fn main() -> candle_core::Result<()> {
                 Tensor::cat(&tiles, 0)
             })?;
             let gbs = (n * k * 4) as f64 / (b * 1e-3) / 1e9;
-            println!("| {m} | {k} | {n} | {a:.3} | {b:.3} | {:.2}x | {gbs:.1} |", a / b);
+            println!(
+                "| {m} | {k} | {n} | {a:.3} | {b:.3} | {:.2}x | {gbs:.1} |",
+                a / b
+            );
         }
     }
     Ok(())

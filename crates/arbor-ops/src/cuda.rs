@@ -12,9 +12,15 @@ pub use candle_core::cuda_backend::WrapErr;
 
 /// PTX of every kernel file, by module name.
 pub const MODULES: &[(&str, &str)] = &[
-    ("logprob", include_str!(concat!(env!("OUT_DIR"), "/logprob.ptx"))),
+    (
+        "logprob",
+        include_str!(concat!(env!("OUT_DIR"), "/logprob.ptx")),
+    ),
     ("ppo", include_str!(concat!(env!("OUT_DIR"), "/ppo.ptx"))),
-    ("segment", include_str!(concat!(env!("OUT_DIR"), "/segment.ptx"))),
+    (
+        "segment",
+        include_str!(concat!(env!("OUT_DIR"), "/segment.ptx")),
+    ),
     (
         "paged_attention",
         include_str!(concat!(env!("OUT_DIR"), "/paged_attention.ptx")),
@@ -72,7 +78,9 @@ pub fn wrap<T: candle_core::cuda_backend::CudaDType>(
 }
 
 /// Fill value for poisoned outputs.
-pub trait Poison: Copy + DeviceRepr + candle_core::cuda_backend::cudarc::driver::ValidAsZeroBits + 'static {
+pub trait Poison:
+    Copy + DeviceRepr + candle_core::cuda_backend::cudarc::driver::ValidAsZeroBits + 'static
+{
     const NAN: Self;
 }
 impl Poison for f32 {

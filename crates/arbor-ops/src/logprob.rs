@@ -61,7 +61,11 @@ pub fn fused_logprobs(
             weight.dtype()
         );
     }
-    if let Some(bad) = targets.to_vec1::<u32>()?.into_iter().find(|&t| t as usize >= v) {
+    if let Some(bad) = targets
+        .to_vec1::<u32>()?
+        .into_iter()
+        .find(|&t| t as usize >= v)
+    {
         candle_core::bail!("fused_logprobs: target token {bad} is outside the vocabulary ({v})");
     }
     if n == 0 {
@@ -135,7 +139,13 @@ fn row_stats<T: Copy + Into<f64>>(z: &[T], y: usize) -> [f64; 3] {
 /// `dz` of one logits row in place; `a = (y, g_lp, g_ent, g_lse, lse, H)`.
 fn row_grad<T: Copy + Into<f64> + FromF64>(z: &mut [T], v0: usize, a: &[T]) {
     let y = a[0].into() as usize;
-    let (g_lp, g_ent, g_lse, lse, h) = (a[1].into(), a[2].into(), a[3].into(), a[4].into(), a[5].into());
+    let (g_lp, g_ent, g_lse, lse, h) = (
+        a[1].into(),
+        a[2].into(),
+        a[3].into(),
+        a[4].into(),
+        a[5].into(),
+    );
     for (j, x) in z.iter_mut().enumerate() {
         let lp = (*x).into() - lse;
         let p = lp.exp();
@@ -241,7 +251,11 @@ impl CustomOp3 for FusedLogprob {
         let (n, h) = hl.shape().dims2()?;
         let v = wl.shape().dims()[0];
         let suf = cuda::suffix(hs.dtype())?;
-        let f = dev.get_or_load_custom_func(&format!("logprob_rows_{suf}"), "arbor_logprob", cuda::ptx("logprob")?)?;
+        let f = dev.get_or_load_custom_func(
+            &format!("logprob_rows_{suf}"),
+            "arbor_logprob",
+            cuda::ptx("logprob")?,
+        )?;
         let targets = cuda::view::<u32>(ts, tl)?;
         let mut out = cuda::alloc_out::<f32>(&dev, n * 3)?;
         let rows = chunk_len(self.chunk_elems, v);
@@ -406,8 +420,16 @@ impl CustomOp3 for FusedLogprobGrad {
         let v = wl.shape().dims()[0];
         let dt = hs.dtype();
         let suf = cuda::suffix(dt)?;
-        let grad_f = dev.get_or_load_custom_func(&format!("logprob_grad_{suf}"), "arbor_logprob", cuda::ptx("logprob")?)?;
-        let add_f = dev.get_or_load_custom_func(&format!("add_to_f32_{suf}"), "arbor_logprob", cuda::ptx("logprob")?)?;
+        let grad_f = dev.get_or_load_custom_func(
+            &format!("logprob_grad_{suf}"),
+            "arbor_logprob",
+            cuda::ptx("logprob")?,
+        )?;
+        let add_f = dev.get_or_load_custom_func(
+            &format!("add_to_f32_{suf}"),
+            "arbor_logprob",
+            cuda::ptx("logprob")?,
+        )?;
         let aux = cuda::view::<f32>(auxs, auxl)?;
         let total = self.out_len(n, v, h);
         let mut out = match dt {
@@ -463,7 +485,11 @@ impl CustomOp3 for FusedLogprobGrad {
         }
         let l = Layout::contiguous((n, h));
         let dh = cuda::wrap(dh, &dev);
-        let dh = if dt == DType::F32 { dh } else { dh.to_dtype(&l, dt)? };
+        let dh = if dt == DType::F32 {
+            dh
+        } else {
+            dh.to_dtype(&l, dt)?
+        };
         dh.copy_strided_src(&mut out, 0, &l)?;
         Ok((out, Shape::from(total)))
     }
@@ -514,7 +540,10 @@ mod tests {
                 let tol = if dt == DType::F64 { 1e-10 } else { 1e-4 };
                 for (g, w) in got.iter().zip(&want) {
                     for c in 0..3 {
-                        assert!((g[c] - w[c]).abs() < tol, "{dt:?} chunk {chunk}: {g:?} vs {w:?}");
+                        assert!(
+                            (g[c] - w[c]).abs() < tol,
+                            "{dt:?} chunk {chunk}: {g:?} vs {w:?}"
+                        );
                     }
                 }
             }
@@ -547,8 +576,16 @@ mod tests {
             let c = Tensor::new(&coef, &dev)?;
             let loss = out.broadcast_mul(&c)?.sum_all()?;
             let grads = loss.backward()?;
-            let gh = grads.get(hv.as_tensor()).expect("dh").flatten_all()?.to_vec1::<f64>()?;
-            let gw = grads.get(wv.as_tensor()).expect("dw").flatten_all()?.to_vec1::<f64>()?;
+            let gh = grads
+                .get(hv.as_tensor())
+                .expect("dh")
+                .flatten_all()?
+                .to_vec1::<f64>()?;
+            let gw = grads
+                .get(wv.as_tensor())
+                .expect("dw")
+                .flatten_all()?
+                .to_vec1::<f64>()?;
             let eps = 1e-6;
             for (which, base, got) in [(0, &hid, &gh), (1, &w, &gw)] {
                 for i in 0..base.len() {
@@ -585,14 +622,26 @@ mod tests {
         let grads = |train_w: bool| -> Result<(Tensor, Option<Tensor>)> {
             let hv = Var::from_tensor(&hid)?;
             let wv = Var::from_tensor(&w)?;
-            let wt = if train_w { wv.as_tensor().clone() } else { w.clone() };
-            let g = fused_logprobs(hv.as_tensor(), &wt, &y, 20)?.sum_all()?.backward()?;
-            Ok((g.get(hv.as_tensor()).expect("dh").clone(), g.get(&wt).cloned()))
+            let wt = if train_w {
+                wv.as_tensor().clone()
+            } else {
+                w.clone()
+            };
+            let g = fused_logprobs(hv.as_tensor(), &wt, &y, 20)?
+                .sum_all()?
+                .backward()?;
+            Ok((
+                g.get(hv.as_tensor()).expect("dh").clone(),
+                g.get(&wt).cloned(),
+            ))
         };
         let (dh_full, dw) = grads(true)?;
         let (dh_frozen, none) = grads(false)?;
         assert!(dw.is_some() && none.is_none());
-        let d = (dh_full - dh_frozen)?.abs()?.max_all()?.to_scalar::<f64>()?;
+        let d = (dh_full - dh_frozen)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f64>()?;
         assert_eq!(d, 0.0);
         Ok(())
     }
@@ -606,7 +655,9 @@ mod tests {
         let e = fused_logprobs(&h, &w, &y, 8).unwrap_err().to_string();
         assert!(e.contains("outside the vocabulary"), "{e}");
         let w2 = Tensor::zeros((4, 5), DType::F32, &dev)?;
-        let e = fused_logprobs(&h, &w2, &Tensor::new(&[0u32, 1], &dev)?, 8).unwrap_err().to_string();
+        let e = fused_logprobs(&h, &w2, &Tensor::new(&[0u32, 1], &dev)?, 8)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("does not match"), "{e}");
         Ok(())
     }

@@ -40,7 +40,10 @@ pub fn small_matmul_available() -> bool {
 /// CPU lacks AVX-512F (check [`small_matmul_available`]) or `m > MAX_ROWS`.
 pub fn small_matmul(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
     assert!(m >= 1 && m <= MAX_ROWS, "small_matmul: {m} rows");
-    assert!(x.len() >= m * k && w.len() >= n * k, "small_matmul: short inputs");
+    assert!(
+        x.len() >= m * k && w.len() >= n * k,
+        "small_matmul: short inputs"
+    );
     assert!(small_matmul_available(), "small_matmul needs AVX-512F");
     // Column-major result (one weight row -> m outputs), transposed at the end.
     let mut yt = vec![0f32; n * m];
@@ -179,7 +182,13 @@ impl CustomOp2 for SmallMatmul {
         "arbor-small-matmul"
     }
 
-    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ws: &CpuStorage, wl: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let (m, k) = xl.shape().dims2()?;
         let n = wl.shape().dims()[0];
         let (CpuStorage::F32(x), CpuStorage::F32(w)) = (xs, ws) else {
@@ -190,10 +199,19 @@ impl CustomOp2 for SmallMatmul {
         }
         let x = &x[xl.start_offset()..xl.start_offset() + m * k];
         let w = &w[wl.start_offset()..wl.start_offset() + n * k];
-        Ok((CpuStorage::F32(small_matmul(x, w, m, k, n)), Shape::from((m, n))))
+        Ok((
+            CpuStorage::F32(small_matmul(x, w, m, k, n)),
+            Shape::from((m, n)),
+        ))
     }
 
-    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let dx = g.matmul(w)?;
         let dw = g.t()?.matmul(x)?;
         Ok((Some(dx), Some(dw)))
@@ -220,9 +238,14 @@ mod tests {
                 let y = small_matmul(&x, &w, m, k, n);
                 for i in 0..m {
                     for j in 0..n {
-                        let want: f64 = (0..k).map(|t| x[i * k + t] as f64 * w[j * k + t] as f64).sum();
+                        let want: f64 = (0..k)
+                            .map(|t| x[i * k + t] as f64 * w[j * k + t] as f64)
+                            .sum();
                         let got = y[i * n + j] as f64;
-                        assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "m {m} k {k} n {n} [{i},{j}]: {got} vs {want}");
+                        assert!(
+                            (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                            "m {m} k {k} n {n} [{i},{j}]: {got} vs {want}"
+                        );
                     }
                 }
             }

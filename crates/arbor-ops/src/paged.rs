@@ -9,7 +9,9 @@
 //! `0..=positions[i]` of sequence `token_seq[i]`.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, DType, Device, InplaceOp3, Layout, Result, Shape, Tensor};
+use candle_core::{
+    CpuStorage, CustomOp3, DType, Device, InplaceOp3, Layout, Result, Shape, Tensor,
+};
 
 /// Block-table metadata of one step, on the compute device.
 #[derive(Debug, Clone)]
@@ -35,12 +37,18 @@ impl PagedMeta {
     ) -> Result<Self> {
         let t = positions.len();
         if token_seq.len() != t {
-            candle_core::bail!("PagedMeta: {t} positions but {} sequence ids", token_seq.len());
+            candle_core::bail!(
+                "PagedMeta: {t} positions but {} sequence ids",
+                token_seq.len()
+            );
         }
         let maxb = tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
         for (i, (&p, &s)) in positions.iter().zip(token_seq).enumerate() {
             let Some(tab) = tables.get(s) else {
-                candle_core::bail!("PagedMeta: token {i} names sequence {s} of {}", tables.len());
+                candle_core::bail!(
+                    "PagedMeta: token {i} names sequence {s} of {}",
+                    tables.len()
+                );
             };
             if (p as usize) / block_size >= tab.len() {
                 candle_core::bail!(
@@ -68,7 +76,12 @@ impl PagedMeta {
 
 /// Attention of the step's new tokens over the paged caches (which must
 /// already hold the new tokens' K/V, see [`cache_write`]).
-pub fn paged_attention_op(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &PagedMeta) -> Result<Tensor> {
+pub fn paged_attention_op(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    meta: &PagedMeta,
+) -> Result<Tensor> {
     let (t, nh, d) = q.dims3()?;
     let (_, nkv, d2) = k_cache.dims3()?;
     if d != d2 || k_cache.dims() != v_cache.dims() || nkv == 0 || nh % nkv != 0 {
@@ -83,7 +96,10 @@ pub fn paged_attention_op(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: 
         candle_core::bail!("paged_attention: head_dim {d} > 256 is not supported");
     }
     if meta.positions.dims1()? != t {
-        candle_core::bail!("paged_attention: {t} queries but {} positions", meta.positions.dims1()?);
+        candle_core::bail!(
+            "paged_attention: {t} queries but {} positions",
+            meta.positions.dims1()?
+        );
     }
     let blocks = k_cache.dim(0)? / meta.block_size.max(1);
     if meta.max_block as usize >= blocks {
@@ -96,7 +112,8 @@ pub fn paged_attention_op(q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: 
     if t == 0 {
         return Tensor::zeros((0, nh, d), q.dtype(), q.device());
     }
-    q.contiguous()?.apply_op3_no_bwd(k_cache, v_cache, &PagedAttn { meta: meta.clone() })
+    q.contiguous()?
+        .apply_op3_no_bwd(k_cache, v_cache, &PagedAttn { meta: meta.clone() })
 }
 
 /// Write `rows: [t, n_kv, d]` into `cache: [slots, n_kv, d]` at `slots: [t]` (u32), in place.
@@ -120,7 +137,11 @@ pub fn cache_write(cache: &Tensor, rows: &Tensor, slots: &Tensor) -> Result<()> 
     if t == 0 {
         return Ok(());
     }
-    cache.inplace_op3(&rows.to_dtype(cache.dtype())?.contiguous()?, &slots.contiguous()?, &CacheWrite)
+    cache.inplace_op3(
+        &rows.to_dtype(cache.dtype())?.contiguous()?,
+        &slots.contiguous()?,
+        &CacheWrite,
+    )
 }
 
 #[derive(Debug, Clone)]
@@ -160,12 +181,19 @@ impl CustomOp3 for PagedAttn {
         let mut qh = vec![0f32; q.len()];
         for i in 0..t {
             for h in 0..nh {
-                qh[(h * t + i) * d..(h * t + i + 1) * d].copy_from_slice(&q[(i * nh + h) * d..(i * nh + h + 1) * d]);
+                qh[(h * t + i) * d..(h * t + i + 1) * d]
+                    .copy_from_slice(&q[(i * nh + h) * d..(i * nh + h + 1) * d]);
             }
         }
         let (kc, vc) = (f32s(ks, kl)?, f32s(vs, vl)?);
         let positions = self.meta.positions.to_vec1::<u32>()?;
-        let token_seq: Vec<usize> = self.meta.token_seq.to_vec1::<u32>()?.into_iter().map(|s| s as usize).collect();
+        let token_seq: Vec<usize> = self
+            .meta
+            .token_seq
+            .to_vec1::<u32>()?
+            .into_iter()
+            .map(|s| s as usize)
+            .collect();
         let tables = self.meta.tables.to_vec2::<u32>()?;
         let out = crate::paged_attention(crate::PagedAttentionArgs {
             q: &qh,
@@ -202,16 +230,27 @@ impl CustomOp3 for PagedAttn {
         let nkv = kl.shape().dims()[1];
         let dt = qs.dtype();
         if ks.dtype() != dt || vs.dtype() != dt {
-            candle_core::bail!("paged_attention: q is {dt:?} but the caches are {:?}", ks.dtype());
+            candle_core::bail!(
+                "paged_attention: q is {dt:?} but the caches are {:?}",
+                ks.dtype()
+            );
         }
-        let f = dev.get_or_load_custom_func(&format!("paged_attention_{}", cuda::suffix(dt)?), "arbor_paged_attention", cuda::ptx("paged_attention")?)?;
+        let f = dev.get_or_load_custom_func(
+            &format!("paged_attention_{}", cuda::suffix(dt)?),
+            "arbor_paged_attention",
+            cuda::ptx("paged_attention")?,
+        )?;
         let (ps, pl) = self.meta.positions.storage_and_layout();
         let (ss, sl) = self.meta.token_seq.storage_and_layout();
         let (ts, tl) = self.meta.tables.storage_and_layout();
         let (Storage::Cuda(ps), Storage::Cuda(ss), Storage::Cuda(ts)) = (&*ps, &*ss, &*ts) else {
             candle_core::bail!("paged_attention: block tables must be on the same CUDA device");
         };
-        let (pv, sv, tv) = (cuda::view::<u32>(ps, pl)?, cuda::view::<u32>(ss, sl)?, cuda::view::<u32>(ts, tl)?);
+        let (pv, sv, tv) = (
+            cuda::view::<u32>(ps, pl)?,
+            cuda::view::<u32>(ss, sl)?,
+            cuda::view::<u32>(ts, tl)?,
+        );
         let maxb = tl.shape().dims()[1] as i32;
         let (nhi, nkvi, di, bsi) = (nh as i32, nkv as i32, d as i32, self.meta.block_size as i32);
         let scale = 1.0f32 / (d as f32).sqrt();
@@ -228,8 +267,19 @@ impl CustomOp3 for PagedAttn {
                 let vvw = cuda::view::<$ty>(vs, vl)?;
                 let mut out = cuda::alloc_out::<$ty>(&dev, t * nh * d)?;
                 let mut b = f.builder();
-                b.arg(&qv).arg(&kvw).arg(&vvw).arg(&pv).arg(&sv).arg(&tv).arg(&mut out);
-                b.arg(&nhi).arg(&nkvi).arg(&di).arg(&bsi).arg(&maxb).arg(&scale);
+                b.arg(&qv)
+                    .arg(&kvw)
+                    .arg(&vvw)
+                    .arg(&pv)
+                    .arg(&sv)
+                    .arg(&tv)
+                    .arg(&mut out);
+                b.arg(&nhi)
+                    .arg(&nkvi)
+                    .arg(&di)
+                    .arg(&bsi)
+                    .arg(&maxb)
+                    .arg(&scale);
                 // SAFETY: matches `paged_attention_*` in kernels/paged_attention.cu;
                 // tables were bounds-checked against positions in PagedMeta::new.
                 #[allow(unsafe_code)]
@@ -308,7 +358,11 @@ impl InplaceOp3 for CacheWrite {
         let (t, nkv, d) = rl.shape().dims3()?;
         let (ti, row) = (t as i32, (nkv * d) as i32);
         let n_slots = cl.shape().dims()[0] as u32;
-        let f = dev.get_or_load_custom_func(&format!("cache_write_{}", cuda::suffix(rows.dtype())?), "arbor_paged_attention", cuda::ptx("paged_attention")?)?;
+        let f = dev.get_or_load_custom_func(
+            &format!("cache_write_{}", cuda::suffix(rows.dtype())?),
+            "arbor_paged_attention",
+            cuda::ptx("paged_attention")?,
+        )?;
         let sv = cuda::view::<u32>(slots, sl)?;
         let c0 = cl.start_offset();
         let r0 = rl.start_offset();
@@ -318,7 +372,12 @@ impl InplaceOp3 for CacheWrite {
                 let rv = $r.slice(r0..r0 + n);
                 let mut cv = $c.slice_mut(c0..);
                 let mut b = f.builder();
-                b.arg(&rv).arg(&mut cv).arg(&sv).arg(&ti).arg(&row).arg(&n_slots);
+                b.arg(&rv)
+                    .arg(&mut cv)
+                    .arg(&sv)
+                    .arg(&ti)
+                    .arg(&row)
+                    .arg(&n_slots);
                 // SAFETY: matches `cache_write_*` in kernels/paged_attention.cu,
                 // which skips slots past the cache.
                 #[allow(unsafe_code)]
@@ -374,7 +433,9 @@ mod tests {
         }
         // Queries: the last two positions of seq 0, one of seq 1.
         let qs: Vec<(usize, usize)> = vec![(0, 5), (0, 6), (1, 9)];
-        let q: Vec<f64> = (0..qs.len() * nh * d).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let q: Vec<f64> = (0..qs.len() * nh * d)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
         let meta = PagedMeta::new(
             &qs.iter().map(|&(_, p)| p as u32).collect::<Vec<_>>(),
             &qs.iter().map(|&(s, _)| s).collect::<Vec<_>>(),
@@ -382,8 +443,14 @@ mod tests {
             bs,
             &dev,
         )?;
-        let qt = Tensor::from_vec(q.iter().map(|&x| x as f32).collect::<Vec<_>>(), (qs.len(), nh, d), &dev)?;
-        let got = paged_attention_op(&qt, &k, &v, &meta)?.flatten_all()?.to_vec1::<f32>()?;
+        let qt = Tensor::from_vec(
+            q.iter().map(|&x| x as f32).collect::<Vec<_>>(),
+            (qs.len(), nh, d),
+            &dev,
+        )?;
+        let got = paged_attention_op(&qt, &k, &v, &meta)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
         for (i, &(s, p)) in qs.iter().enumerate() {
             for h in 0..nh {
                 let g = h / (nh / nkv);
@@ -397,9 +464,14 @@ mod tests {
                 let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let z: f64 = scores.iter().map(|x| (x - m).exp()).sum();
                 for e in 0..d {
-                    let want: f64 = (0..=p).map(|j| (scores[j] - m).exp() / z * kv_rows[s][j].1[g * d + e]).sum();
+                    let want: f64 = (0..=p)
+                        .map(|j| (scores[j] - m).exp() / z * kv_rows[s][j].1[g * d + e])
+                        .sum();
                     let gv = got[(i * nh + h) * d + e] as f64;
-                    assert!((gv - want).abs() < 1e-5, "token {i} head {h} dim {e}: {gv} vs {want}");
+                    assert!(
+                        (gv - want).abs() < 1e-5,
+                        "token {i} head {h} dim {e}: {gv} vs {want}"
+                    );
                 }
             }
         }
@@ -409,16 +481,22 @@ mod tests {
     #[test]
     fn bad_tables_and_slots_are_errors() -> Result<()> {
         let dev = Device::Cpu;
-        let e = PagedMeta::new(&[8], &[0], &[vec![0u32, 1]], 4, &dev).unwrap_err().to_string();
+        let e = PagedMeta::new(&[8], &[0], &[vec![0u32, 1]], 4, &dev)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("needs block 2"), "{e}");
         let cache = Tensor::zeros((4, 1, 2), DType::F32, &dev)?;
         let rows = Tensor::ones((1, 1, 2), DType::F32, &dev)?;
-        let e = cache_write(&cache, &rows, &Tensor::new(&[4u32], &dev)?).unwrap_err().to_string();
+        let e = cache_write(&cache, &rows, &Tensor::new(&[4u32], &dev)?)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("outside the cache"), "{e}");
         // A table naming a block past the cache (4 slots = 2 blocks of 2).
         let meta = PagedMeta::new(&[0], &[0], &[vec![2u32]], 2, &dev)?;
         let q = Tensor::ones((1, 1, 2), DType::F32, &dev)?;
-        let e = paged_attention_op(&q, &cache, &cache, &meta).unwrap_err().to_string();
+        let e = paged_attention_op(&q, &cache, &cache, &meta)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("block 2"), "{e}");
         Ok(())
     }

@@ -44,7 +44,13 @@ pub fn token_weights(mask: &[f32], seq_of_token: &[usize], agg: Aggregation) -> 
         Aggregation::Token => {
             let total: f64 = mask.iter().map(|&m| m as f64).sum();
             mask.iter()
-                .map(|&m| if total > 0.0 { (m as f64 / total) as f32 } else { 0.0 })
+                .map(|&m| {
+                    if total > 0.0 {
+                        (m as f64 / total) as f32
+                    } else {
+                        0.0
+                    }
+                })
                 .collect()
         }
         Aggregation::Sequence => {
@@ -85,13 +91,15 @@ pub fn pack_aux(a: &[f32], b: &[f32], w: &[f32], dev: &candle_core::Device) -> R
 /// in the same float dtype. Differentiable in `logp` (loss and KL terms).
 pub fn ppo_loss(logp: &Tensor, aux: &Tensor, clip: PpoClip) -> Result<Tensor> {
     check(logp, aux, "ppo_loss")?;
-    logp.contiguous()?.apply_op2(&aux.contiguous()?, Reduce(PpoLoss { clip }))
+    logp.contiguous()?
+        .apply_op2(&aux.contiguous()?, Reduce(PpoLoss { clip }))
 }
 
 /// Value loss terms `[2]`. `v: [N]`, `aux: [N, 4] = (R, v_old, w, 0)`.
 pub fn value_loss(v: &Tensor, aux: &Tensor, clip: f32) -> Result<Tensor> {
     check(v, aux, "value_loss")?;
-    v.contiguous()?.apply_op2(&aux.contiguous()?, Reduce(ValueLoss { clip }))
+    v.contiguous()?
+        .apply_op2(&aux.contiguous()?, Reduce(ValueLoss { clip }))
 }
 
 fn check(x: &Tensor, aux: &Tensor, what: &str) -> Result<()> {
@@ -100,7 +108,11 @@ fn check(x: &Tensor, aux: &Tensor, what: &str) -> Result<()> {
         candle_core::bail!("{what}: aux must be [{n}, 4], got {:?}", aux.dims());
     }
     if x.dtype() != aux.dtype() || !matches!(x.dtype(), DType::F32 | DType::F64) {
-        candle_core::bail!("{what}: inputs must be f32 or f64 and alike, got {:?} and {:?}", x.dtype(), aux.dtype());
+        candle_core::bail!(
+            "{what}: inputs must be f32 or f64 and alike, got {:?} and {:?}",
+            x.dtype(),
+            aux.dtype()
+        );
     }
     Ok(())
 }
@@ -296,7 +308,13 @@ impl<L: TokenLoss> CustomOp2 for Reduce<L> {
         L::NAME
     }
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout, a: &CpuStorage, al: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s: &CpuStorage,
+        l: &Layout,
+        a: &CpuStorage,
+        al: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let (x, aux) = (f64s(s, l)?, f64s(a, al)?);
         let mut out = vec![0f64; L::OUTS];
         for (i, &xi) in x.iter().enumerate() {
@@ -323,8 +341,16 @@ impl<L: TokenLoss> CustomOp2 for Reduce<L> {
         gpu::reduce(L::FWD_KERNEL, s, l, a, al, L::OUTS, &self.0.params())
     }
 
-    fn bwd(&self, x: &Tensor, aux: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let g = x.detach().apply_op3_no_bwd(&aux.detach(), &grad.contiguous()?, &ReduceBwd(self.0))?;
+    fn bwd(
+        &self,
+        x: &Tensor,
+        aux: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let g =
+            x.detach()
+                .apply_op3_no_bwd(&aux.detach(), &grad.contiguous()?, &ReduceBwd(self.0))?;
         Ok((Some(g), None))
     }
 }
@@ -401,7 +427,9 @@ mod tests {
         let lp: Vec<f64> = (0..n).map(|_| rng.random_range(-3.0..-0.1)).collect();
         let old: Vec<f64> = lp.iter().map(|x| x + rng.random_range(-0.4..0.4)).collect();
         let adv: Vec<f64> = (0..n).map(|_| rng.random_range(-2.0..2.0)).collect();
-        let mask: Vec<f32> = (0..n).map(|_| if rng.random_bool(0.7) { 1.0 } else { 0.0 }).collect();
+        let mask: Vec<f32> = (0..n)
+            .map(|_| if rng.random_bool(0.7) { 1.0 } else { 0.0 })
+            .collect();
         let seq: Vec<usize> = (0..n).map(|i| i / 5).collect();
         let w = token_weights(&mask, &seq, Aggregation::Sequence);
         (lp, old, adv, w.into_iter().map(|x| x as f64).collect())
@@ -414,7 +442,10 @@ mod tests {
 
     #[test]
     fn ppo_forward_matches_reference_and_gradient_matches_fd() -> Result<()> {
-        let clip = PpoClip { eps_low: 0.2, eps_high: 0.28 };
+        let clip = PpoClip {
+            eps_low: 0.2,
+            eps_high: 0.28,
+        };
         let n = 41;
         let (lp, old, adv, w) = batch(3, n);
         let want = reference(&lp, &old, &adv, &w, clip);
@@ -423,12 +454,25 @@ mod tests {
         let out = ppo_loss(x.as_tensor(), &aux, clip)?;
         let got = out.to_vec1::<f64>()?;
         for k in 0..4 {
-            assert!((got[k] - want[k]).abs() < 1e-12, "term {k}: {} vs {}", got[k], want[k]);
+            assert!(
+                (got[k] - want[k]).abs() < 1e-12,
+                "term {k}: {} vs {}",
+                got[k],
+                want[k]
+            );
         }
-        assert!((got[3] - 1.0).abs() < 1e-6, "sequence weights sum to 1: {}", got[3]);
+        assert!(
+            (got[3] - 1.0).abs() < 1e-6,
+            "sequence weights sum to 1: {}",
+            got[3]
+        );
         // d(loss + 0.1 kl)/dlogp against finite differences.
         let obj = (out.get(0)? + (out.get(2)? * 0.1)?)?;
-        let g = obj.backward()?.get(x.as_tensor()).expect("grad").to_vec1::<f64>()?;
+        let g = obj
+            .backward()?
+            .get(x.as_tensor())
+            .expect("grad")
+            .to_vec1::<f64>()?;
         let eps = 1e-7;
         for i in 0..n {
             let f = |d: f64| {
@@ -466,14 +510,23 @@ mod tests {
             let out = value_loss(x.as_tensor(), &aux64(&ret, &old, &w)?, c)?;
             let got = out.to_vec1::<f64>()?;
             assert!((got[0] - reference(&v, c as f64)).abs() < 1e-12);
-            let g = out.get(0)?.backward()?.get(x.as_tensor()).expect("grad").to_vec1::<f64>()?;
+            let g = out
+                .get(0)?
+                .backward()?
+                .get(x.as_tensor())
+                .expect("grad")
+                .to_vec1::<f64>()?;
             for i in 0..n {
                 let eps = 1e-7;
                 let (mut p, mut m) = (v.clone(), v.clone());
                 p[i] += eps;
                 m[i] -= eps;
                 let fd = (reference(&p, c as f64) - reference(&m, c as f64)) / (2.0 * eps);
-                assert!((fd - g[i]).abs() < 1e-6, "clip {c} token {i}: fd {fd} vs {}", g[i]);
+                assert!(
+                    (fd - g[i]).abs() < 1e-6,
+                    "clip {c} token {i}: fd {fd} vs {}",
+                    g[i]
+                );
             }
         }
         Ok(())

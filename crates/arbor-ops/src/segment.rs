@@ -19,7 +19,8 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 pub fn segment_broadcast(vals: &Tensor, seg: &Tensor) -> Result<Tensor> {
     let s = vals.dims1()?;
     check_seg(seg, "segment_broadcast")?;
-    vals.contiguous()?.apply_op2(&seg.contiguous()?, Broadcast { s })
+    vals.contiguous()?
+        .apply_op2(&seg.contiguous()?, Broadcast { s })
 }
 
 /// `[N] -> [S]`: per-segment sums.
@@ -29,7 +30,8 @@ pub fn segment_sum(x: &Tensor, seg: &Tensor, num_segments: usize) -> Result<Tens
     if seg.dims1()? != n {
         candle_core::bail!("segment_sum: x has {n} tokens but seg {:?}", seg.dims());
     }
-    x.contiguous()?.apply_op2(&seg.contiguous()?, Sum { s: num_segments })
+    x.contiguous()?
+        .apply_op2(&seg.contiguous()?, Sum { s: num_segments })
 }
 
 /// `[N] -> [S]`: per-segment means (0 for empty segments).
@@ -40,14 +42,21 @@ pub fn segment_mean(x: &Tensor, seg: &Tensor, num_segments: usize) -> Result<Ten
             counts[k as usize] += 1.0;
         }
     }
-    let inv: Vec<f64> = counts.iter().map(|&c| if c > 0.0 { 1.0 / c } else { 0.0 }).collect();
+    let inv: Vec<f64> = counts
+        .iter()
+        .map(|&c| if c > 0.0 { 1.0 / c } else { 0.0 })
+        .collect();
     let inv = Tensor::from_vec(inv, num_segments, x.device())?.to_dtype(x.dtype())?;
     segment_sum(x, seg, num_segments)? * inv
 }
 
 fn check_seg(seg: &Tensor, what: &str) -> Result<()> {
     if seg.dtype() != DType::I64 || seg.rank() != 1 {
-        candle_core::bail!("{what}: seg must be i64 [N], got {:?} {:?}", seg.dtype(), seg.dims());
+        candle_core::bail!(
+            "{what}: seg must be i64 [N], got {:?} {:?}",
+            seg.dtype(),
+            seg.dims()
+        );
     }
     Ok(())
 }
@@ -62,13 +71,20 @@ struct Sum {
     s: usize,
 }
 
-fn host(x: &CpuStorage, xl: &Layout, seg: &CpuStorage, sl: &Layout) -> Result<(Vec<f64>, Vec<i64>)> {
+fn host(
+    x: &CpuStorage,
+    xl: &Layout,
+    seg: &CpuStorage,
+    sl: &Layout,
+) -> Result<(Vec<f64>, Vec<i64>)> {
     let xs = match x.to_dtype(xl, DType::F64)? {
         CpuStorage::F64(v) => v,
         _ => unreachable!("to_dtype(F64) gives F64"),
     };
     let ids = match seg {
-        CpuStorage::I64(v) => v[sl.start_offset()..sl.start_offset() + sl.shape().elem_count()].to_vec(),
+        CpuStorage::I64(v) => {
+            v[sl.start_offset()..sl.start_offset() + sl.shape().elem_count()].to_vec()
+        }
         _ => candle_core::bail!("segment ids must be i64"),
     };
     Ok((xs, ids))
@@ -97,7 +113,8 @@ fn launch(
     let mut out = cuda::alloc_out::<f32>(&dev, out_len)?;
     let (ni, si) = (n as i32, s as i32);
     if name == "segment_sum" {
-        let z = dev.get_or_load_custom_func("segment_zero", "arbor_segment", cuda::ptx("segment")?)?;
+        let z =
+            dev.get_or_load_custom_func("segment_zero", "arbor_segment", cuda::ptx("segment")?)?;
         let mut b = z.builder();
         b.arg(&mut out).arg(&si);
         // SAFETY: matches `segment_zero`; out holds s floats.
@@ -118,11 +135,23 @@ impl CustomOp2 for Broadcast {
         "arbor-segment-broadcast"
     }
 
-    fn cpu_fwd(&self, v: &CpuStorage, vl: &Layout, seg: &CpuStorage, sl: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        v: &CpuStorage,
+        vl: &Layout,
+        seg: &CpuStorage,
+        sl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let (vals, ids) = host(v, vl, seg, sl)?;
         let out: Vec<f64> = ids
             .iter()
-            .map(|&k| if k >= 0 && (k as usize) < self.s { vals[k as usize] } else { 0.0 })
+            .map(|&k| {
+                if k >= 0 && (k as usize) < self.s {
+                    vals[k as usize]
+                } else {
+                    0.0
+                }
+            })
             .collect();
         let n = out.len();
         Ok((to_dtype(out, v.dtype())?, Shape::from(n)))
@@ -136,10 +165,24 @@ impl CustomOp2 for Broadcast {
         seg: &candle_core::CudaStorage,
         sl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        launch("segment_broadcast", v, vl, seg, sl, sl.shape().elem_count(), self.s)
+        launch(
+            "segment_broadcast",
+            v,
+            vl,
+            seg,
+            sl,
+            sl.shape().elem_count(),
+            self.s,
+        )
     }
 
-    fn bwd(&self, _v: &Tensor, seg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        _v: &Tensor,
+        seg: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         Ok((Some(segment_sum(grad, seg, self.s)?), None))
     }
 }
@@ -149,7 +192,13 @@ impl CustomOp2 for Sum {
         "arbor-segment-sum"
     }
 
-    fn cpu_fwd(&self, x: &CpuStorage, xl: &Layout, seg: &CpuStorage, sl: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        seg: &CpuStorage,
+        sl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let (xs, ids) = host(x, xl, seg, sl)?;
         let mut out = vec![0f64; self.s];
         for (v, &k) in xs.iter().zip(&ids) {
@@ -171,7 +220,13 @@ impl CustomOp2 for Sum {
         launch("segment_sum", x, xl, seg, sl, self.s, self.s)
     }
 
-    fn bwd(&self, _x: &Tensor, seg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        seg: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         Ok((Some(segment_broadcast(grad, seg)?), None))
     }
 }
@@ -197,11 +252,15 @@ mod tests {
         // <broadcast(v), x> = <v, sum(x)>: gradients are each other's op.
         let vv = Var::from_slice(&vals, 3, &dev)?;
         let y = Tensor::new(&x, &dev)?;
-        let g = (segment_broadcast(vv.as_tensor(), &st)? * &y)?.sum_all()?.backward()?;
+        let g = (segment_broadcast(vv.as_tensor(), &st)? * &y)?
+            .sum_all()?
+            .backward()?;
         assert_eq!(g.get(vv.as_tensor()).expect("grad").to_vec1::<f64>()?, s);
         let xv = Var::from_slice(&x, 8, &dev)?;
         let w = Tensor::new(&vals, &dev)?;
-        let g = (segment_sum(xv.as_tensor(), &st, 3)? * &w)?.sum_all()?.backward()?;
+        let g = (segment_sum(xv.as_tensor(), &st, 3)? * &w)?
+            .sum_all()?
+            .backward()?;
         assert_eq!(g.get(xv.as_tensor()).expect("grad").to_vec1::<f64>()?, b);
         Ok(())
     }

@@ -120,7 +120,10 @@ fn run_conts(
         // A context that has no room for another token ends truncated
         // (reward 0) instead of failing the step (long multi-turn episodes).
         let room = engine.max_context();
-        for c in conts.iter_mut().filter(|c| !c.done && c.context.len() + 1 >= room) {
+        for c in conts
+            .iter_mut()
+            .filter(|c| !c.done && c.context.len() + 1 >= room)
+        {
             end_episode(c, stats);
             match c.steps.last_mut() {
                 Some(last) => last.reward = Some(0.0),
@@ -531,9 +534,8 @@ pub fn ps_step(
     // The baseline's budget: `budget_prompts` groups of `n` trajectories of
     // the first pass's mean generated length; the first pass is charged.
     let first_pass = stats.generated_tokens;
-    let budget = budget_prompts.map(|p| {
-        (first_pass as u128 * p as u128 / tasks.len().max(1) as u128) as u64
-    });
+    let budget = budget_prompts
+        .map(|p| (first_pass as u128 * p as u128 / tasks.len().max(1) as u128) as u64);
     stats.budget_tokens = budget;
     let mut planned = first_pass;
 
@@ -618,7 +620,9 @@ pub fn ps_step(
                             .env_after
                             .as_ref()
                             .ok_or_else(|| {
-                                TrainError::Rollout("no environment snapshot kept for a PS source".into())
+                                TrainError::Rollout(
+                                    "no environment snapshot kept for a PS source".into(),
+                                )
                             })?
                             .fork()?,
                         replayed,

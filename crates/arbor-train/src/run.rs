@@ -229,7 +229,8 @@ fn first_line(e: &dyn std::fmt::Display) -> String {
 pub fn parse_device(spec: &str) -> Result<Device, String> {
     match spec {
         "cpu" => Ok(Device::Cpu),
-        "cuda" => Device::new_cuda(0).map_err(|e| format!("cannot open CUDA device 0: {}", first_line(&e))),
+        "cuda" => Device::new_cuda(0)
+            .map_err(|e| format!("cannot open CUDA device 0: {}", first_line(&e))),
         s => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
             Some(Ok(n)) => Device::new_cuda(n)
                 .map_err(|e| format!("cannot open CUDA device {n}: {}", first_line(&e))),
@@ -295,7 +296,10 @@ impl TrainConfig {
         }
         let dev_ok = self.device == "cpu"
             || self.device == "cuda"
-            || self.device.strip_prefix("cuda:").is_some_and(|n| n.parse::<usize>().is_ok());
+            || self
+                .device
+                .strip_prefix("cuda:")
+                .is_some_and(|n| n.parse::<usize>().is_ok());
         if !dev_ok {
             return bad("device", "must be cpu, cuda or cuda:N");
         }
@@ -598,15 +602,17 @@ impl Trainer {
                             adapters.display()
                         )))
                     }
-                    (false, true) => {
-                        return Err(TrainError::Checkpoint(format!(
-                            "{}: the checkpoint has LoRA adapters but the config has no [model.lora]",
-                            adapters.display()
-                        )))
-                    }
+                    (false, true) => return Err(TrainError::Checkpoint(format!(
+                        "{}: the checkpoint has LoRA adapters but the config has no [model.lora]",
+                        adapters.display()
+                    ))),
                     _ => {}
                 }
-                let base = if lora.is_some() { hf_ckpt.as_ref() } else { Some(&policy) };
+                let base = if lora.is_some() {
+                    hf_ckpt.as_ref()
+                } else {
+                    Some(&policy)
+                };
                 let mut learner = Learner::new(
                     &mcfg,
                     base,
@@ -950,7 +956,10 @@ impl Trainer {
         )?;
         if self.cfg.model.lora.is_some() {
             save_tensors(
-                self.learner.policy_trainable_tensors().into_iter().collect(),
+                self.learner
+                    .policy_trainable_tensors()
+                    .into_iter()
+                    .collect(),
                 &tmp.join("policy_lora.safetensors"),
             )?;
         }

@@ -205,7 +205,10 @@ impl SwePool {
         }
         let repos = match repos {
             Some(r) => PathBuf::from(r),
-            None => file.parent().unwrap_or(std::path::Path::new(".")).join("repos"),
+            None => file
+                .parent()
+                .unwrap_or(std::path::Path::new("."))
+                .join("repos"),
         };
         let bad_repo = |e: arbor_env::EnvError| {
             TrainError::Config(format!(
@@ -257,9 +260,13 @@ impl SwePool {
 
     fn fresh(&self, eval: bool, i: u64) -> Result<Box<dyn Env>, TrainError> {
         let list = if eval { &self.eval } else { &self.train };
-        let list = list.lock().map_err(|_| TrainError::Rollout("SWE pool poisoned".into()))?;
+        let list = list
+            .lock()
+            .map_err(|_| TrainError::Rollout("SWE pool poisoned".into()))?;
         if list.is_empty() {
-            return Err(TrainError::Config("key `task.holdout_every`: leaves no tasks".into()));
+            return Err(TrainError::Config(
+                "key `task.holdout_every`: leaves no tasks".into(),
+            ));
         }
         list[(i % list.len() as u64) as usize]
             .fresh()
@@ -438,7 +445,8 @@ impl TaskSampler {
         let err = |e: arbor_env::EnvError| TrainError::Config(format!("task: {e}"));
         match &self.cfg {
             TaskConfig::RunningSum { difficulty } => {
-                let env = RunningSum::new(RunningSumConfig::tokens(*difficulty), seed).map_err(err)?;
+                let env =
+                    RunningSum::new(RunningSumConfig::tokens(*difficulty), seed).map_err(err)?;
                 let oracle = env.oracle_actions();
                 Ok((Box::new(env), oracle))
             }

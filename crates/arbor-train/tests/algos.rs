@@ -78,7 +78,15 @@ fn vineppo_and_grpo_refuse_a_separate_critic() {
 #[test]
 fn tool_task_reports_tool_calls_per_episode() {
     for algo in ["focus", "ps"] {
-        let text = config(algo, if algo == "focus" { "separate" } else { "shared" }).replace(
+        let text = config(
+            algo,
+            if algo == "focus" {
+                "separate"
+            } else {
+                "shared"
+            },
+        )
+        .replace(
             "kind = \"running_sum\"\ndifficulty = 3",
             "kind = \"register\"\ndifficulty = 3\nsubtract = true",
         );
@@ -129,9 +137,9 @@ fn lora_policy_trains_and_resumes_exactly() {
         .collect();
     assert!(!names.is_empty());
     assert!(
-        names
-            .iter()
-            .all(|n| n.contains(".lora_A.") || n.contains(".lora_B.") || n.starts_with("value_head.")),
+        names.iter().all(|n| n.contains(".lora_A.")
+            || n.contains(".lora_B.")
+            || n.starts_with("value_head.")),
         "{names:?}"
     );
     let mut nll = Vec::new();
@@ -140,7 +148,10 @@ fn lora_policy_trains_and_resumes_exactly() {
     assert!(nll.last().unwrap() < &(0.9 * nll[0]), "warm-up NLL {nll:?}");
     t.run(|_| {}).unwrap();
     let want = read_metrics(&full.path().join("metrics.jsonl")).unwrap();
-    assert!(full.path().join("checkpoints/step-00000003/policy_lora.safetensors").is_file());
+    assert!(full
+        .path()
+        .join("checkpoints/step-00000003/policy_lora.safetensors")
+        .is_file());
     // Interrupted after step 2 (the step-3 checkpoint removed), then resumed.
     let part = tempfile::tempdir().unwrap();
     let mut t = Trainer::new(cfg.clone(), part.path(), false).unwrap();

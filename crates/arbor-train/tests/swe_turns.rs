@@ -34,7 +34,10 @@ fn swe_turn_is_closed_once() {
     }
     let inst = dir.path().join("instances.jsonl");
     std::fs::write(&inst, lines).unwrap();
-    let sandboxed = std::process::Command::new("bwrap").arg("--version").output().is_ok();
+    let sandboxed = std::process::Command::new("bwrap")
+        .arg("--version")
+        .output()
+        .is_ok();
     let cfg = TaskConfig::Swe {
         instances: inst.display().to_string(),
         repos: None,
@@ -46,7 +49,10 @@ fn swe_turn_is_closed_once() {
     let sampler = TaskSampler::new(cfg, 0, Some(tok.clone()), vec![im_end]).unwrap();
     let mut task = sampler.train_task(0).unwrap();
     let mut action = tok
-        .encode("<tool_call>\n{\"name\": \"nope\", \"arguments\": {}}\n</tool_call>", false)
+        .encode(
+            "<tool_call>\n{\"name\": \"nope\", \"arguments\": {}}\n</tool_call>",
+            false,
+        )
         .unwrap();
     action.push(im_end);
     let out = task.episode.step(&action).unwrap();
