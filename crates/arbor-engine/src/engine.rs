@@ -567,7 +567,8 @@ impl Engine {
         }
         let rows_t = Tensor::from_vec(rows, scheduled.len(), &dev)?;
         let h = hidden.squeeze(0)?.index_select(&rows_t, 0)?;
-        let logits = h.matmul(&self.model.lm_head.t()?)?.to_dtype(DType::F32)?;
+        let logits =
+            arbor_model::model::matmul_nt(&h, &self.model.lm_head)?.to_dtype(DType::F32)?;
         let logits: Vec<Vec<f32>> = logits.to_vec2()?;
         self.stats.steps += 1;
 

@@ -103,6 +103,10 @@ pub struct PagedAttention<'a> {
 }
 
 impl AttentionBackend for PagedAttention<'_> {
+    fn inference(&self) -> bool {
+        true
+    }
+
     fn attend(
         &mut self,
         layer: usize,
@@ -277,6 +281,10 @@ impl<'a> DevicePagedAttention<'a> {
 }
 
 impl AttentionBackend for DevicePagedAttention<'_> {
+    fn inference(&self) -> bool {
+        true
+    }
+
     fn attend(
         &mut self,
         layer: usize,

@@ -30,7 +30,7 @@ fn check(hidden: &Tensor, lm_head: &Tensor) -> Result<(usize, usize)> {
 /// Chunk logits in the accumulation dtype, `[c, V]`.
 fn chunk_logits(hidden: &Tensor, lm_head: &Tensor, start: usize, len: usize) -> Result<Tensor> {
     let h = hidden.narrow(0, start, len)?;
-    let logits = h.matmul(&lm_head.t()?)?;
+    let logits = crate::model::matmul_nt(&h, lm_head)?;
     Ok(logits.to_dtype(accum_dtype(hidden.dtype()))?)
 }
 

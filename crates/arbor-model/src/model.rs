@@ -163,9 +163,9 @@ impl Module for Linear {
         let inp = dims[dims.len() - 1];
         let n = x.elem_count() / inp;
         let x2 = x.reshape((n, inp))?;
-        let mut y = x2.matmul(&self.weight.t()?)?;
+        let mut y = matmul_nt(&x2, &self.weight)?;
         if let Some(l) = &self.lora {
-            y = (y + (x2.matmul(&l.a.t()?)?.matmul(&l.b.t()?)? * l.scale)?)?;
+            y = (y + (matmul_nt(&matmul_nt(&x2, &l.a)?, &l.b)? * l.scale)?)?;
         }
         let y = match &self.bias {
             Some(b) => y.broadcast_add(b)?,
@@ -174,6 +174,23 @@ impl Module for Linear {
         let mut out_dims = dims.to_vec();
         *out_dims.last_mut().expect("rank >= 1") = self.weight.dim(0)?;
         y.reshape(out_dims)
+    }
+}
+
+/// `x [n, in] @ w[out, in]^T`. On a CPU with AVX-512, for f32, Arbor's
+/// row-invariant kernel ([`arbor_ops::matmul_nt_op`]: a row's result never
+/// depends on the other rows of the call, so a sequence's logits are the
+/// same whatever batch it decodes in, prefilled or cached); otherwise
+/// candle's matmul.
+pub fn matmul_nt(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    if x.device().is_cpu()
+        && x.dtype() == DType::F32
+        && w.dtype() == DType::F32
+        && arbor_ops::matmul_nt_available()
+    {
+        arbor_ops::matmul_nt_op(x, w)
+    } else {
+        x.matmul(&w.t()?)
     }
 }
 
@@ -191,6 +208,20 @@ impl RmsNorm {
             weight: p.get(&format!("{name}.weight"), &[dim], Init::Ones)?,
             eps,
         })
+    }
+}
+
+impl RmsNorm {
+    /// The generation forward's fused RMSNorm (CPU, f32).
+    fn forward_rows(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.weight.dim(0)?;
+        let out = with_cpu_f32(x, |xs| {
+            with_cpu_f32(&self.weight, |w| {
+                arbor_ops::rows::rms_norm_rows(xs, w, self.eps as f32)
+            })
+        })??;
+        let _ = h;
+        Ok(Tensor::from_vec(out, x.shape(), x.device())?)
     }
 }
 
@@ -237,11 +268,54 @@ impl Module for Mlp {
     }
 }
 
+impl Mlp {
+    /// The generation forward's MLP with the fused `silu(g) * u`.
+    fn forward_rows(&self, x: &Tensor) -> Result<Tensor> {
+        let g = self.gate.forward(x)?;
+        let u = self.up.forward(x)?;
+        let gu = with_cpu_f32(&g, |g| {
+            with_cpu_f32(&u, |u| arbor_ops::rows::silu_mul(g, u))
+        })??;
+        let gu = Tensor::from_vec(gu, g.shape(), g.device())?;
+        Ok(self.down.forward(&gu)?)
+    }
+}
+
 /// Turns one layer's new queries, keys and values into attention output.
 pub trait AttentionBackend {
     /// `q: [B, n_heads, T, D]`, `k, v: [B, n_kv_heads, T, D]` for the T new
     /// tokens of each of B rows (RoPE applied). Returns `[B, T, n_heads * D]`.
     fn attend(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor>;
+
+    /// Whether the forward around this backend is for generation only (no
+    /// gradients wanted): on the CPU in f32 the model then runs its fused
+    /// row-wise kernels ([`arbor_ops::rows`]) instead of differentiable
+    /// candle op chains. The training path's backends keep the default.
+    fn inference(&self) -> bool {
+        false
+    }
+}
+
+/// The contiguous f32 values of a CPU tensor, handed to `f` without a copy.
+fn with_cpu_f32<R>(x: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    let x = x.contiguous()?;
+    let (storage, layout) = x.storage_and_layout();
+    match &*storage {
+        candle_core::Storage::Cpu(c) => {
+            let v = c.as_slice::<f32>()?;
+            let start = layout.start_offset();
+            Ok(f(&v[start..start + x.elem_count()]))
+        }
+        _ => Err(ModelError::Input(
+            "fused CPU kernel given a device tensor".into(),
+        )),
+    }
+}
+
+/// Per-token RoPE tables of one fused forward, `[T, D/2]` each.
+struct RopeRows {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
 }
 
 /// Full causal self-attention over the given tokens only (training forward,
@@ -355,6 +429,46 @@ impl Attention {
     }
 }
 
+impl Attention {
+    /// [`Attention::project`] for the generation forward of one packed row
+    /// (`x: [1, T, H]`), with the head split, q/k-norm and RoPE fused.
+    fn project_rows(&self, x: &Tensor, rope: &RopeRows) -> Result<(Tensor, Tensor, Tensor)> {
+        let (b, t, _) = x.dims3()?;
+        debug_assert_eq!(b, 1);
+        let d = self.head_dim;
+        let dev = x.device();
+        let heads = |lin: &Linear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
+            let y = lin.forward(x)?;
+            let out = with_cpu_f32(&y, |ys| match norm {
+                Some(nm) => with_cpu_f32(&nm.weight, |w| {
+                    arbor_ops::rows::heads_rope(
+                        ys,
+                        t,
+                        n,
+                        d,
+                        Some((w, nm.eps as f32)),
+                        &rope.cos,
+                        &rope.sin,
+                    )
+                }),
+                None => Ok(arbor_ops::rows::heads_rope(
+                    ys, t, n, d, None, &rope.cos, &rope.sin,
+                )),
+            })??;
+            Ok(Tensor::from_vec(out, (1, n, t, d), dev)?)
+        };
+        let q = heads(&self.q, self.n_heads, &self.q_norm)?;
+        let k = heads(&self.k, self.n_kv_heads, &self.k_norm)?;
+        let v = self
+            .v
+            .forward(x)?
+            .reshape((1, t, self.n_kv_heads, d))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        Ok((q, k, v))
+    }
+}
+
 /// One pre-norm decoder layer.
 #[derive(Debug, Clone)]
 pub struct DecoderLayer {
@@ -382,6 +496,23 @@ impl DecoderLayer {
                 down: Linear::load(p, &format!("{name}.mlp.down_proj"), h, i, false)?,
             },
         })
+    }
+
+    /// [`DecoderLayer::forward`] for the generation forward (CPU, f32, one
+    /// packed row): fused row-wise kernels, no autograd graph.
+    fn forward_rows(
+        &self,
+        idx: usize,
+        x: &Tensor,
+        rope: &RopeRows,
+        backend: &mut dyn AttentionBackend,
+    ) -> Result<Tensor> {
+        let h = self.input_norm.forward_rows(x)?;
+        let (q, k, v) = self.attn.project_rows(&h, rope)?;
+        let a = backend.attend(idx, &q, &k, &v)?;
+        let x = (x + self.attn.o.forward(&a)?)?;
+        let h = self.post_norm.forward_rows(&x)?;
+        Ok((&x + self.mlp.forward_rows(&h)?)?)
     }
 
     /// `x + attn(norm x)`, then `+ mlp(norm ·)`.
@@ -477,6 +608,20 @@ impl Transformer {
                 "{} positions for {b}x{t} tokens",
                 positions.len()
             )));
+        }
+        if b == 1
+            && backend.inference()
+            && self.device().is_cpu()
+            && self.dtype() == DType::F32
+            && self.cfg.head_dim % 2 == 0
+        {
+            let (cos, sin) = self.rope.cos_sin_f32(positions);
+            let rope = RopeRows { cos, sin };
+            let mut x = self.embed_tokens(ids)?;
+            for (i, layer) in self.layers.iter().enumerate() {
+                x = layer.forward_rows(i, &x, &rope, backend)?;
+            }
+            return self.norm.forward_rows(&x);
         }
         let (cos, sin) = self.rope.cos_sin(positions, self.dtype(), self.device())?;
         let half = self.cfg.head_dim / 2;

@@ -72,13 +72,8 @@ impl Rope {
         &self.inv_freq
     }
 
-    /// `(cos, sin)`, each `[n, head_dim/2]` in `dtype`, for the `n` positions.
-    pub fn cos_sin(
-        &self,
-        positions: &[u32],
-        dtype: DType,
-        device: &Device,
-    ) -> Result<(Tensor, Tensor)> {
+    /// `(cos, sin)` as f32 rows, each `[n, head_dim/2]` row-major.
+    pub fn cos_sin_f32(&self, positions: &[u32]) -> (Vec<f32>, Vec<f32>) {
         let half = self.inv_freq.len();
         let mut cos = Vec::with_capacity(positions.len() * half);
         let mut sin = Vec::with_capacity(positions.len() * half);
@@ -89,6 +84,18 @@ impl Rope {
                 sin.push(a.sin());
             }
         }
+        (cos, sin)
+    }
+
+    /// `(cos, sin)`, each `[n, head_dim/2]` in `dtype`, for the `n` positions.
+    pub fn cos_sin(
+        &self,
+        positions: &[u32],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        let half = self.inv_freq.len();
+        let (cos, sin) = self.cos_sin_f32(positions);
         let n = positions.len();
         let cos = Tensor::from_vec(cos, (n, half), device)?.to_dtype(dtype)?;
         let sin = Tensor::from_vec(sin, (n, half), device)?.to_dtype(dtype)?;

@@ -14,8 +14,10 @@
 //!   advantages to token positions and back;
 //! - [`paged_attention_op`], [`cache_write`]: attention over the engine's
 //!   block tables and KV writes into the paged cache;
-//! - [`small_matmul_op`]: the CPU decode-batch matmul (`m <= 16` rows,
-//!   AVX-512, weights streamed once).
+//! - [`rows`]: fused row-wise f32 kernels of the generation forward
+//!   (RMSNorm, head split + q/k-norm + RoPE, `silu(g) * u`);
+//! - [`matmul_nt_op`]: the CPU `x w^T` of every `Linear` (AVX-512, f32),
+//!   row-invariant: a row's result never depends on the rest of the batch.
 //!
 //! The slice-level [`paged_attention`] is the engine's CPU kernel, compiled
 //! for several x86 feature levels and picked at run time (`multiversion`).
@@ -27,11 +29,12 @@ pub mod logprob;
 pub mod matmul;
 pub mod paged;
 pub mod ppo;
+pub mod rows;
 pub mod segment;
 
 pub use attention::{paged_attention, PagedAttentionArgs};
 pub use logprob::{fused_logprobs, DEFAULT_CHUNK_ELEMS};
-pub use matmul::{small_matmul, small_matmul_available, small_matmul_op};
+pub use matmul::{matmul_nt, matmul_nt_available, matmul_nt_into, matmul_nt_op};
 pub use paged::{cache_write, paged_attention_op, PagedMeta};
 pub use ppo::{pack_aux, ppo_loss, token_weights, value_loss, Aggregation, PpoClip};
 pub use segment::{segment_broadcast, segment_mean, segment_sum};

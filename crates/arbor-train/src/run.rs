@@ -602,10 +602,12 @@ impl Trainer {
                             adapters.display()
                         )))
                     }
-                    (false, true) => return Err(TrainError::Checkpoint(format!(
+                    (false, true) => {
+                        return Err(TrainError::Checkpoint(format!(
                         "{}: the checkpoint has LoRA adapters but the config has no [model.lora]",
                         adapters.display()
-                    ))),
+                    )))
+                    }
                     _ => {}
                 }
                 let base = if lora.is_some() {

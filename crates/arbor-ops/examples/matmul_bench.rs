@@ -1,0 +1,68 @@
+//! Times `matmul_nt` against candle's matmul on SmolLM2-135M's layer shapes
+//! (k x n = 576 x 1536 / 1536 x 576 / 576 x 576 / 576 x 192 / 576 x 49152)
+//! at decode (m = 1, 8, 32) and prefill (m = 512, 2048) sizes, weights
+//! cold (read from memory, as in a decode step).
+//! `cargo run --release -p arbor-ops --example matmul_bench [-- --quick]`
+use candle_core::{Device, Tensor};
+use std::time::Instant;
+
+fn main() -> candle_core::Result<()> {
+    if !arbor_ops::matmul_nt_available() {
+        println!("no AVX-512F: nothing to compare");
+        return Ok(());
+    }
+    let quick = std::env::args().any(|a| a == "--quick");
+    let dev = Device::Cpu;
+    println!("| m | k x n | candle ms | matmul_nt ms | speedup | matmul_nt GFLOP/s |");
+    println!("|---|---|---|---|---|---|");
+    let shapes: &[(usize, usize)] = &[
+        (576, 1536),
+        (1536, 576),
+        (576, 576),
+        (576, 192),
+        (576, 49152),
+    ];
+    for &(k, n) in shapes {
+        // Enough copies of the weights (>= 256 MB) that each call reads them
+        // from memory, as a decode step does (its layers' weights do not fit
+        // in cache).
+        let copies = (256 << 20) / (n * k * 4) + 1;
+        let ws: Vec<Tensor> = (0..copies)
+            .map(|_| Tensor::randn(0f32, 1.0, (n, k), &dev))
+            .collect::<candle_core::Result<_>>()?;
+        let next = std::cell::Cell::new(0usize);
+        let w = || {
+            next.set((next.get() + 1) % copies);
+            &ws[next.get()]
+        };
+        for &m in &[1usize, 8, 32, 512, 2048] {
+            if n > 10_000 && m > 32 {
+                continue; // the LM head runs on the last position only
+            }
+            let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
+            let flop = 2.0 * (m * k * n) as f64;
+            let reps = ((2e10 / flop) as usize).clamp(3, if quick { 20 } else { 200 });
+            let time = |f: &dyn Fn() -> candle_core::Result<Tensor>| -> candle_core::Result<f64> {
+                for _ in 0..3 {
+                    f()?;
+                }
+                let mut v = Vec::new();
+                for _ in 0..reps {
+                    let t0 = Instant::now();
+                    f()?;
+                    v.push(t0.elapsed().as_secs_f64() * 1e3);
+                }
+                v.sort_by(|a, b| a.total_cmp(b));
+                Ok(v[v.len() / 2])
+            };
+            let a = time(&|| x.matmul(&w().t()?))?;
+            let b = time(&|| arbor_ops::matmul_nt_op(&x, w()))?;
+            println!(
+                "| {m} | {k} x {n} | {a:.3} | {b:.3} | {:.2}x | {:.1} |",
+                a / b,
+                flop / (b * 1e-3) / 1e9
+            );
+        }
+    }
+    Ok(())
+}

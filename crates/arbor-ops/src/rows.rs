@@ -1,0 +1,248 @@
+//! Fused row-wise f32 kernels for the generation forward on the CPU (no
+//! autograd): RMSNorm, head split with optional q/k-norm and RoPE, and
+//! SwiGLU's `silu(g) * u`.
+//!
+//! Each replaces a chain of candle ops (RMSNorm alone is seven, each with
+//! its own allocation and pass over memory) by one pass. They use the same
+//! f32 operations in the same order as the training forward's candle ops,
+//! except the RMSNorm sum of squares, whose order is this kernel's own; every
+//! row is computed on its own, so results never depend on the batch. Rows
+//! are split across threads only when there are enough of them to pay for it.
+
+use rayon::prelude::*;
+
+/// Elements below which a call stays on the calling thread.
+const PAR_MIN: usize = 1 << 16;
+
+/// Apply `f` to every `width`-element row of `out` (with its index), in
+/// parallel for large inputs.
+fn for_rows(out: &mut [f32], width: usize, f: impl Fn(usize, &mut [f32]) + Sync + Send) {
+    if out.len() >= PAR_MIN {
+        out.par_chunks_mut(width)
+            .enumerate()
+            .for_each(|(i, o)| f(i, o));
+    } else {
+        out.chunks_mut(width).enumerate().for_each(|(i, o)| f(i, o));
+    }
+}
+
+/// `sum x_i^2` in f32, 16 lanes then a fixed pairwise tree.
+fn sum_sq(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let mut chunks = x.chunks_exact(16);
+    for c in &mut chunks {
+        for l in 0..16 {
+            acc[l] += c[l] * c[l];
+        }
+    }
+    for (l, v) in chunks.remainder().iter().enumerate() {
+        acc[l] += v * v;
+    }
+    let mut w = 16;
+    while w > 1 {
+        w /= 2;
+        for l in 0..w {
+            acc[l] += acc[l + w];
+        }
+    }
+    acc[0]
+}
+
+/// One row of RMSNorm: `out = (x / sqrt(mean(x^2) + eps)) * w`.
+fn rms_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let r = (sum_sq(x) / x.len() as f32 + eps).sqrt();
+    for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
+        *o = (v / r) * g;
+    }
+}
+
+/// RMSNorm over rows of `w.len()`: `x: [n, h]` -> `[n, h]`.
+pub fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let h = w.len();
+    assert!(
+        h > 0 && x.len() % h == 0,
+        "rms_norm_rows: {} values, rows of {h}",
+        x.len()
+    );
+    let mut out = vec![0f32; x.len()];
+    for_rows(&mut out, h, |i, o| {
+        rms_row(&x[i * h..(i + 1) * h], w, eps, o)
+    });
+    out
+}
+
+/// Head split, optional per-head RMSNorm, then RoPE, for `t` tokens:
+/// `y: [t, n * d]` (token-major, a projection's output) -> `[n, t, d]`
+/// (head-major). `cos, sin: [t, d / 2]`. For each head row `x` (after the
+/// norm), with halves `x1, x2`: `[x1 cos - x2 sin | x2 cos + x1 sin]`.
+pub fn heads_rope(
+    y: &[f32],
+    t: usize,
+    n: usize,
+    d: usize,
+    norm: Option<(&[f32], f32)>,
+    cos: &[f32],
+    sin: &[f32],
+) -> Vec<f32> {
+    let half = d / 2;
+    assert!(
+        d % 2 == 0 && y.len() == t * n * d && cos.len() == t * half && sin.len() == t * half,
+        "heads_rope: y {} cos {} sin {} for t {t} n {n} d {d}",
+        y.len(),
+        cos.len(),
+        sin.len()
+    );
+    if let Some((w, _)) = norm {
+        assert_eq!(w.len(), d, "heads_rope: norm weight");
+    }
+    let mut out = vec![0f32; y.len()];
+    // One output row per (head, token), in the output's order.
+    for_rows(&mut out, d, |r, o| {
+        let (h, i) = (r / t, r % t);
+        let src = &y[(i * n + h) * d..(i * n + h + 1) * d];
+        let mut normed = [0f32; 512];
+        let x: &[f32] = match norm {
+            Some((w, eps)) if d <= 512 => {
+                rms_row(src, w, eps, &mut normed[..d]);
+                &normed[..d]
+            }
+            Some((w, eps)) => {
+                let mut v = vec![0f32; d];
+                rms_row(src, w, eps, &mut v);
+                rope_row(
+                    &v,
+                    &cos[i * half..(i + 1) * half],
+                    &sin[i * half..(i + 1) * half],
+                    o,
+                );
+                return;
+            }
+            None => src,
+        };
+        rope_row(
+            x,
+            &cos[i * half..(i + 1) * half],
+            &sin[i * half..(i + 1) * half],
+            o,
+        );
+    });
+    out
+}
+
+fn rope_row(x: &[f32], cos: &[f32], sin: &[f32], o: &mut [f32]) {
+    let half = cos.len();
+    let (x1, x2) = x.split_at(half);
+    let (o1, o2) = o.split_at_mut(half);
+    for j in 0..half {
+        o1[j] = x1[j] * cos[j] - x2[j] * sin[j];
+        o2[j] = x2[j] * cos[j] + x1[j] * sin[j];
+    }
+}
+
+/// SwiGLU's gate: `silu(g) * u = g / (1 + exp(-g)) * u`, elementwise.
+pub fn silu_mul(g: &[f32], u: &[f32]) -> Vec<f32> {
+    assert_eq!(g.len(), u.len(), "silu_mul: lengths");
+    let mut out = vec![0f32; g.len()];
+    let f = |o: &mut [f32], g: &[f32], u: &[f32]| {
+        for ((o, &a), &b) in o.iter_mut().zip(g).zip(u) {
+            *o = a / (1.0 + (-a).exp()) * b;
+        }
+    };
+    const CH: usize = 1 << 14;
+    if g.len() >= PAR_MIN {
+        out.par_chunks_mut(CH)
+            .zip(g.par_chunks(CH).zip(u.par_chunks(CH)))
+            .for_each(|(o, (g, u))| f(o, g, u));
+    } else {
+        f(&mut out, g, u);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 33) % 4001) as f32 / 1000.0 - 2.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn rms_norm_matches_f64() {
+        for (n, h) in [(3usize, 64usize), (70, 576), (2, 13)] {
+            let x = data(n * h, 1);
+            let w = data(h, 2);
+            let y = rms_norm_rows(&x, &w, 1e-6);
+            for i in 0..n {
+                let row = &x[i * h..(i + 1) * h];
+                let ms: f64 = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / h as f64;
+                for j in 0..h {
+                    let want = row[j] as f64 / (ms + 1e-6).sqrt() * w[j] as f64;
+                    assert!((y[i * h + j] as f64 - want).abs() < 1e-5 * (1.0 + want.abs()));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn heads_rope_matches_f64_with_and_without_norm() {
+        let (t, n, d) = (5usize, 3usize, 8usize);
+        let half = d / 2;
+        let y = data(t * n * d, 3);
+        let ang: Vec<f64> = (0..t * half)
+            .map(|i| (i % 7) as f64 * 0.37 + (i / half) as f64)
+            .collect();
+        let cos: Vec<f32> = ang.iter().map(|a| a.cos() as f32).collect();
+        let sin: Vec<f32> = ang.iter().map(|a| a.sin() as f32).collect();
+        let w = data(d, 4);
+        for norm in [None, Some((&w[..], 1e-6f32))] {
+            let out = heads_rope(&y, t, n, d, norm, &cos, &sin);
+            for h in 0..n {
+                for i in 0..t {
+                    let mut x: Vec<f64> = y[(i * n + h) * d..(i * n + h + 1) * d]
+                        .iter()
+                        .map(|&v| v as f64)
+                        .collect();
+                    if let Some((w, eps)) = norm {
+                        let ms: f64 = x.iter().map(|v| v * v).sum::<f64>() / d as f64;
+                        let r = (ms + eps as f64).sqrt();
+                        for (v, &g) in x.iter_mut().zip(w) {
+                            *v = *v / r * g as f64;
+                        }
+                    }
+                    for j in 0..half {
+                        let (c, s) = (cos[i * half + j] as f64, sin[i * half + j] as f64);
+                        let a = x[j] * c - x[j + half] * s;
+                        let b = x[j + half] * c + x[j] * s;
+                        let o = &out[(h * t + i) * d..];
+                        assert!(
+                            (o[j] as f64 - a).abs() < 1e-5 && (o[j + half] as f64 - b).abs() < 1e-5
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn silu_mul_matches_f64_and_is_parallel_safe() {
+        for n in [10usize, 100_000] {
+            let g = data(n, 5);
+            let u = data(n, 6);
+            let y = silu_mul(&g, &u);
+            for i in (0..n).step_by(97) {
+                let (a, b) = (g[i] as f64, u[i] as f64);
+                let want = a / (1.0 + (-a).exp()) * b;
+                assert!((y[i] as f64 - want).abs() < 1e-6 * (1.0 + want.abs()));
+            }
+        }
+    }
+}
