@@ -62,25 +62,27 @@ struct Setup {
 }
 
 fn setup(arch: Arch, mode: CriticMode, seed: u64, lora: Option<LoraConfig>) -> Setup {
+    setup_in(arch, mode, seed, lora, DType::F64)
+}
+
+/// [`setup`] with parameters (and loss weights) in `dtype`, from the same
+/// random values.
+fn setup_in(
+    arch: Arch,
+    mode: CriticMode,
+    seed: u64,
+    lora: Option<LoraConfig>,
+    dtype: DType,
+) -> Setup {
     let cfg = tiny(arch);
     let dev = Device::Cpu;
     let pvars = VarMap::new();
     let cvars = VarMap::new();
-    let mut pl = ParamLoader::trainable(
-        ParamSource::Random { seed },
-        DType::F64,
-        &dev,
-        pvars.clone(),
-    );
+    let mut pl = ParamLoader::trainable(ParamSource::Random { seed }, dtype, &dev, pvars.clone());
     if let Some(l) = lora {
         pl = pl.with_lora(l);
     }
-    let cl = ParamLoader::trainable(
-        ParamSource::Random { seed },
-        DType::F64,
-        &dev,
-        cvars.clone(),
-    );
+    let cl = ParamLoader::trainable(ParamSource::Random { seed }, dtype, &dev, cvars.clone());
     let model = ActorCritic::load(&cfg, mode, &pl, &cl).unwrap();
     let mut rng = StdRng::seed_from_u64(seed);
     let mut vars: Vec<(String, Var)> = Vec::new();
@@ -111,8 +113,13 @@ fn setup(arch: Arch, mode: CriticMode, seed: u64, lora: Option<LoraConfig>) -> S
                 }
             })
             .collect();
-        var.set(&Tensor::from_vec(vals, var.shape(), &dev).unwrap())
-            .unwrap();
+        var.set(
+            &Tensor::from_vec(vals, var.shape(), &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap(),
+        )
+        .unwrap();
     }
     let (b, t) = (2, 7);
     let toks: Vec<u32> = (0..b * t)
@@ -127,8 +134,14 @@ fn setup(arch: Arch, mode: CriticMode, seed: u64, lora: Option<LoraConfig>) -> S
         model,
         vars,
         ids,
-        w: Tensor::from_vec(w, b * (t - 1), &dev).unwrap(),
-        u: Tensor::from_vec(u, (b, t), &dev).unwrap(),
+        w: Tensor::from_vec(w, b * (t - 1), &dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap(),
+        u: Tensor::from_vec(u, (b, t), &dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap(),
     }
 }
 
@@ -223,6 +236,55 @@ fn qwen3_all_biases_qk_norm_untied_gradients() {
 #[test]
 fn llama_tied_separate_critic_gradients() {
     fd_check(Arch::Llama, CriticMode::Separate);
+}
+
+/// The f32 path (on AVX-512 CPUs every `Linear` runs Arbor's row-invariant
+/// matmul kernel and its backward) gives, for every parameter, the f64
+/// gradients that the finite-difference checks above verify.
+#[test]
+fn f32_gradients_match_the_checked_f64_ones() {
+    for (arch, mode) in [
+        (Arch::Qwen2, CriticMode::Shared),
+        (Arch::Qwen3, CriticMode::Shared),
+        (Arch::Llama, CriticMode::Separate),
+    ] {
+        let seed = 7 + arch as u64;
+        let s64 = setup_in(arch, mode, seed, None, DType::F64);
+        let s32 = setup_in(arch, mode, seed, None, DType::F32);
+        let (g64, g32) = (
+            loss(&s64).backward().unwrap(),
+            loss(&s32).backward().unwrap(),
+        );
+        for ((name, v64), (_, v32)) in s64.vars.iter().zip(&s32.vars) {
+            let a: Vec<f64> = g64
+                .get(v64.as_tensor())
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let b: Vec<f64> = g32
+                .get(v32.as_tensor())
+                .unwrap_or_else(|| panic!("{arch:?}: f32 {name} got no gradient"))
+                .to_dtype(DType::F64)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let diff: f64 = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (x - y).powi(2))
+                .sum::<f64>()
+                .sqrt();
+            let norm: f64 = a.iter().map(|x| x * x).sum::<f64>().sqrt();
+            assert!(
+                diff <= 1e-4 * norm + 1e-9,
+                "{arch:?}: {name}: |g32 - g64| = {diff:.3e}, |g64| = {norm:.3e}"
+            );
+        }
+    }
 }
 
 #[test]

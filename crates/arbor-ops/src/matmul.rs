@@ -34,6 +34,8 @@ const MR: usize = 4;
 const NR: usize = 6;
 /// Rows of `x` per cache block (kept in L2 while a weight tile sits in L1).
 const MB: usize = 64;
+/// Multiply-adds below which a call runs on one thread (~10 us of work).
+const SERIAL_MACS: usize = 1 << 20;
 
 /// Whether this CPU runs the kernel (AVX-512F).
 pub fn matmul_nt_available() -> bool {
@@ -79,44 +81,51 @@ pub fn matmul_nt_into(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, y: &mu
     let (tm, tn) = (MR, NR);
     let n_tasks = n.div_ceil(nb);
     let out = OutPtr(y.as_mut_ptr());
-    (0..m.div_ceil(mc) * n_tasks)
-        .into_par_iter()
-        .for_each(|task| {
-            let (mt, nt) = (task / n_tasks, task % n_tasks);
-            let (n0, n1) = (nt * nb, ((nt + 1) * nb).min(n));
-            let (ms, me) = (mt * mc, ((mt + 1) * mc).min(m));
-            let out = out;
-            for m0 in (ms..me).step_by(MB) {
-                let m1 = (m0 + MB).min(me);
-                for j in (n0..n1).step_by(tn) {
-                    let nr = tn.min(n1 - j);
-                    for i in (m0..m1).step_by(tm) {
-                        let mr = tm.min(m1 - i);
-                        // While the first rows meet this weight tile, pull the
-                        // next one in (prefetches never fault; the address may
-                        // lie past the end).
-                        let pf = (i == m0).then(|| w.as_ptr().wrapping_add((j + tn) * k));
-                        // SAFETY: AVX-512F checked above; rows i..i+mr of x and
-                        // j..j+nr of w lie inside the slices (asserted), and the
-                        // outputs y[i.., j..j+nr] belong to this task alone.
-                        #[allow(unsafe_code)]
-                        #[cfg(target_arch = "x86_64")]
-                        unsafe {
-                            dispatch(
-                                mr,
-                                nr,
-                                x.as_ptr().add(i * k),
-                                w.as_ptr().add(j * k),
-                                k,
-                                out.0.add(i * n + j),
-                                n,
-                                pf,
-                            );
-                        }
+    let run = |task: usize| {
+        let (mt, nt) = (task / n_tasks, task % n_tasks);
+        let (n0, n1) = (nt * nb, ((nt + 1) * nb).min(n));
+        let (ms, me) = (mt * mc, ((mt + 1) * mc).min(m));
+        let out = out;
+        for m0 in (ms..me).step_by(MB) {
+            let m1 = (m0 + MB).min(me);
+            for j in (n0..n1).step_by(tn) {
+                let nr = tn.min(n1 - j);
+                for i in (m0..m1).step_by(tm) {
+                    let mr = tm.min(m1 - i);
+                    // While the first rows meet this weight tile, pull the
+                    // next one in (prefetches never fault; the address may
+                    // lie past the end).
+                    let pf = (i == m0).then(|| w.as_ptr().wrapping_add((j + tn) * k));
+                    // SAFETY: AVX-512F checked above; rows i..i+mr of x and
+                    // j..j+nr of w lie inside the slices (asserted), and the
+                    // outputs y[i.., j..j+nr] belong to this task alone.
+                    #[allow(unsafe_code)]
+                    #[cfg(target_arch = "x86_64")]
+                    unsafe {
+                        dispatch(
+                            mr,
+                            nr,
+                            x.as_ptr().add(i * k),
+                            w.as_ptr().add(j * k),
+                            k,
+                            out.0.add(i * n + j),
+                            n,
+                            pf,
+                        );
                     }
                 }
             }
-        });
+        }
+    };
+    let tasks = m.div_ceil(mc) * n_tasks;
+    if m * n * k < SERIAL_MACS {
+        // Small calls stay on the calling thread: a rayon hand-off costs
+        // more than the work, and a thread waiting on one would steal
+        // unrelated jobs (say, another episode's rollout) meanwhile.
+        (0..tasks).for_each(run);
+    } else {
+        (0..tasks).into_par_iter().for_each(run);
+    }
 }
 
 /// Rows of `x` and of `w` per parallel task. Decode-sized calls (`m <=
@@ -285,8 +294,11 @@ impl CustomOp2 for MatmulNt {
         _res: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let dx = g.matmul(w)?;
-        let dw = g.t()?.matmul(x)?;
+        // Detached: `w` is usually a variable itself, and candle keeps a
+        // variable's gradient as returned, so an attached `g^T x` would hold
+        // the whole forward graph alive for as long as the gradient lives.
+        let dx = g.matmul(w)?.detach();
+        let dw = g.t()?.matmul(x)?.detach();
         Ok((Some(dx), Some(dw)))
     }
 }
@@ -395,6 +407,12 @@ mod tests {
                 .to_scalar::<f32>()?;
             assert!(d < 1e-5, "{d}");
         }
+        // The weight's gradient must not hold the forward graph (it would
+        // live on in the optimizer's moments).
+        let h = (x.as_tensor() * 2.0)?;
+        let l = matmul_nt_op(&h, w.as_tensor())?.sum_all()?;
+        let g = l.backward()?;
+        assert!(!g.get(w.as_tensor()).expect("grad").track_op());
         Ok(())
     }
 }

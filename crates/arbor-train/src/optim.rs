@@ -64,14 +64,16 @@ pub struct GradAccum {
 }
 
 impl GradAccum {
-    /// Add the gradients of `vars` found in `grads`.
+    /// Add the gradients of `vars` found in `grads` (detached: a gradient
+    /// that still referenced its forward graph would keep that graph alive
+    /// in the sums and, through them, in the optimizer's moments).
     pub fn add(&mut self, vars: &[(String, Var)], grads: &GradStore) -> Result<(), TrainError> {
         for (_, v) in vars {
-            if let Some(g) = grads.get(v.as_tensor()) {
+            if let Some(g) = grads.get(v.as_tensor()).map(Tensor::detach) {
                 let id = v.as_tensor().id();
                 let sum = match self.sums.remove(&id) {
                     Some(s) => (s + g)?,
-                    None => g.clone(),
+                    None => g,
                 };
                 self.sums.insert(id, sum);
             }
@@ -230,6 +232,31 @@ impl AdamW {
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// Accumulated gradients never hold a graph, even when the store's
+    /// entry does (a custom op may return one attached to its inputs).
+    #[test]
+    fn accumulated_gradients_are_detached() {
+        let dev = Device::Cpu;
+        let var = Var::from_tensor(&Tensor::new(&[1.0f32, 2.0], &dev).unwrap()).unwrap();
+        let x = Var::from_tensor(&Tensor::new(&[3.0f32, 4.0], &dev).unwrap()).unwrap();
+        let attached = (x.as_tensor() * 2.0).unwrap();
+        assert!(attached.track_op());
+        let mut store = (var.as_tensor() * 0.0)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        store.insert(var.as_tensor(), attached);
+        let vars = vec![("p".to_string(), var.clone())];
+        let mut acc = GradAccum::default();
+        acc.add(&vars, &store).unwrap();
+        acc.add(&vars, &store).unwrap();
+        let g = acc.get(&var).unwrap();
+        assert!(!g.track_op());
+        assert_eq!(g.to_vec1::<f32>().unwrap(), vec![12.0, 16.0]);
+    }
 
     /// Two steps against a hand computation in f64.
     #[test]
