@@ -52,22 +52,23 @@ pub struct LoraConfig {
     pub targets: Vec<String>,
 }
 
+/// Every projection an adapter can target (the default targets all).
+const LORA_TARGETS: [&str; 7] = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+];
+
 impl Default for LoraConfig {
     fn default() -> Self {
         LoraConfig {
             rank: 16,
             alpha: 32.0,
-            targets: [
-                "q_proj",
-                "k_proj",
-                "v_proj",
-                "o_proj",
-                "gate_proj",
-                "up_proj",
-                "down_proj",
-            ]
-            .map(String::from)
-            .to_vec(),
+            targets: LORA_TARGETS.map(String::from).to_vec(),
         }
     }
 }
@@ -75,15 +76,6 @@ impl Default for LoraConfig {
 impl LoraConfig {
     /// Names a target that is no projection, or a zero rank.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        const OK: [&str; 7] = [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ];
         if self.rank == 0 {
             return Err("rank must be >= 1".into());
         }
@@ -93,8 +85,15 @@ impl LoraConfig {
         if self.targets.is_empty() {
             return Err("targets is empty: the frozen policy would not train at all".into());
         }
-        if let Some(t) = self.targets.iter().find(|t| !OK.contains(&t.as_str())) {
-            return Err(format!("target `{t}` is not one of {}", OK.join(", ")));
+        if let Some(t) = self
+            .targets
+            .iter()
+            .find(|t| !LORA_TARGETS.contains(&t.as_str()))
+        {
+            return Err(format!(
+                "target `{t}` is not one of {}",
+                LORA_TARGETS.join(", ")
+            ));
         }
         let mut seen = std::collections::BTreeSet::new();
         if let Some(t) = self.targets.iter().find(|t| !seen.insert(t.as_str())) {
@@ -214,13 +213,11 @@ impl RmsNorm {
 impl RmsNorm {
     /// The generation forward's fused RMSNorm (CPU, f32).
     fn forward_rows(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.weight.dim(0)?;
         let out = with_cpu_f32(x, |xs| {
             with_cpu_f32(&self.weight, |w| {
                 arbor_ops::rows::rms_norm_rows(xs, w, self.eps as f32)
             })
         })??;
-        let _ = h;
         Ok(Tensor::from_vec(out, x.shape(), x.device())?)
     }
 }
@@ -309,6 +306,14 @@ fn with_cpu_f32<R>(x: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
         _ => Err(ModelError::Input(
             "fused CPU kernel given a device tensor".into(),
         )),
+    }
+}
+
+/// `f` with an optional per-head norm's `(weight, eps)` as f32 values.
+fn with_norm<R>(norm: &Option<RmsNorm>, f: impl FnOnce(Option<(&[f32], f32)>) -> R) -> Result<R> {
+    match norm {
+        Some(nm) => with_cpu_f32(&nm.weight, |w| f(Some((w, nm.eps as f32)))),
+        None => Ok(f(None)),
     }
 }
 
@@ -439,21 +444,10 @@ impl Attention {
         let dev = x.device();
         let heads = |lin: &Linear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
             let y = lin.forward(x)?;
-            let out = with_cpu_f32(&y, |ys| match norm {
-                Some(nm) => with_cpu_f32(&nm.weight, |w| {
-                    arbor_ops::rows::heads_rope(
-                        ys,
-                        t,
-                        n,
-                        d,
-                        Some((w, nm.eps as f32)),
-                        &rope.cos,
-                        &rope.sin,
-                    )
-                }),
-                None => Ok(arbor_ops::rows::heads_rope(
-                    ys, t, n, d, None, &rope.cos, &rope.sin,
-                )),
+            let out = with_cpu_f32(&y, |ys| {
+                with_norm(norm, |nw| {
+                    arbor_ops::rows::heads_rope(ys, t, n, d, nw, &rope.cos, &rope.sin)
+                })
             })??;
             Ok(Tensor::from_vec(out, (1, n, t, d), dev)?)
         };

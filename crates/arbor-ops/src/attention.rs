@@ -128,78 +128,72 @@ unsafe fn attend<const DV: usize>(a: &PagedAttentionArgs<'_>, i: usize, o: &mut 
     let (mut rows, mut scores) = SCRATCH.with(|sc| sc.take());
     let ctx = context_rows(a, i, &mut rows);
     let padded = ctx.div_ceil(16) * 16;
-    {
-        // Every row offset inside the caches: the unchecked loads below rely on it.
-        let last = rows.iter().copied().max().unwrap_or(0) + row;
-        assert!(
-            last <= a.k_cache.len() && last <= a.v_cache.len(),
-            "paged attention: slot outside the cache"
-        );
-        assert!(a.q.len() >= a.n_heads * t * d && o.len() >= a.n_heads * d);
-        scores.clear();
-        scores.resize(g * padded, 0.0);
-        let kp = a.k_cache.as_ptr();
-        let vp = a.v_cache.as_ptr();
-        for kvh in 0..nkv {
-            // Scores q . k * scale, 16 keys at a time.
-            for r in 0..g {
-                let qp = a.q.as_ptr().add(((kvh * g + r) * t + i) * d);
-                let mut q = [_mm512_setzero_ps(); DV];
-                for (c, v) in q.iter_mut().enumerate() {
-                    *v = _mm512_loadu_ps(qp.add(16 * c));
-                }
-                for j0 in (0..ctx).step_by(16) {
-                    let mut dots = [_mm512_setzero_ps(); 16];
-                    for (l, dot) in dots.iter_mut().enumerate().take((ctx - j0).min(16)) {
-                        let kr = kp.add(rows[j0 + l] + kvh * d);
-                        let mut acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(kr));
-                        for (c, qv) in q.iter().enumerate().skip(1) {
-                            acc = _mm512_fmadd_ps(*qv, _mm512_loadu_ps(kr.add(16 * c)), acc);
-                        }
-                        *dot = acc;
+    // Every row offset inside the caches: the unchecked loads below rely on it.
+    let last = rows.iter().copied().max().unwrap_or(0) + row;
+    assert!(
+        last <= a.k_cache.len() && last <= a.v_cache.len(),
+        "paged attention: slot outside the cache"
+    );
+    assert!(a.q.len() >= a.n_heads * t * d && o.len() >= a.n_heads * d);
+    scores.clear();
+    scores.resize(g * padded, 0.0);
+    let kp = a.k_cache.as_ptr();
+    let vp = a.v_cache.as_ptr();
+    for kvh in 0..nkv {
+        // Scores q . k * scale, 16 keys at a time.
+        for r in 0..g {
+            let qp = a.q.as_ptr().add(((kvh * g + r) * t + i) * d);
+            let mut q = [_mm512_setzero_ps(); DV];
+            for (c, v) in q.iter_mut().enumerate() {
+                *v = _mm512_loadu_ps(qp.add(16 * c));
+            }
+            for j0 in (0..ctx).step_by(16) {
+                let mut dots = [_mm512_setzero_ps(); 16];
+                for (l, dot) in dots.iter_mut().enumerate().take((ctx - j0).min(16)) {
+                    let kr = kp.add(rows[j0 + l] + kvh * d);
+                    let mut acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(kr));
+                    for (c, qv) in q.iter().enumerate().skip(1) {
+                        acc = _mm512_fmadd_ps(*qv, _mm512_loadu_ps(kr.add(16 * c)), acc);
                     }
-                    let s = _mm512_mul_ps(hsum16(&dots), scale);
-                    _mm512_storeu_ps(scores.as_mut_ptr().add(r * padded + j0), s);
+                    *dot = acc;
                 }
+                let s = _mm512_mul_ps(hsum16(&dots), scale);
+                _mm512_storeu_ps(scores.as_mut_ptr().add(r * padded + j0), s);
             }
-            // Softmax over each head's `ctx` scores.
-            for r in 0..g {
-                let s = &mut scores[r * padded..r * padded + ctx];
-                let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mv = _mm512_set1_ps(m);
-                let mut z = _mm512_setzero_ps();
-                let sp = s.as_mut_ptr();
-                for j0 in (0..ctx).step_by(16) {
-                    let n = (ctx - j0).min(16);
-                    let mask: __mmask16 = if n == 16 {
-                        0xffff
-                    } else {
-                        ((1u32 << n) - 1) as __mmask16
-                    };
-                    let x = _mm512_maskz_loadu_ps(mask, sp.add(j0));
-                    let e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(x, mv)));
-                    z = _mm512_add_ps(z, e);
-                    _mm512_mask_storeu_ps(sp.add(j0), mask, e);
-                }
-                let inv = 1.0 / _mm512_reduce_add_ps(z);
-                for x in s.iter_mut() {
-                    *x *= inv;
-                }
+        }
+        // Softmax over each head's `ctx` scores.
+        for r in 0..g {
+            let s = &mut scores[r * padded..r * padded + ctx];
+            let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mv = _mm512_set1_ps(m);
+            let mut z = _mm512_setzero_ps();
+            let sp = s.as_mut_ptr();
+            for j0 in (0..ctx).step_by(16) {
+                let n = (ctx - j0).min(16);
+                let mask = ((1u32 << n) - 1) as __mmask16;
+                let x = _mm512_maskz_loadu_ps(mask, sp.add(j0));
+                let e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(x, mv)));
+                z = _mm512_add_ps(z, e);
+                _mm512_mask_storeu_ps(sp.add(j0), mask, e);
             }
-            // o_r = sum_j p_rj v_j, heads in groups whose rows fit in registers.
-            let per = (24 / DV).clamp(1, 6);
-            for r0 in (0..g).step_by(per) {
-                let sp = scores.as_ptr().add(r0 * padded);
-                let op = o.as_mut_ptr().add((kvh * g + r0) * d);
-                let vh = vp.add(kvh * d);
-                match per.min(g - r0) {
-                    1 => weigh_values::<DV, 1>(&rows, vh, sp, padded, op, d),
-                    2 => weigh_values::<DV, 2>(&rows, vh, sp, padded, op, d),
-                    3 => weigh_values::<DV, 3>(&rows, vh, sp, padded, op, d),
-                    4 => weigh_values::<DV, 4>(&rows, vh, sp, padded, op, d),
-                    5 => weigh_values::<DV, 5>(&rows, vh, sp, padded, op, d),
-                    _ => weigh_values::<DV, 6>(&rows, vh, sp, padded, op, d),
-                }
+            let inv = 1.0 / _mm512_reduce_add_ps(z);
+            for x in s.iter_mut() {
+                *x *= inv;
+            }
+        }
+        // o_r = sum_j p_rj v_j, heads in groups whose rows fit in registers.
+        let per = (24 / DV).clamp(1, 6);
+        for r0 in (0..g).step_by(per) {
+            let sp = scores.as_ptr().add(r0 * padded);
+            let op = o.as_mut_ptr().add((kvh * g + r0) * d);
+            let vh = vp.add(kvh * d);
+            match per.min(g - r0) {
+                1 => weigh_values::<DV, 1>(&rows, vh, sp, padded, op, d),
+                2 => weigh_values::<DV, 2>(&rows, vh, sp, padded, op, d),
+                3 => weigh_values::<DV, 3>(&rows, vh, sp, padded, op, d),
+                4 => weigh_values::<DV, 4>(&rows, vh, sp, padded, op, d),
+                5 => weigh_values::<DV, 5>(&rows, vh, sp, padded, op, d),
+                _ => weigh_values::<DV, 6>(&rows, vh, sp, padded, op, d),
             }
         }
     }

@@ -78,7 +78,6 @@ pub fn matmul_nt_into(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, y: &mu
         return;
     }
     let (mc, nb) = task_shape(m, n);
-    let (tm, tn) = (MR, NR);
     let n_tasks = n.div_ceil(nb);
     let out = OutPtr(y.as_mut_ptr());
     let run = |task: usize| {
@@ -88,14 +87,14 @@ pub fn matmul_nt_into(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, y: &mu
         let out = out;
         for m0 in (ms..me).step_by(MB) {
             let m1 = (m0 + MB).min(me);
-            for j in (n0..n1).step_by(tn) {
-                let nr = tn.min(n1 - j);
-                for i in (m0..m1).step_by(tm) {
-                    let mr = tm.min(m1 - i);
+            for j in (n0..n1).step_by(NR) {
+                let nr = NR.min(n1 - j);
+                for i in (m0..m1).step_by(MR) {
+                    let mr = MR.min(m1 - i);
                     // While the first rows meet this weight tile, pull the
                     // next one in (prefetches never fault; the address may
                     // lie past the end).
-                    let pf = (i == m0).then(|| w.as_ptr().wrapping_add((j + tn) * k));
+                    let pf = (i == m0).then(|| w.as_ptr().wrapping_add((j + NR) * k));
                     // SAFETY: AVX-512F checked above; rows i..i+mr of x and
                     // j..j+nr of w lie inside the slices (asserted), and the
                     // outputs y[i.., j..j+nr] belong to this task alone.
@@ -155,17 +154,22 @@ unsafe fn dispatch(
     pf: Option<*const f32>,
 ) {
     macro_rules! go {
-        ($(($a:literal, $b:literal))*) => {
-            match (mr, nr) {
-                $(($a, $b) => match pf { Some(p) => tile::<$a, $b, true>(x, w, k, y, ldy, p), None => tile::<$a, $b, false>(x, w, k, y, ldy, std::ptr::null()) },)*
+        ($($a:literal: $($b:literal)*;)*) => {
+            match (mr, nr, pf) {
+                $($(
+                    ($a, $b, Some(p)) => tile::<$a, $b, true>(x, w, k, y, ldy, p),
+                    ($a, $b, None) => tile::<$a, $b, false>(x, w, k, y, ldy, std::ptr::null()),
+                )*)*
                 _ => unreachable!("tile {mr} x {nr}"),
             }
         };
     }
+    // Every (rows of x, rows of w) tile up to MR x NR.
     go!(
-        (1, 1)(1, 2)(1, 3)(1, 4)(1, 5)(1, 6)(2, 1)(2, 2)(2, 3)(2, 4)(2, 5)(2, 6)(3, 1)(3, 2)(3, 3)(
-            3, 4
-        )(3, 5)(3, 6)(4, 1)(4, 2)(4, 3)(4, 4)(4, 5)(4, 6)
+        1: 1 2 3 4 5 6;
+        2: 1 2 3 4 5 6;
+        3: 1 2 3 4 5 6;
+        4: 1 2 3 4 5 6;
     )
 }
 

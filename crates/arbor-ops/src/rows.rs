@@ -96,46 +96,31 @@ pub fn heads_rope(
         assert_eq!(w.len(), d, "heads_rope: norm weight");
     }
     let mut out = vec![0f32; y.len()];
-    // One output row per (head, token), in the output's order.
+    // One output row per (head, token), in the output's order: the head's
+    // values (normed if asked), then rotated in place.
     for_rows(&mut out, d, |r, o| {
         let (h, i) = (r / t, r % t);
         let src = &y[(i * n + h) * d..(i * n + h + 1) * d];
-        let mut normed = [0f32; 512];
-        let x: &[f32] = match norm {
-            Some((w, eps)) if d <= 512 => {
-                rms_row(src, w, eps, &mut normed[..d]);
-                &normed[..d]
-            }
-            Some((w, eps)) => {
-                let mut v = vec![0f32; d];
-                rms_row(src, w, eps, &mut v);
-                rope_row(
-                    &v,
-                    &cos[i * half..(i + 1) * half],
-                    &sin[i * half..(i + 1) * half],
-                    o,
-                );
-                return;
-            }
-            None => src,
-        };
+        match norm {
+            Some((w, eps)) => rms_row(src, w, eps, o),
+            None => o.copy_from_slice(src),
+        }
         rope_row(
-            x,
+            o,
             &cos[i * half..(i + 1) * half],
             &sin[i * half..(i + 1) * half],
-            o,
         );
     });
     out
 }
 
-fn rope_row(x: &[f32], cos: &[f32], sin: &[f32], o: &mut [f32]) {
-    let half = cos.len();
-    let (x1, x2) = x.split_at(half);
-    let (o1, o2) = o.split_at_mut(half);
-    for j in 0..half {
-        o1[j] = x1[j] * cos[j] - x2[j] * sin[j];
-        o2[j] = x2[j] * cos[j] + x1[j] * sin[j];
+/// `o = [o1 cos - o2 sin | o2 cos + o1 sin]` in place, halves `o1, o2`.
+fn rope_row(o: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let (o1, o2) = o.split_at_mut(cos.len());
+    for j in 0..cos.len() {
+        let (a, b) = (o1[j], o2[j]);
+        o1[j] = a * cos[j] - b * sin[j];
+        o2[j] = b * cos[j] + a * sin[j];
     }
 }
 
