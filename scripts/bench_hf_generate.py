@@ -5,7 +5,11 @@ Builds a random-weight model of the same shape (SmolLM2-135M: Llama, 30
 layers, hidden 576, 9/3 heads, vocab 49152, tied) in f32 on CPU, feeds it the
 same prompt tokens Arbor's bench uses, and times `model.generate` with the
 KV cache: greedy with a fixed number of new tokens for `generate`; one prompt
-with `num_return_sequences=N` sampled continuations for `fork`. Prints JSON
+with `num_return_sequences=N` sampled continuations for `fork`.
+`--dtype bf16` runs the model in torch's bf16 (the peer of `arbor bench
+... --dtype bf16`, whose weights are bf16 too); `--dtype f32-bf16w` computes
+in f32 on weights rounded to bf16 (the same model as `--dtype bf16`, at f32
+cost). Prints JSON
 with generated tokens/s and peak RSS, comparable field by field with
 `arbor bench ... --json`.
 
@@ -41,14 +45,22 @@ def main():
     ap.add_argument("bench", choices=["generate", "fork"])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=None,
+                    help="tokens per prompt (default: Arbor's, 64 for generate, 512 for fork)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--dtype", choices=["f32", "bf16", "f32-bf16w"], default="f32")
     a = ap.parse_args()
+    if a.prompt_len is None:
+        a.prompt_len = 64 if a.bench == "generate" else 512
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     cfg = smollm2_135m()
     model = LlamaForCausalLM(cfg).float().eval()
+    if a.dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    elif a.dtype == "f32-bf16w":
+        model = model.to(torch.bfloat16).float()
     if a.bench == "generate":
         ids = torch.tensor([bench_prompt(a.prompt_len, i, cfg.vocab_size) for i in range(a.batch)])
         kw = dict(do_sample=False)
@@ -66,6 +78,7 @@ def main():
     gen = (out.shape[1] - ids.shape[1]) * out.shape[0]
     print(json.dumps({
         "bench": a.bench, "peer": "transformers", "torch": torch.__version__,
+        "dtype": a.dtype,
         "threads": a.threads, "sequences": seqs, "prompt_len": a.prompt_len,
         "new_tokens": a.max_tokens, "seconds": secs, "generated_tokens": gen,
         "generated_tokens_per_s": gen / secs,

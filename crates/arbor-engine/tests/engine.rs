@@ -45,6 +45,18 @@ fn dense_greedy(m: &Transformer, prompt: &[u32], n: usize) -> Vec<u32> {
     toks[prompt.len()..].to_vec()
 }
 
+/// The engine's sampling logprobs equal the dense forward's scores of the
+/// finished sequence.
+fn assert_logprobs_match_scores(m: &Transformer, prompt: &[u32], c: &Completion) {
+    let mut full = prompt.to_vec();
+    full.extend(&c.tokens);
+    let s = arbor_model::score(m, &full).unwrap();
+    for (i, lp) in c.logprobs.iter().enumerate() {
+        let want = s.logprobs[prompt.len() - 1 + i];
+        assert!((lp - want).abs() < 1e-4, "token {i}: {lp} vs {want}");
+    }
+}
+
 fn prompts() -> Vec<Vec<u32>> {
     vec![
         vec![5],
@@ -94,6 +106,31 @@ fn greedy_matches_dense_recompute_for_mixed_batches() {
     }
 }
 
+/// bf16 on the CPU (bf16 matrices, f32 activations and KV): the engine's
+/// fused row path and the dense forward run the same bf16 matmul, so greedy
+/// tokens and logprobs agree exactly as in f32.
+#[test]
+fn bf16_matrices_greedy_matches_dense_recompute() {
+    let p =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../arbor-model/tests/fixtures/qwen2-bf16");
+    let opts = LoadOptions {
+        dtype: candle_core::DType::BF16,
+        ..Default::default()
+    };
+    let m = LoadedModel::load(p.to_str().unwrap(), &opts).unwrap().model;
+    assert_eq!(m.lm_head.dtype(), candle_core::DType::BF16);
+    let mut e = engine(&m, 64, 4);
+    let n = 10;
+    for p in prompts() {
+        e.submit(p, vec![SamplingParams::greedy(n)]).unwrap();
+    }
+    let out = e.run(|_| {}).unwrap();
+    for (p, c) in prompts().iter().zip(&out) {
+        assert_eq!(c.tokens, dense_greedy(&m, p, n), "prompt {p:?}");
+        assert_logprobs_match_scores(&m, p, c);
+    }
+}
+
 #[test]
 fn greedy_matches_hf_generate() {
     for name in ["qwen2", "qwen3", "llama"] {
@@ -119,13 +156,7 @@ fn greedy_logprobs_match_dense_scores() {
     e.submit(p.clone(), vec![SamplingParams::greedy(6)])
         .unwrap();
     let c = e.run(|_| {}).unwrap().remove(0);
-    let mut full = p.clone();
-    full.extend(&c.tokens);
-    let s = arbor_model::score(&m, &full).unwrap();
-    for (i, lp) in c.logprobs.iter().enumerate() {
-        let want = s.logprobs[p.len() - 1 + i];
-        assert!((lp - want).abs() < 1e-4, "token {i}: {lp} vs {want}");
-    }
+    assert_logprobs_match_scores(&m, &p, &c);
 }
 
 #[test]

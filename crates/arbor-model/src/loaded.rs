@@ -14,7 +14,9 @@ use crate::weights::{Checkpoint, ModelFiles, ParamLoader, ParamSource};
 /// How to load a model.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
-    /// Compute dtype; weights are converted on load.
+    /// Compute dtype; weights are converted on load. On the CPU, bf16 keeps
+    /// the matrices in bf16 and computes in f32 with bf16 matmul inputs
+    /// ([`ParamLoader::bf16_matrices`]).
     pub dtype: DType,
     pub device: Device,
 }

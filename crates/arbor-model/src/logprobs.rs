@@ -51,7 +51,10 @@ pub fn token_logprobs(
             "target token {bad} is outside the vocabulary ({vocab})"
         )));
     }
-    let out = arbor_ops::fused_logprobs(hidden, lm_head, targets, chunk_rows * vocab as usize)?;
+    // Over bf16 matrices: the products the generation engine's bf16 LM head
+    // computes, so scored and sampled logprobs agree.
+    let (hidden, lm_head) = crate::model::bf16_operands(hidden, lm_head)?;
+    let out = arbor_ops::fused_logprobs(&hidden, &lm_head, targets, chunk_rows * vocab as usize)?;
     Ok(out.narrow(1, 0, 1)?.squeeze(1)?)
 }
 

@@ -181,16 +181,107 @@ impl Module for Linear {
 /// depends on the other rows of the call, so a sequence's logits are the
 /// same whatever batch it decodes in, prefilled or cached); otherwise
 /// candle's matmul.
+///
+/// f32 `x` with bf16 `w` (bf16 matrices under f32 compute,
+/// [`ParamLoader::bf16_matrices`]) computes `bf16(x) w^T` with f32 sums:
+/// [`arbor_ops::matmul_nt_op`] on CPUs with AVX-512 BF16, else the
+/// same exact products through candle in f32 (only the summation order
+/// differs).
 pub fn matmul_nt(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    if x.device().is_cpu()
-        && x.dtype() == DType::F32
-        && w.dtype() == DType::F32
-        && arbor_ops::matmul_nt_available()
-    {
-        arbor_ops::matmul_nt_op(x, w)
-    } else {
-        x.matmul(&w.t()?)
+    match (x.dtype(), w.dtype()) {
+        (DType::F32, DType::F32) if x.device().is_cpu() && arbor_ops::matmul_nt_available() => {
+            arbor_ops::matmul_nt_op(x, w)
+        }
+        (DType::F32, DType::BF16) => {
+            if x.device().is_cpu() && arbor_ops::matmul_nt_bf16_available() {
+                arbor_ops::matmul_nt_op(x, w)
+            } else {
+                let (x, w) = bf16_operands(x, w)?;
+                x.matmul(&w.t()?)
+            }
+        }
+        _ => x.matmul(&w.t()?),
     }
+}
+
+/// f32 `x` and bf16 `w` as the f32 tensors `(bf16(x), w)`: their products
+/// are those of bf16 arithmetic, exactly. Other pairs are returned as they
+/// are.
+pub fn bf16_operands(x: &Tensor, w: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    if x.dtype() == DType::F32 && w.dtype() == DType::BF16 {
+        Ok((
+            x.to_dtype(DType::BF16)?.to_dtype(DType::F32)?,
+            w.to_dtype(DType::F32)?,
+        ))
+    } else {
+        Ok((x.clone(), w.clone()))
+    }
+}
+
+/// `x W_g^T + b_g` for several linear layers of one input `x: [1, T, in]`
+/// in one grouped matmul ([`arbor_ops::matmul_nt_multi_into`]: one thread
+/// hand-off, each product computed exactly as [`matmul_nt`] computes it
+/// alone). Generation forward only (no autograd graph). Falls back to one
+/// [`Linear::forward`] each when a layer has an adapter, a weight is not a
+/// contiguous f32 or bf16 CPU tensor, or the CPU lacks the kernels.
+fn linear_rows_group(x: &Tensor, lins: &[&Linear]) -> Result<Vec<Tensor>> {
+    let separate = || -> Result<Vec<Tensor>> { lins.iter().map(|l| Ok(l.forward(x)?)).collect() };
+    let dims = x.dims().to_vec();
+    let k = dims[dims.len() - 1];
+    let m = x.elem_count() / k.max(1);
+    let usable = |w: &Tensor| match w.dtype() {
+        DType::F32 => arbor_ops::matmul_nt_available(),
+        DType::BF16 => arbor_ops::matmul_nt_bf16_available(),
+        _ => false,
+    };
+    if x.dtype() != DType::F32
+        || !x.device().is_cpu()
+        || lins.iter().any(|l| {
+            l.lora.is_some()
+                || !l.weight.is_contiguous()
+                || !l.weight.device().is_cpu()
+                || l.weight.dim(1).ok() != Some(k)
+                || !usable(&l.weight)
+        })
+    {
+        return separate();
+    }
+    let guards: Vec<_> = lins.iter().map(|l| l.weight.storage_and_layout()).collect();
+    let mut ws = Vec::with_capacity(lins.len());
+    for ((storage, layout), l) in guards.iter().zip(lins) {
+        let (start, len) = (layout.start_offset(), l.weight.elem_count());
+        ws.push(match &**storage {
+            candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => {
+                arbor_ops::WeightRows::F32(&v[start..start + len])
+            }
+            candle_core::Storage::Cpu(candle_core::CpuStorage::BF16(v)) => {
+                arbor_ops::WeightRows::Bf16(&v[start..start + len])
+            }
+            _ => return separate(),
+        });
+    }
+    let mut ys: Vec<Vec<f32>> = lins
+        .iter()
+        .map(|l| vec![0f32; m * l.weight.dim(0).unwrap_or(0)])
+        .collect();
+    with_cpu_f32(x, |xs| {
+        let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
+        arbor_ops::matmul_nt_multi_into(xs, &ws, m, k, &mut outs);
+    })?;
+    drop(ws);
+    drop(guards);
+    ys.into_iter()
+        .zip(lins)
+        .map(|(y, l)| {
+            let mut out_dims = dims.clone();
+            *out_dims.last_mut().expect("rank >= 1") = l.weight.dim(0)?;
+            let y = Tensor::from_vec(y, out_dims, x.device())?;
+            Ok(match &l.bias {
+                Some(b) => y.broadcast_add(b)?,
+                None => y,
+            })
+        })
+        .collect()
 }
 
 /// RMSNorm over the last dim, computed in f32 (f64 for f64 inputs) as in HF:
@@ -268,11 +359,9 @@ impl Module for Mlp {
 impl Mlp {
     /// The generation forward's MLP with the fused `silu(g) * u`.
     fn forward_rows(&self, x: &Tensor) -> Result<Tensor> {
-        let g = self.gate.forward(x)?;
-        let u = self.up.forward(x)?;
-        let gu = with_cpu_f32(&g, |g| {
-            with_cpu_f32(&u, |u| arbor_ops::rows::silu_mul(g, u))
-        })??;
+        let gu = linear_rows_group(x, &[&self.gate, &self.up])?;
+        let (g, u) = (&gu[0], &gu[1]);
+        let gu = with_cpu_f32(g, |g| with_cpu_f32(u, |u| arbor_ops::rows::silu_mul(g, u)))??;
         let gu = Tensor::from_vec(gu, g.shape(), g.device())?;
         Ok(self.down.forward(&gu)?)
     }
@@ -442,20 +531,18 @@ impl Attention {
         debug_assert_eq!(b, 1);
         let d = self.head_dim;
         let dev = x.device();
-        let heads = |lin: &Linear, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
-            let y = lin.forward(x)?;
-            let out = with_cpu_f32(&y, |ys| {
+        let qkv = linear_rows_group(x, &[&self.q, &self.k, &self.v])?;
+        let heads = |y: &Tensor, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
+            let out = with_cpu_f32(y, |ys| {
                 with_norm(norm, |nw| {
                     arbor_ops::rows::heads_rope(ys, t, n, d, nw, &rope.cos, &rope.sin)
                 })
             })??;
             Ok(Tensor::from_vec(out, (1, n, t, d), dev)?)
         };
-        let q = heads(&self.q, self.n_heads, &self.q_norm)?;
-        let k = heads(&self.k, self.n_kv_heads, &self.k_norm)?;
-        let v = self
-            .v
-            .forward(x)?
+        let q = heads(&qkv[0], self.n_heads, &self.q_norm)?;
+        let k = heads(&qkv[1], self.n_kv_heads, &self.k_norm)?;
+        let v = qkv[2]
             .reshape((1, t, self.n_kv_heads, d))?
             .transpose(1, 2)?
             .contiguous()?;
@@ -537,6 +624,10 @@ pub struct Transformer {
     /// `[vocab, hidden]`; the embedding matrix itself when tied.
     pub lm_head: Tensor,
     pub rope: Rope,
+    /// The dtype of activations (and of the KV cache): the parameters'
+    /// dtype, except f32 over bf16 matrices
+    /// ([`ParamLoader::bf16_matrices`]).
+    pub dtype: DType,
 }
 
 impl Transformer {
@@ -560,6 +651,7 @@ impl Transformer {
             norm,
             lm_head,
             rope: Rope::new(cfg),
+            dtype: p.compute_dtype(),
         })
     }
 
@@ -567,8 +659,9 @@ impl Transformer {
         self.embed.device()
     }
 
+    /// The dtype of activations (see [`Transformer::dtype`](Self#structfield.dtype)).
     pub fn dtype(&self) -> DType {
-        self.embed.dtype()
+        self.dtype
     }
 
     /// Token embeddings: `ids: [B, T]` (u32) -> `[B, T, H]`.
@@ -584,6 +677,7 @@ impl Transformer {
         Ok(self
             .embed
             .index_select(&flat, 0)?
+            .to_dtype(self.dtype)?
             .reshape((b, t, self.cfg.hidden_size))?)
     }
 
@@ -607,7 +701,7 @@ impl Transformer {
             && backend.inference()
             && self.device().is_cpu()
             && self.dtype() == DType::F32
-            && self.cfg.head_dim % 2 == 0
+            && self.cfg.head_dim.is_multiple_of(2)
         {
             let (cos, sin) = self.rope.cos_sin_f32(positions);
             let rope = RopeRows { cos, sin };

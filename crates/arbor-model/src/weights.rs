@@ -374,6 +374,7 @@ pub struct ParamLoader<'a> {
     pub device: Device,
     vars: Option<VarMap>,
     lora: Option<crate::model::LoraConfig>,
+    bf16_matrices: bool,
 }
 
 impl std::fmt::Debug for ParamLoader<'_> {
@@ -382,12 +383,14 @@ impl std::fmt::Debug for ParamLoader<'_> {
             .field("source", &self.source)
             .field("dtype", &self.dtype)
             .field("trainable", &self.vars.is_some())
+            .field("bf16_matrices", &self.bf16_matrices)
             .finish()
     }
 }
 
 impl<'a> ParamLoader<'a> {
-    /// Frozen parameters (inference).
+    /// Frozen parameters (inference). bf16 on the CPU keeps bf16 matrices
+    /// under f32 compute ([`bf16_matrices`](Self::bf16_matrices)).
     pub fn frozen(source: ParamSource<'a>, dtype: DType, device: &Device) -> Self {
         ParamLoader {
             source,
@@ -395,7 +398,15 @@ impl<'a> ParamLoader<'a> {
             device: device.clone(),
             vars: None,
             lora: None,
+            bf16_matrices: dtype == DType::BF16 && device.is_cpu(),
         }
+    }
+
+    /// Every parameter and activation in `dtype`, also bf16 on the CPU
+    /// (candle's bf16 arithmetic, as on a GPU; slow on a CPU).
+    pub fn all_in_dtype(mut self) -> Self {
+        self.bf16_matrices = false;
+        self
     }
 
     /// Trainable parameters, registered in `vars`.
@@ -406,6 +417,7 @@ impl<'a> ParamLoader<'a> {
             device: device.clone(),
             vars: Some(vars),
             lora: None,
+            bf16_matrices: false,
         }
     }
 
@@ -420,6 +432,36 @@ impl<'a> ParamLoader<'a> {
     /// The LoRA settings, if any.
     pub fn lora(&self) -> Option<&crate::model::LoraConfig> {
         self.lora.as_ref()
+    }
+
+    /// Whether this loader keeps bf16 matrices under f32 compute (frozen
+    /// bf16 parameters on the CPU, unless [`all_in_dtype`](Self::all_in_dtype)).
+    /// The CPU has no fast bf16 arithmetic besides dot products, so the
+    /// projections and embeddings stay bf16 (half the bytes; the matmuls
+    /// round their inputs to bf16 and sum in f32, see
+    /// [`crate::model::matmul_nt`]) while norms, biases, activations and the
+    /// KV cache are f32.
+    pub fn bf16_matrices(&self) -> bool {
+        self.bf16_matrices
+    }
+
+    /// The dtype activations are computed in: `dtype`, except f32 for
+    /// [`bf16_matrices`](Self::bf16_matrices).
+    pub fn compute_dtype(&self) -> DType {
+        if self.bf16_matrices() {
+            DType::F32
+        } else {
+            self.dtype
+        }
+    }
+
+    /// The dtype a parameter of `shape` is kept in.
+    fn param_dtype(&self, shape: &[usize]) -> DType {
+        if self.bf16_matrices() && shape.len() == 2 {
+            DType::BF16
+        } else {
+            self.compute_dtype()
+        }
     }
 
     /// The registry of trainable parameters, if any.
@@ -438,10 +480,17 @@ impl<'a> ParamLoader<'a> {
     /// Get parameter `name` of `shape`: from the checkpoint, or initialised.
     pub fn get(&self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
         let t = match &self.source {
-            ParamSource::Checkpoint(c) => c.load(name, shape, self.dtype, &self.device)?,
-            ParamSource::Random { seed } => {
-                init_tensor(name, *seed, shape, init, self.dtype, &self.device)?
+            ParamSource::Checkpoint(c) => {
+                c.load(name, shape, self.param_dtype(shape), &self.device)?
             }
+            ParamSource::Random { seed } => init_tensor(
+                name,
+                *seed,
+                shape,
+                init,
+                self.param_dtype(shape),
+                &self.device,
+            )?,
         };
         self.register(name, t)
     }
@@ -456,7 +505,14 @@ impl<'a> ParamLoader<'a> {
                 ParamSource::Random { seed } => *seed,
                 ParamSource::Checkpoint(_) => 0,
             };
-            let t = init_tensor(name, seed, shape, init, self.dtype, &self.device)?;
+            let t = init_tensor(
+                name,
+                seed,
+                shape,
+                init,
+                self.param_dtype(shape),
+                &self.device,
+            )?;
             self.register(name, t)
         }
     }

@@ -70,54 +70,188 @@ pub fn matmul_nt(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32>
 /// [`matmul_nt`] into a caller's buffer `y` (`m * n`, overwritten).
 pub fn matmul_nt_into(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, y: &mut [f32]) {
     assert!(
-        x.len() >= m * k && w.len() >= n * k && y.len() >= m * n,
+        w.len() >= n * k,
         "matmul_nt: slices shorter than [{m}, {k}] x [{n}, {k}]^T"
     );
+    matmul_nt_multi_into(x, &[WeightRows::F32(&w[..n * k])], m, k, &mut [y]);
+}
+
+/// Whether this CPU runs the bf16 kernel (AVX-512F, BW and BF16).
+pub fn matmul_nt_bf16_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `y[m, n] = bf16(x)[m, k] w[n, k]^T` for bf16 weights: `x` is rounded to
+/// bf16 (nearest even), every product of two bf16 values is exact in f32,
+/// and the products are summed in f32 by `vdpbf16ps`, 32 per instruction
+/// (pairs `2i, 2i+1` into lane `i`), then by the same lane tree as the f32
+/// kernel. Rows are as batch-invariant as [`matmul_nt`]'s. Twice the
+/// multiply-adds per instruction and half the weight bytes of the f32
+/// kernel. Panics if the CPU lacks the features
+/// ([`matmul_nt_bf16_available`]) or the slices are shorter than the shapes.
+pub fn matmul_nt_bf16_into(
+    x: &[f32],
+    w: &[half::bf16],
+    m: usize,
+    k: usize,
+    n: usize,
+    y: &mut [f32],
+) {
+    assert!(
+        w.len() >= n * k,
+        "matmul_nt_bf16: slices shorter than [{m}, {k}] x [{n}, {k}]^T"
+    );
+    matmul_nt_multi_into(x, &[WeightRows::Bf16(&w[..n * k])], m, k, &mut [y]);
+}
+
+/// [`matmul_nt_bf16_into`] into a new buffer.
+pub fn matmul_nt_bf16(x: &[f32], w: &[half::bf16], m: usize, k: usize, n: usize) -> Vec<f32> {
+    let mut y = vec![0f32; m * n];
+    matmul_nt_bf16_into(x, w, m, k, n, &mut y);
+    y
+}
+
+/// The rows of a weight matrix `[n, k]` (row-major) for
+/// [`matmul_nt_multi_into`]: f32 ([`matmul_nt`]) or bf16
+/// ([`matmul_nt_bf16_into`]).
+#[derive(Debug, Clone, Copy)]
+pub enum WeightRows<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [half::bf16]),
+}
+
+impl WeightRows<'_> {
+    fn len(&self) -> usize {
+        match self {
+            WeightRows::F32(w) => w.len(),
+            WeightRows::Bf16(w) => w.len(),
+        }
+    }
+}
+
+/// Several products of one input in one parallel pass: `ys[g] = x
+/// ws[g]^T` for `x: [m, k]`, `ws[g]: [n_g, k]` (`n_g = len / k`), `ys[g]:
+/// [m, n_g]` (overwritten), each computed exactly as [`matmul_nt`] (f32
+/// weights) or [`matmul_nt_bf16_into`] (bf16 weights) computes it alone. One
+/// call for a layer's q/k/v (or gate/up) projections pays one thread
+/// hand-off instead of three, with no concatenated copy of the weights.
+/// Panics if the CPU lacks a kernel's features, a weight's length is not a
+/// multiple of `k`, or a slice is shorter than its shape.
+pub fn matmul_nt_multi_into(
+    x: &[f32],
+    ws: &[WeightRows<'_>],
+    m: usize,
+    k: usize,
+    ys: &mut [&mut [f32]],
+) {
+    assert_eq!(
+        ws.len(),
+        ys.len(),
+        "matmul_nt: {} weights, {} outputs",
+        ws.len(),
+        ys.len()
+    );
+    let ns: Vec<usize> = ws
+        .iter()
+        .map(|w| w.len().checked_div(k).unwrap_or(0))
+        .collect();
+    for ((w, y), &n) in ws.iter().zip(ys.iter()).zip(&ns) {
+        assert!(
+            x.len() >= m * k && w.len() == n * k && y.len() >= m * n,
+            "matmul_nt: slices do not fit [{m}, {k}] x [{n}, {k}]^T"
+        );
+    }
+    let any_bf16 = ws.iter().any(|w| matches!(w, WeightRows::Bf16(_)));
     assert!(matmul_nt_available(), "matmul_nt needs AVX-512F");
-    if m == 0 || n == 0 {
+    assert!(
+        !any_bf16 || matmul_nt_bf16_available(),
+        "matmul_nt_bf16 needs AVX-512F, BW and BF16"
+    );
+    let xb: Vec<half::bf16> = if any_bf16 {
+        x[..m * k]
+            .iter()
+            .map(|&v| half::bf16::from_f32(v))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let outs: Vec<OutPtr> = ys.iter_mut().map(|y| OutPtr(y.as_mut_ptr())).collect();
+    drive(m, k, &ns, |g, i, mr, j, nr, pf| {
+        let (out, n) = (outs[g], ns[g]);
+        // SAFETY: the CPU features were checked above; rows i..i+mr of x
+        // and j..j+nr of ws[g] lie inside the slices (asserted), and the
+        // outputs ys[g][i.., j..j+nr] belong to the calling task alone.
+        #[allow(unsafe_code)]
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            let y = out.0.add(i * n + j);
+            match ws[g] {
+                WeightRows::F32(w) => {
+                    let pf = pf.then(|| w.as_ptr().wrapping_add((j + NR) * k));
+                    let (x, w) = (x.as_ptr().add(i * k), w.as_ptr().add(j * k));
+                    dispatch::<F32Tiles>(mr, nr, x, w, k, y, n, pf)
+                }
+                WeightRows::Bf16(w) => {
+                    let pf = pf.then(|| w.as_ptr().wrapping_add((j + NR) * k) as *const u16);
+                    let x = xb.as_ptr().add(i * k) as *const u16;
+                    let w = w.as_ptr().add(j * k) as *const u16;
+                    dispatch::<Bf16Tiles>(mr, nr, x, w, k, y, n, pf)
+                }
+            }
+        }
+    });
+}
+
+/// Walks the tiles of the products `[m, k] x [ns[g], k]^T`: calls `tile(g,
+/// i, mr, j, nr, prefetch)` for the `mr x nr` output tile at `(i, j)` of
+/// product `g`, in cache blocks, on rayon tasks that own disjoint output
+/// tiles. `prefetch` is true for the first tile of a block's column, the
+/// moment to pull the next weight tile in.
+fn drive(
+    m: usize,
+    k: usize,
+    ns: &[usize],
+    tile: impl Fn(usize, usize, usize, usize, usize, bool) + Sync,
+) {
+    let n_all: usize = ns.iter().sum();
+    if m == 0 || n_all == 0 {
         return;
     }
-    let (mc, nb) = task_shape(m, n);
-    let n_tasks = n.div_ceil(nb);
-    let out = OutPtr(y.as_mut_ptr());
+    let (mc, nb) = task_shape(m, n_all);
+    let m_tasks = m.div_ceil(mc);
+    // Tasks of product g are numbered from first[g].
+    let mut first = vec![0usize; ns.len() + 1];
+    for (g, &n) in ns.iter().enumerate() {
+        first[g + 1] = first[g] + m_tasks * n.div_ceil(nb);
+    }
     let run = |task: usize| {
-        let (mt, nt) = (task / n_tasks, task % n_tasks);
+        let g = first.partition_point(|&f| f <= task) - 1;
+        let (n, n_tasks) = (ns[g], ns[g].div_ceil(nb));
+        let local = task - first[g];
+        let (mt, nt) = (local / n_tasks, local % n_tasks);
         let (n0, n1) = (nt * nb, ((nt + 1) * nb).min(n));
         let (ms, me) = (mt * mc, ((mt + 1) * mc).min(m));
-        let out = out;
         for m0 in (ms..me).step_by(MB) {
             let m1 = (m0 + MB).min(me);
             for j in (n0..n1).step_by(NR) {
                 let nr = NR.min(n1 - j);
                 for i in (m0..m1).step_by(MR) {
-                    let mr = MR.min(m1 - i);
-                    // While the first rows meet this weight tile, pull the
-                    // next one in (prefetches never fault; the address may
-                    // lie past the end).
-                    let pf = (i == m0).then(|| w.as_ptr().wrapping_add((j + NR) * k));
-                    // SAFETY: AVX-512F checked above; rows i..i+mr of x and
-                    // j..j+nr of w lie inside the slices (asserted), and the
-                    // outputs y[i.., j..j+nr] belong to this task alone.
-                    #[allow(unsafe_code)]
-                    #[cfg(target_arch = "x86_64")]
-                    unsafe {
-                        dispatch(
-                            mr,
-                            nr,
-                            x.as_ptr().add(i * k),
-                            w.as_ptr().add(j * k),
-                            k,
-                            out.0.add(i * n + j),
-                            n,
-                            pf,
-                        );
-                    }
+                    tile(g, i, MR.min(m1 - i), j, nr, i == m0);
                 }
             }
         }
     };
-    let tasks = m.div_ceil(mc) * n_tasks;
-    if m * n * k < SERIAL_MACS {
+    let tasks = first[ns.len()];
+    if m * n_all * k < SERIAL_MACS {
         // Small calls stay on the calling thread: a rayon hand-off costs
         // more than the work, and a thread waiting on one would steal
         // unrelated jobs (say, another episode's rollout) meanwhile.
@@ -140,25 +274,87 @@ fn task_shape(m: usize, n: usize) -> (usize, usize) {
     }
 }
 
+/// A register-tile kernel over weights of element type `W`.
+#[cfg(target_arch = "x86_64")]
+trait Tiles {
+    type W;
+    /// `R x C` dot products of rows `k` apart into `y` (row stride `ldy`),
+    /// prefetching the weight rows at `pf` when `PF`.
+    ///
+    /// # Safety
+    /// The CPU has the kernel's features; the `R` rows of `x`, the `C` rows
+    /// of `w` and the outputs lie inside live allocations.
+    #[allow(unsafe_code)]
+    unsafe fn tile<const R: usize, const C: usize, const PF: bool>(
+        x: *const Self::W,
+        w: *const Self::W,
+        k: usize,
+        y: *mut f32,
+        ldy: usize,
+        pf: *const Self::W,
+    );
+}
+
+/// f32 weights and inputs: [`tile`].
+#[cfg(target_arch = "x86_64")]
+struct F32Tiles;
+/// bf16 weights and inputs (bits as `u16`): [`tile_bf16`].
+#[cfg(target_arch = "x86_64")]
+struct Bf16Tiles;
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+impl Tiles for F32Tiles {
+    type W = f32;
+    unsafe fn tile<const R: usize, const C: usize, const PF: bool>(
+        x: *const f32,
+        w: *const f32,
+        k: usize,
+        y: *mut f32,
+        ldy: usize,
+        pf: *const f32,
+    ) {
+        tile::<R, C, PF>(x, w, k, y, ldy, pf)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+impl Tiles for Bf16Tiles {
+    type W = u16;
+    unsafe fn tile<const R: usize, const C: usize, const PF: bool>(
+        x: *const u16,
+        w: *const u16,
+        k: usize,
+        y: *mut f32,
+        ldy: usize,
+        pf: *const u16,
+    ) {
+        tile_bf16::<R, C, PF>(x, w, k, y, ldy, pf)
+    }
+}
+
+/// The `mr x nr` tile (`mr <= MR`, `nr <= NR`) of kernel `T`.
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 #[inline]
-unsafe fn dispatch(
+#[allow(clippy::too_many_arguments)]
+unsafe fn dispatch<T: Tiles>(
     mr: usize,
     nr: usize,
-    x: *const f32,
-    w: *const f32,
+    x: *const T::W,
+    w: *const T::W,
     k: usize,
     y: *mut f32,
     ldy: usize,
-    pf: Option<*const f32>,
+    pf: Option<*const T::W>,
 ) {
     macro_rules! go {
         ($($a:literal: $($b:literal)*;)*) => {
             match (mr, nr, pf) {
                 $($(
-                    ($a, $b, Some(p)) => tile::<$a, $b, true>(x, w, k, y, ldy, p),
-                    ($a, $b, None) => tile::<$a, $b, false>(x, w, k, y, ldy, std::ptr::null()),
+                    ($a, $b, Some(p)) => T::tile::<$a, $b, true>(x, w, k, y, ldy, p),
+                    ($a, $b, None) => T::tile::<$a, $b, false>(x, w, k, y, ldy, std::ptr::null()),
                 )*)*
                 _ => unreachable!("tile {mr} x {nr}"),
             }
@@ -178,6 +374,7 @@ unsafe fn dispatch(
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f")]
+#[allow(clippy::needless_range_loop)]
 unsafe fn tile<const R: usize, const C: usize, const PF: bool>(
     x: *const f32,
     w: *const f32,
@@ -243,14 +440,78 @@ unsafe fn hsum(v: std::arch::x86_64::__m512) -> f32 {
     _mm_cvtss_f32(s1)
 }
 
-/// `x [m, k] @ w[n, k]^T` as a candle op (f32, CPU, AVX-512F), with the
-/// matmul backward (`dx = g w`, `dw = g^T x`).
+/// The bf16 twin of [`tile`]: `R x C` dot products of bf16 rows (`u16`
+/// bits), 32 elements per `vdpbf16ps`, a masked tail for `k % 32`, then
+/// [`hsum`].
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[allow(clippy::needless_range_loop)]
+unsafe fn tile_bf16<const R: usize, const C: usize, const PF: bool>(
+    x: *const u16,
+    w: *const u16,
+    k: usize,
+    y: *mut f32,
+    ldy: usize,
+    pf: *const u16,
+) {
+    use std::arch::x86_64::*;
+    let full = k / 32 * 32;
+    let tail = (k - full) as u32;
+    // Same 512 bits, read as 32 bf16 values.
+    let bh = |v: __m512i| std::mem::transmute::<__m512i, __m512bh>(v);
+    let zero = bh(_mm512_setzero_si512());
+    let load = |p: *const u16| bh(_mm512_loadu_si512(p as *const _));
+    let mut acc = [[_mm512_setzero_ps(); C]; R];
+    let mut kk = 0;
+    while kk < full {
+        let mut xv: [__m512bh; R] = [zero; R];
+        for (i, v) in xv.iter_mut().enumerate() {
+            *v = load(x.add(i * k + kk));
+        }
+        for j in 0..C {
+            let wv = load(w.add(j * k + kk));
+            if PF {
+                _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(j * k + kk) as *const i8);
+            }
+            for i in 0..R {
+                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
+            }
+        }
+        kk += 32;
+    }
+    if tail > 0 {
+        let mask: __mmask32 = ((1u64 << tail) - 1) as __mmask32;
+        let mload = |p: *const u16| bh(_mm512_maskz_loadu_epi16(mask, p as *const i16));
+        let mut xv: [__m512bh; R] = [zero; R];
+        for (i, v) in xv.iter_mut().enumerate() {
+            *v = mload(x.add(i * k + full));
+        }
+        for j in 0..C {
+            let wv = mload(w.add(j * k + full));
+            for i in 0..R {
+                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
+            }
+        }
+    }
+    for (i, row) in acc.iter().enumerate() {
+        for (j, a) in row.iter().enumerate() {
+            *y.add(i * ldy + j) = hsum(*a);
+        }
+    }
+}
+
+/// `x [m, k] @ w[n, k]^T` as a candle op on the CPU: `x` f32, `w` f32
+/// ([`matmul_nt`], AVX-512F) or bf16 ([`matmul_nt_bf16_into`], AVX-512
+/// BF16), output f32; with the matmul backward (`dx = g w`, `dw = g^T x`
+/// in `w`'s dtype, both detached; for bf16 weights the rounding of `x` is
+/// taken as the identity, straight through).
 pub fn matmul_nt_op(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (_, k) = x.dims2()?;
     let (_, k2) = w.dims2()?;
-    if k != k2 || x.dtype() != DType::F32 || w.dtype() != DType::F32 {
+    if k != k2 || x.dtype() != DType::F32 || !matches!(w.dtype(), DType::F32 | DType::BF16) {
         candle_core::bail!(
-            "matmul_nt: x {:?} {:?} and w {:?} {:?} do not fit",
+            "matmul_nt: x {:?} {:?} and w {:?} {:?} do not fit (want f32 x, f32 or bf16 w)",
             x.dims(),
             x.dtype(),
             w.dims(),
@@ -277,18 +538,22 @@ impl CustomOp2 for MatmulNt {
     ) -> Result<(CpuStorage, Shape)> {
         let (m, k) = xl.shape().dims2()?;
         let n = wl.shape().dims()[0];
-        let (CpuStorage::F32(x), CpuStorage::F32(w)) = (xs, ws) else {
-            candle_core::bail!("matmul_nt: f32 only");
+        let (w0, w1) = (wl.start_offset(), wl.start_offset() + n * k);
+        let w = match ws {
+            CpuStorage::F32(w) if matmul_nt_available() => WeightRows::F32(&w[w0..w1]),
+            CpuStorage::BF16(w) if matmul_nt_bf16_available() => WeightRows::Bf16(&w[w0..w1]),
+            _ => candle_core::bail!(
+                "matmul_nt: {:?} weights need AVX-512F (f32) or AVX-512 BF16 (bf16) on this CPU",
+                candle_core::backend::BackendStorage::dtype(ws)
+            ),
         };
-        if !matmul_nt_available() {
-            candle_core::bail!("matmul_nt: this CPU has no AVX-512F");
-        }
+        let CpuStorage::F32(x) = xs else {
+            candle_core::bail!("matmul_nt: x must be f32");
+        };
         let x = &x[xl.start_offset()..xl.start_offset() + m * k];
-        let w = &w[wl.start_offset()..wl.start_offset() + n * k];
-        Ok((
-            CpuStorage::F32(matmul_nt(x, w, m, k, n)),
-            Shape::from((m, n)),
-        ))
+        let mut y = vec![0f32; m * n];
+        matmul_nt_multi_into(x, &[w], m, k, &mut [&mut y]);
+        Ok((CpuStorage::F32(y), Shape::from((m, n))))
     }
 
     fn bwd(
@@ -301,8 +566,8 @@ impl CustomOp2 for MatmulNt {
         // Detached: `w` is usually a variable itself, and candle keeps a
         // variable's gradient as returned, so an attached `g^T x` would hold
         // the whole forward graph alive for as long as the gradient lives.
-        let dx = g.matmul(w)?.detach();
-        let dw = g.t()?.matmul(x)?.detach();
+        let dx = g.matmul(&w.to_dtype(DType::F32)?)?.detach();
+        let dw = g.t()?.matmul(x)?.to_dtype(w.dtype())?.detach();
         Ok((Some(dx), Some(dw)))
     }
 }
@@ -313,22 +578,71 @@ mod tests {
     use candle_core::{Device, Var};
     use rand::{rngs::StdRng, Rng, SeedableRng};
 
-    #[test]
-    fn matches_f64_reference_for_every_tile_shape_and_tail() {
-        if !matmul_nt_available() {
-            eprintln!("SKIP: no AVX-512F");
+    /// A kernel under test: `run(x, w, m, k, n)` with `w` as f32 values
+    /// (bf16-exact for the bf16 kernel); `round` is what the kernel does to
+    /// each input before multiplying.
+    struct Kernel {
+        available: bool,
+        round: fn(f32) -> f64,
+        run: Run,
+    }
+
+    /// `(x, w, m, k, n) -> y`.
+    type Run = fn(&[f32], &[f32], usize, usize, usize) -> Vec<f32>;
+
+    fn f32_kernel() -> Kernel {
+        Kernel {
+            available: matmul_nt_available(),
+            round: |v| v as f64,
+            run: matmul_nt,
+        }
+    }
+
+    /// Inputs rounded as `vdpbf16ps` takes them: f32 -> bf16 (nearest even).
+    fn bf16_kernel() -> Kernel {
+        Kernel {
+            available: matmul_nt_bf16_available(),
+            round: |v| half::bf16::from_f32(v).to_f64(),
+            run: |x, w, m, k, n| {
+                let w: Vec<half::bf16> = w.iter().map(|&v| half::bf16::from_f32(v)).collect();
+                matmul_nt_bf16(x, &w, m, k, n)
+            },
+        }
+    }
+
+    /// Uniform in [-1, 1), as the kernel's weights can hold them.
+    fn values(kn: &Kernel, rng: &mut StdRng, len: usize) -> Vec<f32> {
+        (0..len)
+            .map(|_| (kn.round)(rng.random_range(-1.0..1.0)) as f32)
+            .collect()
+    }
+
+    /// Every output against the f64 sum of the rounded inputs' products,
+    /// over every tile shape, tail and cache-block remainder.
+    fn check_reference(kn: &Kernel, seed: u64) {
+        if !kn.available {
+            eprintln!("SKIP: this CPU lacks the kernel");
             return;
         }
-        let mut rng = StdRng::seed_from_u64(1);
-        for &(k, n) in &[(576usize, 200usize), (37, 130), (16, 3), (1, 5), (100, 7)] {
+        let mut rng = StdRng::seed_from_u64(seed);
+        for &(k, n) in &[
+            (576usize, 200usize),
+            (37, 130),
+            (16, 3),
+            (32, 3),
+            (1, 5),
+            (100, 7),
+        ] {
             for m in (1..=13).chain([64, 67, 130]) {
                 let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
-                let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
-                let y = matmul_nt(&x, &w, m, k, n);
+                let w = values(kn, &mut rng, n * k);
+                let y = (kn.run)(&x, &w, m, k, n);
                 for i in 0..m {
                     for j in 0..n {
+                        // Products of the rounded inputs are exact in f32
+                        // for both kernels; only the f32 sums round.
                         let want: f64 = (0..k)
-                            .map(|t| x[i * k + t] as f64 * w[j * k + t] as f64)
+                            .map(|t| (kn.round)(x[i * k + t]) * w[j * k + t] as f64)
                             .sum();
                         let got = y[i * n + j] as f64;
                         assert!(
@@ -344,32 +658,28 @@ mod tests {
     /// A row's output is bit-identical whatever the rows around it: alone,
     /// at every position of batches of every size (all tile remainders and
     /// cache blocks), and for every slice of the weight rows.
-    #[test]
-    fn rows_are_bit_identical_whatever_the_batch() {
-        if !matmul_nt_available() {
+    fn check_rows_bit_identical(kn: &Kernel, seed: u64) {
+        if !kn.available {
             return;
         }
-        let mut rng = StdRng::seed_from_u64(2);
+        let mut rng = StdRng::seed_from_u64(seed);
         let (k, n) = (77usize, 53usize);
         let big = 150;
         let x: Vec<f32> = (0..big * k).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let w = values(kn, &mut rng, n * k);
         let alone: Vec<Vec<f32>> = (0..big)
-            .map(|r| matmul_nt(&x[r * k..(r + 1) * k], &w, 1, k, n))
+            .map(|r| (kn.run)(&x[r * k..(r + 1) * k], &w, 1, k, n))
             .collect();
+        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
         for m in [2usize, 3, 5, 8, 32, 65, 150] {
             for start in [0usize, 1, 3] {
                 if start + m > big {
                     continue;
                 }
-                let y = matmul_nt(&x[start * k..(start + m) * k], &w, m, k, n);
+                let y = (kn.run)(&x[start * k..(start + m) * k], &w, m, k, n);
                 for i in 0..m {
-                    let got = &y[i * n..(i + 1) * n];
-                    let want = &alone[start + i];
                     assert!(
-                        got.iter()
-                            .zip(want)
-                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        same(&y[i * n..(i + 1) * n], &alone[start + i]),
                         "row {} in a batch of {m} from {start} differs",
                         start + i
                     );
@@ -377,18 +687,26 @@ mod tests {
             }
         }
         // Any window of weight rows gives the same columns.
-        let full = matmul_nt(&x[..5 * k], &w, 5, k, n);
+        let full = (kn.run)(&x[..5 * k], &w, 5, k, n);
         for (j0, j1) in [(0usize, 1usize), (7, 20), (13, 53)] {
-            let part = matmul_nt(&x[..5 * k], &w[j0 * k..j1 * k], 5, k, j1 - j0);
+            let part = (kn.run)(&x[..5 * k], &w[j0 * k..j1 * k], 5, k, j1 - j0);
             for i in 0..5 {
-                for j in j0..j1 {
-                    assert_eq!(
-                        part[i * (j1 - j0) + j - j0].to_bits(),
-                        full[i * n + j].to_bits()
-                    );
-                }
+                let cols = &full[i * n + j0..i * n + j1];
+                assert!(same(&part[i * (j1 - j0)..(i + 1) * (j1 - j0)], cols));
             }
         }
+    }
+
+    #[test]
+    fn matches_f64_reference_for_every_tile_shape_and_tail() {
+        check_reference(&f32_kernel(), 1);
+        check_reference(&bf16_kernel(), 3);
+    }
+
+    #[test]
+    fn rows_are_bit_identical_whatever_the_batch() {
+        check_rows_bit_identical(&f32_kernel(), 2);
+        check_rows_bit_identical(&bf16_kernel(), 4);
     }
 
     #[test]
@@ -418,5 +736,70 @@ mod tests {
         let g = l.backward()?;
         assert!(!g.get(w.as_tensor()).expect("grad").track_op());
         Ok(())
+    }
+
+    #[test]
+    fn bf16_op_gradients_are_the_straight_through_matmul() -> Result<()> {
+        if !matmul_nt_bf16_available() {
+            return Ok(());
+        }
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (5, 40), &dev)?)?;
+        let w = Tensor::randn(0f32, 1.0, (9, 40), &dev)?.to_dtype(DType::BF16)?;
+        let wf = w.to_dtype(DType::F32)?;
+        let c = Tensor::randn(0f32, 1.0, (5, 9), &dev)?;
+        let a = (matmul_nt_op(x.as_tensor(), &w)? * &c)?.sum_all()?;
+        let ga = a.backward()?;
+        let dx = ga.get(x.as_tensor()).expect("grad");
+        let want = c.matmul(&wf)?;
+        let d = (dx - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(d < 1e-5, "{d}");
+        Ok(())
+    }
+
+    /// One grouped call gives bit for bit what separate calls give, for
+    /// f32 and bf16 weights side by side, at decode and prefill sizes.
+    #[test]
+    fn grouped_products_equal_separate_calls() {
+        if !matmul_nt_bf16_available() {
+            return;
+        }
+        let mut rng = StdRng::seed_from_u64(5);
+        let k = 96;
+        let w1: Vec<f32> = (0..200 * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let w2: Vec<half::bf16> = (0..64 * k)
+            .map(|_| half::bf16::from_f32(rng.random_range(-1.0..1.0)))
+            .collect();
+        let w3: Vec<f32> = (0..7 * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        for m in [1usize, 8, 32, 300] {
+            let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let (mut y1, mut y2, mut y3) =
+                (vec![0f32; m * 200], vec![0f32; m * 64], vec![0f32; m * 7]);
+            matmul_nt_multi_into(
+                &x,
+                &[
+                    WeightRows::F32(&w1),
+                    WeightRows::Bf16(&w2),
+                    WeightRows::F32(&w3),
+                ],
+                m,
+                k,
+                &mut [&mut y1, &mut y2, &mut y3],
+            );
+            let same =
+                |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
+            assert!(
+                same(&y1, &matmul_nt(&x, &w1, m, k, 200)),
+                "m {m}: f32 group"
+            );
+            assert!(
+                same(&y2, &matmul_nt_bf16(&x, &w2, m, k, 64)),
+                "m {m}: bf16 group"
+            );
+            assert!(
+                same(&y3, &matmul_nt(&x, &w3, m, k, 7)),
+                "m {m}: small group"
+            );
+        }
     }
 }

@@ -60,7 +60,7 @@ fn rms_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 pub fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     let h = w.len();
     assert!(
-        h > 0 && x.len() % h == 0,
+        h > 0 && x.len().is_multiple_of(h),
         "rms_norm_rows: {} values, rows of {h}",
         x.len()
     );
@@ -86,7 +86,10 @@ pub fn heads_rope(
 ) -> Vec<f32> {
     let half = d / 2;
     assert!(
-        d % 2 == 0 && y.len() == t * n * d && cos.len() == t * half && sin.len() == t * half,
+        d.is_multiple_of(2)
+            && y.len() == t * n * d
+            && cos.len() == t * half
+            && sin.len() == t * half,
         "heads_rope: y {} cos {} sin {} for t {t} n {n} d {d}",
         y.len(),
         cos.len(),
