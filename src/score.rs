@@ -25,7 +25,8 @@ pub struct ScoreArgs {
     /// Print `{"tokens": [...], "logprobs": [...], "greedy": [...]}`.
     #[arg(long)]
     pub json: bool,
-    /// Compute dtype: f32, bf16, f16 or f64.
+    /// Compute dtype: f32, bf16, f16 or f64 (bf16 on a CPU with AVX-512
+    /// BF16: bf16 weight matrices, f32 activations).
     #[arg(long, default_value = "f32")]
     pub dtype: String,
 }

@@ -8,7 +8,7 @@
 //! holds `[N, V]` logits (the autograd graph keeps only `[N, 3]`). f32
 //! results (f64 for f64 models); CUDA kernels with the `cuda` feature.
 
-use candle_core::{Tensor, D};
+use candle_core::{DType, Tensor, D};
 
 use crate::error::{ModelError, Result};
 use crate::model::accum_dtype;
@@ -51,10 +51,14 @@ pub fn token_logprobs(
             "target token {bad} is outside the vocabulary ({vocab})"
         )));
     }
-    // Over bf16 matrices: the products the generation engine's bf16 LM head
-    // computes, so scored and sampled logprobs agree.
-    let (hidden, lm_head) = crate::model::bf16_operands(hidden, lm_head)?;
-    let out = arbor_ops::fused_logprobs(&hidden, &lm_head, targets, chunk_rows * vocab as usize)?;
+    // Over a bf16 LM head with f32 hidden states (bf16 matrices): the
+    // products the engine's bf16 LM head computes (hidden rounded to bf16;
+    // the fused op upcasts the weight once), summed in another order.
+    let hidden = match (hidden.dtype(), lm_head.dtype()) {
+        (DType::F32, DType::BF16) => hidden.to_dtype(DType::BF16)?.to_dtype(DType::F32)?,
+        _ => hidden.clone(),
+    };
+    let out = arbor_ops::fused_logprobs(&hidden, lm_head, targets, chunk_rows * vocab as usize)?;
     Ok(out.narrow(1, 0, 1)?.squeeze(1)?)
 }
 

@@ -183,38 +183,24 @@ impl Module for Linear {
 /// candle's matmul.
 ///
 /// f32 `x` with bf16 `w` (bf16 matrices under f32 compute,
-/// [`ParamLoader::bf16_matrices`]) computes `bf16(x) w^T` with f32 sums:
-/// [`arbor_ops::matmul_nt_op`] on CPUs with AVX-512 BF16, else the
-/// same exact products through candle in f32 (only the summation order
-/// differs).
+/// [`ParamLoader::bf16_matrices`], only on CPUs with AVX-512 BF16) computes
+/// `bf16(x) w^T` with f32 sums through [`arbor_ops::matmul_nt_op`]; the
+/// pair anywhere else gets the same exact products through candle in f32
+/// (a per-call f32 copy of `w`; only the summation order differs).
 pub fn matmul_nt(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    let cpu = x.device().is_cpu();
     match (x.dtype(), w.dtype()) {
-        (DType::F32, DType::F32) if x.device().is_cpu() && arbor_ops::matmul_nt_available() => {
+        (DType::F32, DType::F32) if cpu && arbor_ops::matmul_nt_available() => {
             arbor_ops::matmul_nt_op(x, w)
         }
-        (DType::F32, DType::BF16) => {
-            if x.device().is_cpu() && arbor_ops::matmul_nt_bf16_available() {
-                arbor_ops::matmul_nt_op(x, w)
-            } else {
-                let (x, w) = bf16_operands(x, w)?;
-                x.matmul(&w.t()?)
-            }
+        (DType::F32, DType::BF16) if cpu && arbor_ops::matmul_nt_bf16_available() => {
+            arbor_ops::matmul_nt_op(x, w)
         }
+        (DType::F32, DType::BF16) => x
+            .to_dtype(DType::BF16)?
+            .to_dtype(DType::F32)?
+            .matmul(&w.to_dtype(DType::F32)?.t()?),
         _ => x.matmul(&w.t()?),
-    }
-}
-
-/// f32 `x` and bf16 `w` as the f32 tensors `(bf16(x), w)`: their products
-/// are those of bf16 arithmetic, exactly. Other pairs are returned as they
-/// are.
-pub fn bf16_operands(x: &Tensor, w: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
-    if x.dtype() == DType::F32 && w.dtype() == DType::BF16 {
-        Ok((
-            x.to_dtype(DType::BF16)?.to_dtype(DType::F32)?,
-            w.to_dtype(DType::F32)?,
-        ))
-    } else {
-        Ok((x.clone(), w.clone()))
     }
 }
 

@@ -398,7 +398,7 @@ impl<'a> ParamLoader<'a> {
             device: device.clone(),
             vars: None,
             lora: None,
-            bf16_matrices: dtype == DType::BF16 && device.is_cpu(),
+            bf16_matrices: true,
         }
     }
 
@@ -434,15 +434,20 @@ impl<'a> ParamLoader<'a> {
         self.lora.as_ref()
     }
 
-    /// Whether this loader keeps bf16 matrices under f32 compute (frozen
-    /// bf16 parameters on the CPU, unless [`all_in_dtype`](Self::all_in_dtype)).
-    /// The CPU has no fast bf16 arithmetic besides dot products, so the
-    /// projections and embeddings stay bf16 (half the bytes; the matmuls
-    /// round their inputs to bf16 and sum in f32, see
-    /// [`crate::model::matmul_nt`]) while norms, biases, activations and the
-    /// KV cache are f32.
+    /// Whether this loader keeps bf16 matrices under f32 compute: frozen
+    /// bf16 parameters on a CPU with AVX-512 BF16, unless
+    /// [`all_in_dtype`](Self::all_in_dtype). Such a CPU has no fast bf16
+    /// arithmetic besides dot products, so the projections and embeddings
+    /// stay bf16 (half the bytes; the matmuls round their inputs to bf16 and
+    /// sum in f32, see [`crate::model::matmul_nt`]) while norms, biases,
+    /// activations and the KV cache are f32. Elsewhere bf16 means bf16
+    /// throughout (candle's bf16 arithmetic).
     pub fn bf16_matrices(&self) -> bool {
         self.bf16_matrices
+            && self.vars.is_none()
+            && self.dtype == DType::BF16
+            && self.device.is_cpu()
+            && arbor_ops::matmul_nt_bf16_available()
     }
 
     /// The dtype activations are computed in: `dtype`, except f32 for

@@ -16,8 +16,10 @@
 //!   block tables and KV writes into the paged cache;
 //! - [`rows`]: fused row-wise f32 kernels of the generation forward
 //!   (RMSNorm, head split + q/k-norm + RoPE, `silu(g) * u`);
-//! - [`matmul_nt_op`]: the CPU `x w^T` of every `Linear` (AVX-512, f32),
-//!   row-invariant: a row's result never depends on the rest of the batch.
+//! - [`matmul_nt_op`]: the CPU `x w^T` of every `Linear` (AVX-512; f32
+//!   weights, or bf16 weights with AVX-512 BF16), row-invariant: a row's
+//!   result never depends on the rest of the batch; grouped calls for
+//!   several weights of one input ([`matmul_nt_multi_into`]).
 //!
 //! The slice-level [`paged_attention`] is the engine's CPU kernel, compiled
 //! for several x86 feature levels and picked at run time (`multiversion`).

@@ -35,7 +35,8 @@ pub const DEFAULT_CHUNK_ELEMS: usize = 1 << 25;
 /// `[N, 3]` columns `(logp, entropy, lse)` for `hidden: [N, H]`,
 /// `weight: [V, H]`, `targets: [N]` (u32). Differentiable in `hidden` and
 /// `weight` through all three columns. Output dtype is f32 (f64 for f64
-/// inputs).
+/// inputs). `hidden` and `weight` share a dtype, except f32 `hidden` over a
+/// bf16 `weight` on the CPU.
 pub fn fused_logprobs(
     hidden: &Tensor,
     weight: &Tensor,
@@ -54,7 +55,11 @@ pub fn fused_logprobs(
             targets.dims()
         );
     }
-    if hidden.dtype() != weight.dtype() {
+    // f32 hidden states over a bf16 LM head (CPU bf16 matrices): the CPU
+    // path upcasts the weight once.
+    let mixed =
+        hidden.dtype() == DType::F32 && weight.dtype() == DType::BF16 && hidden.device().is_cpu();
+    if hidden.dtype() != weight.dtype() && !mixed {
         candle_core::bail!(
             "fused_logprobs: hidden is {:?} but weight is {:?}",
             hidden.dtype(),
@@ -323,7 +328,12 @@ impl CustomOp3 for FusedLogprob {
         )?;
         let dh = packed.narrow(0, 0, n * h)?.reshape((n, h))?;
         let dw = if need_dw {
-            Some(packed.narrow(0, n * h, v * h)?.reshape((v, h))?)
+            Some(
+                packed
+                    .narrow(0, n * h, v * h)?
+                    .reshape((v, h))?
+                    .to_dtype(weight.dtype())?,
+            )
         } else {
             None
         };

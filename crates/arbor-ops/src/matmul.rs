@@ -1,6 +1,8 @@
 //! Row-invariant CPU matmul: `y[m, n] = x[m, k] w[n, k]^T` in f32 with
 //! AVX-512, for every row count (a decode step of 1 row, a batch of 32, a
-//! prefill of thousands).
+//! prefill of thousands); and its bf16-weight twin (`x` rounded to bf16,
+//! `vdpbf16ps`, f32 sums: [`matmul_nt_bf16_into`]), with grouped calls
+//! ([`matmul_nt_multi_into`]) for several weights of one input.
 //!
 //! Each output is a dot product computed the same way whatever the tile it
 //! falls in: 16 lane-wise FMA chains over `k` in order (a masked tail for
@@ -21,8 +23,9 @@
 //! (and, for long inputs, `x`). At decode sizes each weight is read from
 //! memory once per call.
 //!
-//! [`matmul_nt_op`] is a candle op (f32, CPU) with the usual matmul
-//! backward. Callers check [`matmul_nt_available`] and otherwise use
+//! [`matmul_nt_op`] is a candle op (f32 `x`; f32 or bf16 `w`; CPU) with the
+//! usual matmul backward. Callers check [`matmul_nt_available`] (f32
+//! weights) or [`matmul_nt_bf16_available`] (bf16 weights) and otherwise use
 //! candle's matmul (then, on that CPU, candle's GEMM provides the rows).
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
@@ -52,7 +55,8 @@ pub fn matmul_nt_available() -> bool {
 /// Raw output pointer shared by the tasks, which write disjoint columns.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
-// SAFETY: every task writes only its own columns `n0..n0 + nb` of `y`.
+// SAFETY: every task writes only its own output tiles (columns `n0..n1` of
+// one product, in its own block of rows).
 #[allow(unsafe_code)]
 unsafe impl Send for OutPtr {}
 #[allow(unsafe_code)]
@@ -70,10 +74,16 @@ pub fn matmul_nt(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32>
 /// [`matmul_nt`] into a caller's buffer `y` (`m * n`, overwritten).
 pub fn matmul_nt_into(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, y: &mut [f32]) {
     assert!(
-        w.len() >= n * k,
+        w.len() >= n * k && y.len() >= m * n,
         "matmul_nt: slices shorter than [{m}, {k}] x [{n}, {k}]^T"
     );
-    matmul_nt_multi_into(x, &[WeightRows::F32(&w[..n * k])], m, k, &mut [y]);
+    matmul_nt_multi_into(
+        x,
+        &[WeightRows::F32(&w[..n * k])],
+        m,
+        k,
+        &mut [&mut y[..m * n]],
+    );
 }
 
 /// Whether this CPU runs the bf16 kernel (AVX-512F, BW and BF16).
@@ -107,10 +117,16 @@ pub fn matmul_nt_bf16_into(
     y: &mut [f32],
 ) {
     assert!(
-        w.len() >= n * k,
+        w.len() >= n * k && y.len() >= m * n,
         "matmul_nt_bf16: slices shorter than [{m}, {k}] x [{n}, {k}]^T"
     );
-    matmul_nt_multi_into(x, &[WeightRows::Bf16(&w[..n * k])], m, k, &mut [y]);
+    matmul_nt_multi_into(
+        x,
+        &[WeightRows::Bf16(&w[..n * k])],
+        m,
+        k,
+        &mut [&mut y[..m * n]],
+    );
 }
 
 /// [`matmul_nt_bf16_into`] into a new buffer.
@@ -140,7 +156,8 @@ impl WeightRows<'_> {
 
 /// Several products of one input in one parallel pass: `ys[g] = x
 /// ws[g]^T` for `x: [m, k]`, `ws[g]: [n_g, k]` (`n_g = len / k`), `ys[g]:
-/// [m, n_g]` (overwritten), each computed exactly as [`matmul_nt`] (f32
+/// [m, n_g]` (overwritten; for `k = 0`, zeroed whole), each computed
+/// exactly as [`matmul_nt`] (f32
 /// weights) or [`matmul_nt_bf16_into`] (bf16 weights) computes it alone. One
 /// call for a layer's q/k/v (or gate/up) projections pays one thread
 /// hand-off instead of three, with no concatenated copy of the weights.
@@ -160,10 +177,13 @@ pub fn matmul_nt_multi_into(
         ws.len(),
         ys.len()
     );
-    let ns: Vec<usize> = ws
-        .iter()
-        .map(|w| w.len().checked_div(k).unwrap_or(0))
-        .collect();
+    if k == 0 {
+        // Empty dot products: every output is 0 (the weights have no
+        // elements, so their row counts are unknown; fill what is given).
+        ys.iter_mut().for_each(|y| y.fill(0.0));
+        return;
+    }
+    let ns: Vec<usize> = ws.iter().map(|w| w.len() / k).collect();
     for ((w, y), &n) in ws.iter().zip(ys.iter()).zip(&ns) {
         assert!(
             x.len() >= m * k && w.len() == n * k && y.len() >= m * n,
@@ -758,12 +778,14 @@ mod tests {
     }
 
     /// One grouped call gives bit for bit what separate calls give, for
-    /// f32 and bf16 weights side by side, at decode and prefill sizes.
+    /// f32 and (where the CPU has them) bf16 weights side by side, at decode
+    /// and prefill sizes.
     #[test]
     fn grouped_products_equal_separate_calls() {
-        if !matmul_nt_bf16_available() {
+        if !matmul_nt_available() {
             return;
         }
+        let bf16 = matmul_nt_bf16_available();
         let mut rng = StdRng::seed_from_u64(5);
         let k = 96;
         let w1: Vec<f32> = (0..200 * k).map(|_| rng.random_range(-1.0..1.0)).collect();
@@ -771,35 +793,61 @@ mod tests {
             .map(|_| half::bf16::from_f32(rng.random_range(-1.0..1.0)))
             .collect();
         let w3: Vec<f32> = (0..7 * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
         for m in [1usize, 8, 32, 300] {
             let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
             let (mut y1, mut y2, mut y3) =
                 (vec![0f32; m * 200], vec![0f32; m * 64], vec![0f32; m * 7]);
-            matmul_nt_multi_into(
-                &x,
-                &[
-                    WeightRows::F32(&w1),
-                    WeightRows::Bf16(&w2),
-                    WeightRows::F32(&w3),
-                ],
-                m,
-                k,
-                &mut [&mut y1, &mut y2, &mut y3],
-            );
-            let same =
-                |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
+            if bf16 {
+                matmul_nt_multi_into(
+                    &x,
+                    &[
+                        WeightRows::F32(&w1),
+                        WeightRows::Bf16(&w2),
+                        WeightRows::F32(&w3),
+                    ],
+                    m,
+                    k,
+                    &mut [&mut y1, &mut y2, &mut y3],
+                );
+                assert!(
+                    same(&y2, &matmul_nt_bf16(&x, &w2, m, k, 64)),
+                    "m {m}: bf16 group"
+                );
+            } else {
+                matmul_nt_multi_into(
+                    &x,
+                    &[WeightRows::F32(&w1), WeightRows::F32(&w3)],
+                    m,
+                    k,
+                    &mut [&mut y1, &mut y3],
+                );
+            }
             assert!(
                 same(&y1, &matmul_nt(&x, &w1, m, k, 200)),
                 "m {m}: f32 group"
-            );
-            assert!(
-                same(&y2, &matmul_nt_bf16(&x, &w2, m, k, 64)),
-                "m {m}: bf16 group"
             );
             assert!(
                 same(&y3, &matmul_nt(&x, &w3, m, k, 7)),
                 "m {m}: small group"
             );
         }
+    }
+
+    /// Empty shapes: no rows or no weight rows write nothing; an empty
+    /// inner dimension gives zeros, as an empty sum should.
+    #[test]
+    fn empty_shapes() {
+        if !matmul_nt_available() {
+            return;
+        }
+        assert!(matmul_nt(&[], &[1.0; 8], 0, 4, 2).is_empty());
+        assert!(matmul_nt(&[1.0; 8], &[], 2, 4, 0).is_empty());
+        let mut y = vec![7f32; 6];
+        matmul_nt_into(&[], &[], 2, 0, 3, &mut y);
+        assert_eq!(y, vec![0f32; 6]);
+        let mut y = vec![7f32; 8];
+        matmul_nt_into(&[], &[], 2, 0, 3, &mut y);
+        assert_eq!(y[6..], [7.0, 7.0], "only [m, n] is written");
     }
 }
