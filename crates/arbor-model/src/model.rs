@@ -254,8 +254,6 @@ fn linear_rows_group(x: &Tensor, lins: &[&Linear]) -> Result<Vec<Tensor>> {
         let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
         arbor_ops::matmul_nt_multi_into(xs, &ws, m, k, &mut outs);
     })?;
-    drop(ws);
-    drop(guards);
     ys.into_iter()
         .zip(lins)
         .map(|(y, l)| {
@@ -285,9 +283,7 @@ impl RmsNorm {
             eps,
         })
     }
-}
 
-impl RmsNorm {
     /// The generation forward's fused RMSNorm (CPU, f32).
     fn forward_rows(&self, x: &Tensor) -> Result<Tensor> {
         let out = with_cpu_f32(x, |xs| {

@@ -374,7 +374,8 @@ pub struct ParamLoader<'a> {
     pub device: Device,
     vars: Option<VarMap>,
     lora: Option<crate::model::LoraConfig>,
-    bf16_matrices: bool,
+    /// Set by [`all_in_dtype`](Self::all_in_dtype).
+    all_in_dtype: bool,
 }
 
 impl std::fmt::Debug for ParamLoader<'_> {
@@ -383,7 +384,7 @@ impl std::fmt::Debug for ParamLoader<'_> {
             .field("source", &self.source)
             .field("dtype", &self.dtype)
             .field("trainable", &self.vars.is_some())
-            .field("bf16_matrices", &self.bf16_matrices)
+            .field("bf16_matrices", &self.bf16_matrices())
             .finish()
     }
 }
@@ -398,14 +399,14 @@ impl<'a> ParamLoader<'a> {
             device: device.clone(),
             vars: None,
             lora: None,
-            bf16_matrices: true,
+            all_in_dtype: false,
         }
     }
 
     /// Every parameter and activation in `dtype`, also bf16 on the CPU
     /// (candle's bf16 arithmetic, as on a GPU; slow on a CPU).
     pub fn all_in_dtype(mut self) -> Self {
-        self.bf16_matrices = false;
+        self.all_in_dtype = true;
         self
     }
 
@@ -417,7 +418,7 @@ impl<'a> ParamLoader<'a> {
             device: device.clone(),
             vars: Some(vars),
             lora: None,
-            bf16_matrices: false,
+            all_in_dtype: false,
         }
     }
 
@@ -443,7 +444,7 @@ impl<'a> ParamLoader<'a> {
     /// activations and the KV cache are f32. Elsewhere bf16 means bf16
     /// throughout (candle's bf16 arithmetic).
     pub fn bf16_matrices(&self) -> bool {
-        self.bf16_matrices
+        !self.all_in_dtype
             && self.vars.is_none()
             && self.dtype == DType::BF16
             && self.device.is_cpu()

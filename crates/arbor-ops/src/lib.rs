@@ -37,8 +37,8 @@ pub mod segment;
 pub use attention::{paged_attention, PagedAttentionArgs};
 pub use logprob::{fused_logprobs, DEFAULT_CHUNK_ELEMS};
 pub use matmul::{
-    matmul_nt, matmul_nt_available, matmul_nt_bf16, matmul_nt_bf16_available, matmul_nt_bf16_into,
-    matmul_nt_into, matmul_nt_multi_into, matmul_nt_op, WeightRows,
+    matmul_nt, matmul_nt_available, matmul_nt_bf16, matmul_nt_bf16_available, matmul_nt_into,
+    matmul_nt_multi_into, matmul_nt_op, WeightRows,
 };
 pub use paged::{cache_write, paged_attention_op, PagedMeta};
 pub use ppo::{pack_aux, ppo_loss, token_weights, value_loss, Aggregation, PpoClip};

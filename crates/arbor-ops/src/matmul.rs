@@ -1,7 +1,7 @@
 //! Row-invariant CPU matmul: `y[m, n] = x[m, k] w[n, k]^T` in f32 with
 //! AVX-512, for every row count (a decode step of 1 row, a batch of 32, a
 //! prefill of thousands); and its bf16-weight twin (`x` rounded to bf16,
-//! `vdpbf16ps`, f32 sums: [`matmul_nt_bf16_into`]), with grouped calls
+//! `vdpbf16ps`, f32 sums: [`matmul_nt_bf16`]), with grouped calls
 //! ([`matmul_nt_multi_into`]) for several weights of one input.
 //!
 //! Each output is a dot product computed the same way whatever the tile it
@@ -66,24 +66,29 @@ unsafe impl Sync for OutPtr {}
 /// Panics if the CPU lacks AVX-512F (check [`matmul_nt_available`]) or the
 /// slices are shorter than the shapes.
 pub fn matmul_nt(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
-    let mut y = vec![0f32; m * n];
-    matmul_nt_into(x, w, m, k, n, &mut y);
-    y
+    single(x, WeightRows::F32(w), m, k, n)
 }
 
 /// [`matmul_nt`] into a caller's buffer `y` (`m * n`, overwritten).
 pub fn matmul_nt_into(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, y: &mut [f32]) {
+    single_into(x, WeightRows::F32(w), m, k, n, y)
+}
+
+/// One product through [`matmul_nt_multi_into`]: the first `n` rows of `w`
+/// into the first `m * n` values of `y`.
+fn single_into(x: &[f32], w: WeightRows<'_>, m: usize, k: usize, n: usize, y: &mut [f32]) {
     assert!(
         w.len() >= n * k && y.len() >= m * n,
         "matmul_nt: slices shorter than [{m}, {k}] x [{n}, {k}]^T"
     );
-    matmul_nt_multi_into(
-        x,
-        &[WeightRows::F32(&w[..n * k])],
-        m,
-        k,
-        &mut [&mut y[..m * n]],
-    );
+    matmul_nt_multi_into(x, &[w.rows(n * k)], m, k, &mut [&mut y[..m * n]]);
+}
+
+/// [`single_into`] into a new buffer.
+fn single(x: &[f32], w: WeightRows<'_>, m: usize, k: usize, n: usize) -> Vec<f32> {
+    let mut y = vec![0f32; m * n];
+    single_into(x, w, m, k, n, &mut y);
+    y
 }
 
 /// Whether this CPU runs the bf16 kernel (AVX-512F, BW and BF16).
@@ -108,48 +113,32 @@ pub fn matmul_nt_bf16_available() -> bool {
 /// multiply-adds per instruction and half the weight bytes of the f32
 /// kernel. Panics if the CPU lacks the features
 /// ([`matmul_nt_bf16_available`]) or the slices are shorter than the shapes.
-pub fn matmul_nt_bf16_into(
-    x: &[f32],
-    w: &[half::bf16],
-    m: usize,
-    k: usize,
-    n: usize,
-    y: &mut [f32],
-) {
-    assert!(
-        w.len() >= n * k && y.len() >= m * n,
-        "matmul_nt_bf16: slices shorter than [{m}, {k}] x [{n}, {k}]^T"
-    );
-    matmul_nt_multi_into(
-        x,
-        &[WeightRows::Bf16(&w[..n * k])],
-        m,
-        k,
-        &mut [&mut y[..m * n]],
-    );
-}
-
-/// [`matmul_nt_bf16_into`] into a new buffer.
 pub fn matmul_nt_bf16(x: &[f32], w: &[half::bf16], m: usize, k: usize, n: usize) -> Vec<f32> {
-    let mut y = vec![0f32; m * n];
-    matmul_nt_bf16_into(x, w, m, k, n, &mut y);
-    y
+    single(x, WeightRows::Bf16(w), m, k, n)
 }
 
 /// The rows of a weight matrix `[n, k]` (row-major) for
 /// [`matmul_nt_multi_into`]: f32 ([`matmul_nt`]) or bf16
-/// ([`matmul_nt_bf16_into`]).
+/// ([`matmul_nt_bf16`]).
 #[derive(Debug, Clone, Copy)]
 pub enum WeightRows<'a> {
     F32(&'a [f32]),
     Bf16(&'a [half::bf16]),
 }
 
-impl WeightRows<'_> {
+impl<'a> WeightRows<'a> {
     fn len(&self) -> usize {
         match self {
             WeightRows::F32(w) => w.len(),
             WeightRows::Bf16(w) => w.len(),
+        }
+    }
+
+    /// The first `len` elements.
+    fn rows(self, len: usize) -> WeightRows<'a> {
+        match self {
+            WeightRows::F32(w) => WeightRows::F32(&w[..len]),
+            WeightRows::Bf16(w) => WeightRows::Bf16(&w[..len]),
         }
     }
 }
@@ -158,7 +147,7 @@ impl WeightRows<'_> {
 /// ws[g]^T` for `x: [m, k]`, `ws[g]: [n_g, k]` (`n_g = len / k`), `ys[g]:
 /// [m, n_g]` (overwritten; for `k = 0`, zeroed whole), each computed
 /// exactly as [`matmul_nt`] (f32
-/// weights) or [`matmul_nt_bf16_into`] (bf16 weights) computes it alone. One
+/// weights) or [`matmul_nt_bf16`] (bf16 weights) computes it alone. One
 /// call for a layer's q/k/v (or gate/up) projections pays one thread
 /// hand-off instead of three, with no concatenated copy of the weights.
 /// Panics if the CPU lacks a kernel's features, a weight's length is not a
@@ -522,7 +511,7 @@ unsafe fn tile_bf16<const R: usize, const C: usize, const PF: bool>(
 }
 
 /// `x [m, k] @ w[n, k]^T` as a candle op on the CPU: `x` f32, `w` f32
-/// ([`matmul_nt`], AVX-512F) or bf16 ([`matmul_nt_bf16_into`], AVX-512
+/// ([`matmul_nt`], AVX-512F) or bf16 ([`matmul_nt_bf16`], AVX-512
 /// BF16), output f32; with the matmul backward (`dx = g w`, `dw = g^T x`
 /// in `w`'s dtype, both detached; for bf16 weights the rounding of `x` is
 /// taken as the identity, straight through).
@@ -571,9 +560,7 @@ impl CustomOp2 for MatmulNt {
             candle_core::bail!("matmul_nt: x must be f32");
         };
         let x = &x[xl.start_offset()..xl.start_offset() + m * k];
-        let mut y = vec![0f32; m * n];
-        matmul_nt_multi_into(x, &[w], m, k, &mut [&mut y]);
-        Ok((CpuStorage::F32(y), Shape::from((m, n))))
+        Ok((CpuStorage::F32(single(x, w, m, k, n)), Shape::from((m, n))))
     }
 
     fn bwd(
@@ -583,12 +570,23 @@ impl CustomOp2 for MatmulNt {
         _res: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        // Detached: `w` is usually a variable itself, and candle keeps a
-        // variable's gradient as returned, so an attached `g^T x` would hold
-        // the whole forward graph alive for as long as the gradient lives.
-        let dx = g.matmul(&w.to_dtype(DType::F32)?)?.detach();
-        let dw = g.t()?.matmul(x)?.to_dtype(w.dtype())?.detach();
-        Ok((Some(dx), Some(dw)))
+        // Only for inputs that want one: a frozen weight (a LoRA base, an
+        // inference model) gets no `g^T x`, which would cost a matmul as
+        // large as the forward's. Detached: `w` is usually a variable
+        // itself, and candle keeps a variable's gradient as returned, so an
+        // attached `g^T x` would hold the whole forward graph alive for as
+        // long as the gradient lives.
+        let dx = if x.track_op() {
+            Some(g.matmul(&w.to_dtype(DType::F32)?)?.detach())
+        } else {
+            None
+        };
+        let dw = if w.track_op() {
+            Some(g.t()?.matmul(x)?.to_dtype(w.dtype())?.detach())
+        } else {
+            None
+        };
+        Ok((dx, dw))
     }
 }
 

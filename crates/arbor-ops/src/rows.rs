@@ -131,19 +131,14 @@ fn rope_row(o: &mut [f32], cos: &[f32], sin: &[f32]) {
 pub fn silu_mul(g: &[f32], u: &[f32]) -> Vec<f32> {
     assert_eq!(g.len(), u.len(), "silu_mul: lengths");
     let mut out = vec![0f32; g.len()];
-    let f = |o: &mut [f32], g: &[f32], u: &[f32]| {
+    // Chunks of CH as the "rows" (the last one shorter).
+    const CH: usize = 1 << 14;
+    for_rows(&mut out, CH, |c, o| {
+        let (g, u) = (&g[c * CH..], &u[c * CH..]);
         for ((o, &a), &b) in o.iter_mut().zip(g).zip(u) {
             *o = a / (1.0 + (-a).exp()) * b;
         }
-    };
-    const CH: usize = 1 << 14;
-    if g.len() >= PAR_MIN {
-        out.par_chunks_mut(CH)
-            .zip(g.par_chunks(CH).zip(u.par_chunks(CH)))
-            .for_each(|(o, (g, u))| f(o, g, u));
-    } else {
-        f(&mut out, g, u);
-    }
+    });
     out
 }
 
