@@ -311,37 +311,29 @@ struct F32Tiles;
 #[cfg(target_arch = "x86_64")]
 struct Bf16Tiles;
 
-#[cfg(target_arch = "x86_64")]
-#[allow(unsafe_code)]
-impl Tiles for F32Tiles {
-    type W = f32;
-    unsafe fn tile<const R: usize, const C: usize, const PF: bool>(
-        x: *const f32,
-        w: *const f32,
-        k: usize,
-        y: *mut f32,
-        ldy: usize,
-        pf: *const f32,
-    ) {
-        tile::<R, C, PF>(x, w, k, y, ldy, pf)
-    }
+/// `impl Tiles for $kernel` over elements `$w`, calling the tile function
+/// `$tile`.
+macro_rules! impl_tiles {
+    ($kernel:ident, $w:ty, $tile:ident) => {
+        #[cfg(target_arch = "x86_64")]
+        #[allow(unsafe_code)]
+        impl Tiles for $kernel {
+            type W = $w;
+            unsafe fn tile<const R: usize, const C: usize, const PF: bool>(
+                x: *const $w,
+                w: *const $w,
+                k: usize,
+                y: *mut f32,
+                ldy: usize,
+                pf: *const $w,
+            ) {
+                $tile::<R, C, PF>(x, w, k, y, ldy, pf)
+            }
+        }
+    };
 }
-
-#[cfg(target_arch = "x86_64")]
-#[allow(unsafe_code)]
-impl Tiles for Bf16Tiles {
-    type W = u16;
-    unsafe fn tile<const R: usize, const C: usize, const PF: bool>(
-        x: *const u16,
-        w: *const u16,
-        k: usize,
-        y: *mut f32,
-        ldy: usize,
-        pf: *const u16,
-    ) {
-        tile_bf16::<R, C, PF>(x, w, k, y, ldy, pf)
-    }
-}
+impl_tiles!(F32Tiles, f32, tile);
+impl_tiles!(Bf16Tiles, u16, tile_bf16);
 
 /// The `mr x nr` tile (`mr <= MR`, `nr <= NR`) of kernel `T`.
 #[cfg(target_arch = "x86_64")]
