@@ -9,14 +9,21 @@
 //! head. Accumulation is in f32.
 //!
 //! On CPUs with AVX-512F and head sizes 16/32/64/128/256 a vectorised path
-//! runs ([`one_token_avx512`]): 16 keys' dot products at a time, their
-//! lanes summed by one transpose tree; a polynomial `exp` (relative error
-//! below 2e-7); the value sum with the output rows held in registers.
-//! Elsewhere the portable kernel runs (`multiversion`). Either way a token's
+//! runs (`attend_group`): 16 keys' dot products at a time, their lanes
+//! summed by one transpose tree; a polynomial `exp` (relative error below
+//! 3e-7); the value sum with the output rows held in registers. It attends
+//! tokens in groups that share a prefix of cache rows (a fork's children,
+//! which share their parent's blocks; the tokens of one prefill chunk;
+//! prompts served from the prefix cache): each shared key and value row is
+//! read once per group instead of once per token. Elsewhere the portable
+//! kernel runs (`multiversion`), a token at a time. Either way a token's
 //! output depends only on its own query and context, never on the other
-//! tokens of the batch.
+//! tokens of the batch or on how they are grouped (tested bit for bit).
 
 use multiversion::multiversion;
+
+#[cfg(target_arch = "x86_64")]
+use crate::simd::{exp512, hsum16};
 use rayon::prelude::*;
 
 /// Inputs of [`paged_attention`].
@@ -45,163 +52,340 @@ pub fn paged_attention(a: PagedAttentionArgs<'_>) -> Vec<f32> {
     let t = a.positions.len();
     let d = a.head_dim;
     let mut out = vec![0f32; t * a.n_heads * d];
-    let fast = avx512_head_dim(d);
+    #[cfg(target_arch = "x86_64")]
+    if avx512_head_dim(d) {
+        attend_shared(&a, &mut out);
+        return out;
+    }
     out.par_chunks_mut(a.n_heads * d)
         .enumerate()
-        .for_each(|(i, o)| {
-            #[cfg(target_arch = "x86_64")]
-            if fast {
-                // SAFETY: AVX-512F was detected by `avx512_head_dim`.
-                #[allow(unsafe_code)]
-                unsafe {
-                    one_token_avx512(&a, i, o)
-                };
-                return;
-            }
-            let _ = fast;
-            one_token(&a, i, o)
-        });
+        .for_each(|(i, o)| one_token(&a, i, o));
     out
 }
 
 /// Whether the AVX-512 path serves head size `d` on this CPU.
+#[cfg(target_arch = "x86_64")]
 fn avx512_head_dim(d: usize) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        matches!(d, 16 | 32 | 64 | 128 | 256) && std::is_x86_feature_detected!("avx512f")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = d;
-        false
-    }
+    matches!(d, 16 | 32 | 64 | 128 | 256) && std::is_x86_feature_detected!("avx512f")
 }
 
 /// Token `i`'s context length (`position + 1`), with the offset of every
 /// context position's row in the caches written to `rows`.
 fn context_rows(a: &PagedAttentionArgs<'_>, i: usize, rows: &mut Vec<usize>) -> usize {
-    let (bs, row) = (a.block_size, a.n_kv * a.head_dim);
-    let table = &a.tables[a.token_seq[i]];
     let ctx = a.positions[i] as usize + 1;
     rows.clear();
-    rows.extend((0..ctx).map(|j| (table[j / bs] as usize * bs + j % bs) * row));
+    push_rows(a, i, 0..ctx, rows);
     ctx
 }
 
-thread_local! {
-    /// Per-thread scratch: cache row offsets and scores of one token.
-    static SCRATCH: std::cell::RefCell<(Vec<usize>, Vec<f32>)> =
-        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+/// Append the cache row offsets of token `i`'s context positions `js`.
+fn push_rows(
+    a: &PagedAttentionArgs<'_>,
+    i: usize,
+    js: std::ops::Range<usize>,
+    rows: &mut Vec<usize>,
+) {
+    let (bs, row) = (a.block_size, a.n_kv * a.head_dim);
+    let table = &a.tables[a.token_seq[i]];
+    rows.extend(js.map(|j| (table[j / bs] as usize * bs + j % bs) * row));
 }
 
-/// The vectorised kernel: same maths as [`one_token`], `d / 16` vectors a
-/// row.
-///
+/// Most tokens attended together over one shared prefix.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+const MAX_GROUP: usize = 8;
+
+/// One unit of work of `attend_shared`: `tokens` (sorted by position)
+/// whose first `shared` context positions are the same cache rows, over KV
+/// heads `kv`.
+#[derive(Debug)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+struct Group {
+    tokens: Vec<usize>,
+    shared: usize,
+    kv: std::ops::Range<usize>,
+}
+
+/// Split the batch into [`Group`]s: tokens whose block tables start with the
+/// same physical block (a forked family's children, a prefill chunk's
+/// tokens, prompts replayed from the prefix cache) are grouped, at most
+/// [`MAX_GROUP`] to a group, and share the positions every one of them
+/// reaches through identical table entries. With fewer groups than two per
+/// thread, the KV heads are split across tasks as well.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn plan_groups(a: &PagedAttentionArgs<'_>) -> Vec<Group> {
+    let t = a.positions.len();
+    let first = |i: usize| a.tables[a.token_seq[i]].first().copied();
+    let mut order: Vec<usize> = (0..t).collect();
+    order.sort_by_key(|&i| (first(i), a.token_seq[i], a.positions[i], i));
+    let mut families: Vec<&[usize]> = Vec::new();
+    let mut rest = &order[..];
+    while let Some(&i) = rest.first() {
+        let n = rest.iter().take_while(|&&j| first(j) == first(i)).count();
+        families.push(&rest[..n]);
+        rest = &rest[n..];
+    }
+    let threads = rayon::current_num_threads().max(1);
+    let chunks_of = |len: usize| len.div_ceil(MAX_GROUP);
+    let total: usize = families.iter().map(|f| chunks_of(f.len())).sum();
+    // Few tasks: smaller chunks and one KV head per task, for balance.
+    let split_kv = total < 2 * threads && a.n_kv > 1;
+    let want = if split_kv {
+        (2 * threads).div_ceil(a.n_kv)
+    } else {
+        0
+    };
+    let mut groups = Vec::new();
+    for fam in families {
+        let n_chunks = chunks_of(fam.len()).max(want.min(fam.len()));
+        let size = fam.len().div_ceil(n_chunks);
+        for toks in fam.chunks(size) {
+            let table0 = &a.tables[a.token_seq[toks[0]]];
+            let min_ctx = toks
+                .iter()
+                .map(|&i| a.positions[i] as usize + 1)
+                .min()
+                .unwrap_or(0);
+            let mut blocks = 0;
+            while blocks < min_ctx.div_ceil(a.block_size)
+                && toks
+                    .iter()
+                    .all(|&i| a.tables[a.token_seq[i]].get(blocks) == table0.get(blocks))
+            {
+                blocks += 1;
+            }
+            let shared = min_ctx.min(blocks * a.block_size);
+            let kvs: Vec<std::ops::Range<usize>> = if split_kv {
+                (0..a.n_kv).map(|h| h..h + 1).collect()
+            } else {
+                std::iter::once(0..a.n_kv).collect()
+            };
+            for kv in kvs {
+                groups.push(Group {
+                    tokens: toks.to_vec(),
+                    shared,
+                    kv,
+                });
+            }
+        }
+    }
+    groups
+}
+
+/// The AVX-512 path: [`plan_groups`], each group attended by
+/// [`attend_group`] in parallel, outputs scattered into `out`.
+#[cfg(target_arch = "x86_64")]
+fn attend_shared(a: &PagedAttentionArgs<'_>, out: &mut [f32]) {
+    let groups = plan_groups(a);
+    let (hd, g) = (a.n_heads * a.head_dim, a.n_heads / a.n_kv);
+    let parts: Vec<Vec<f32>> = groups
+        .par_iter()
+        .map(|grp| {
+            let w = grp.kv.len() * g * a.head_dim;
+            let mut o = vec![0f32; grp.tokens.len() * w];
+            // SAFETY: AVX-512F and the head size were checked by
+            // `avx512_head_dim`; `o` holds `w` floats per token.
+            #[allow(unsafe_code)]
+            unsafe {
+                attend_group_avx512(a, grp, &mut o)
+            };
+            o
+        })
+        .collect();
+    for (grp, o) in groups.iter().zip(&parts) {
+        let w = grp.kv.len() * g * a.head_dim;
+        let at = grp.kv.start * g * a.head_dim;
+        for (u, &i) in grp.tokens.iter().enumerate() {
+            out[i * hd + at..i * hd + at + w].copy_from_slice(&o[u * w..(u + 1) * w]);
+        }
+    }
+}
+
+thread_local! {
+    /// Per-thread scratch of `attend_group`: shared rows, per-token tail
+    /// rows, scores.
+    static SCRATCH: std::cell::RefCell<(Vec<usize>, Vec<usize>, Vec<f32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+}
+
 /// # Safety
 /// The CPU must support AVX-512F; `a.head_dim` must be 16, 32, 64, 128 or
-/// 256; the slices must hold the rows the tables and positions name (as for
-/// [`one_token`], which indexes them with bounds checks).
+/// 256; `o` must hold `grp.kv.len() * g * head_dim` floats per token.
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f")]
-unsafe fn one_token_avx512(a: &PagedAttentionArgs<'_>, i: usize, o: &mut [f32]) {
+unsafe fn attend_group_avx512(a: &PagedAttentionArgs<'_>, grp: &Group, o: &mut [f32]) {
     match a.head_dim / 16 {
-        1 => attend::<1>(a, i, o),
-        2 => attend::<2>(a, i, o),
-        4 => attend::<4>(a, i, o),
-        8 => attend::<8>(a, i, o),
-        16 => attend::<16>(a, i, o),
+        1 => attend_group::<1>(a, grp, o),
+        2 => attend_group::<2>(a, grp, o),
+        4 => attend_group::<4>(a, grp, o),
+        8 => attend_group::<8>(a, grp, o),
+        16 => attend_group::<16>(a, grp, o),
         _ => unreachable!("head_dim checked by avx512_head_dim"),
     }
 }
 
+/// The vectorised kernel, for a group of tokens over a shared prefix: each
+/// token's arithmetic is exactly [`one_token`]'s maths as a lone token would
+/// do it (so outputs never depend on the grouping), but every shared key
+/// and value row is read once per group, 16 keys (then 32 values) at a
+/// time for all the group's tokens while they sit in L1, instead of once
+/// per token.
+///
+/// Per token and query head: scores `q . k_j / sqrt(d)`, 16 keys' dot
+/// products at a time with their lanes summed by one transpose tree (a
+/// key's score does not depend on its neighbours); softmax with the
+/// polynomial `exp` (relative error below 3e-7), partial sums in 16 lanes
+/// from position 0; then `sum_j p_j v_j` in ascending `j`, the output rows
+/// held in registers within a run of values and in `o` between runs (f32
+/// stores and loads are exact).
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f")]
-unsafe fn attend<const DV: usize>(a: &PagedAttentionArgs<'_>, i: usize, o: &mut [f32]) {
+unsafe fn attend_group<const DV: usize>(a: &PagedAttentionArgs<'_>, grp: &Group, o: &mut [f32]) {
     use std::arch::x86_64::*;
     let (d, nkv) = (a.head_dim, a.n_kv);
     let t = a.positions.len();
     let g = a.n_heads / nkv;
     let row = nkv * d;
+    let toks = &grp.tokens;
+    let shared = grp.shared;
+    let w = grp.kv.len() * g * d;
     let scale = _mm512_set1_ps(1.0 / (d as f32).sqrt());
-    let (mut rows, mut scores) = SCRATCH.with(|sc| sc.take());
-    let ctx = context_rows(a, i, &mut rows);
-    let padded = ctx.div_ceil(16) * 16;
+    let (mut srows, mut trows, mut scores) = SCRATCH.with(|sc| sc.take());
+    srows.clear();
+    push_rows(a, toks[0], 0..shared, &mut srows);
+    // Per token: context length, padded score stride, offsets of its tail
+    // rows and of its scores.
+    let ctx: Vec<usize> = toks.iter().map(|&i| a.positions[i] as usize + 1).collect();
+    let padded: Vec<usize> = ctx.iter().map(|c| c.div_ceil(16) * 16).collect();
+    trows.clear();
+    let mut toff = Vec::with_capacity(toks.len() + 1);
+    let mut soff = Vec::with_capacity(toks.len());
+    let mut stot = 0;
+    for (u, &i) in toks.iter().enumerate() {
+        toff.push(trows.len());
+        push_rows(a, i, shared..ctx[u], &mut trows);
+        soff.push(stot);
+        stot += g * padded[u];
+    }
+    toff.push(trows.len());
     // Every row offset inside the caches: the unchecked loads below rely on it.
-    let last = rows.iter().copied().max().unwrap_or(0) + row;
+    let last = srows.iter().chain(&trows).copied().max().unwrap_or(0) + row;
     assert!(
         last <= a.k_cache.len() && last <= a.v_cache.len(),
         "paged attention: slot outside the cache"
     );
-    assert!(a.q.len() >= a.n_heads * t * d && o.len() >= a.n_heads * d);
+    assert!(a.q.len() >= a.n_heads * t * d && o.len() >= toks.len() * w);
+    assert!(ctx.iter().all(|&c| c >= shared));
     scores.clear();
-    scores.resize(g * padded, 0.0);
+    scores.resize(stot, 0.0);
     let kp = a.k_cache.as_ptr();
     let vp = a.v_cache.as_ptr();
-    for kvh in 0..nkv {
-        // Scores q . k * scale, 16 keys at a time.
-        for r in 0..g {
-            let qp = a.q.as_ptr().add(((kvh * g + r) * t + i) * d);
+    let sp = scores.as_mut_ptr();
+    let ob = o.as_mut_ptr();
+    for (kk, kvh) in grp.kv.clone().enumerate() {
+        let qrow = |u: usize, r: usize| a.q.as_ptr().add(((kvh * g + r) * t + toks[u]) * d);
+        // Scores q . k * scale of 16 keys at rows `rs`, stored from `dst`.
+        let score16 = |q: &[__m512; DV], rs: &[usize], dst: *mut f32| {
+            let mut dots = [_mm512_setzero_ps(); 16];
+            for (dot, &base) in dots.iter_mut().zip(rs) {
+                let kr = kp.add(base + kvh * d);
+                let mut acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(kr));
+                for (c, qv) in q.iter().enumerate().skip(1) {
+                    acc = _mm512_fmadd_ps(*qv, _mm512_loadu_ps(kr.add(16 * c)), acc);
+                }
+                *dot = acc;
+            }
+            let s = _mm512_mul_ps(hsum16(&dots), scale);
+            _mm512_mask_storeu_ps(dst, ((1u32 << rs.len()) - 1) as __mmask16, s);
+        };
+        let load_q = |u: usize, r: usize| {
+            let qp = qrow(u, r);
             let mut q = [_mm512_setzero_ps(); DV];
             for (c, v) in q.iter_mut().enumerate() {
                 *v = _mm512_loadu_ps(qp.add(16 * c));
             }
-            for j0 in (0..ctx).step_by(16) {
-                let mut dots = [_mm512_setzero_ps(); 16];
-                for (l, dot) in dots.iter_mut().enumerate().take((ctx - j0).min(16)) {
-                    let kr = kp.add(rows[j0 + l] + kvh * d);
-                    let mut acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(kr));
-                    for (c, qv) in q.iter().enumerate().skip(1) {
-                        acc = _mm512_fmadd_ps(*qv, _mm512_loadu_ps(kr.add(16 * c)), acc);
-                    }
-                    *dot = acc;
+            q
+        };
+        // Shared keys: 16 at a time for every token and head.
+        for j0 in (0..shared).step_by(16) {
+            let rs = &srows[j0..(j0 + 16).min(shared)];
+            for u in 0..toks.len() {
+                for r in 0..g {
+                    score16(&load_q(u, r), rs, sp.add(soff[u] + r * padded[u] + j0));
                 }
-                let s = _mm512_mul_ps(hsum16(&dots), scale);
-                _mm512_storeu_ps(scores.as_mut_ptr().add(r * padded + j0), s);
+            }
+        }
+        // Each token's own keys.
+        for u in 0..toks.len() {
+            let tail = &trows[toff[u]..toff[u + 1]];
+            for r in 0..g {
+                let q = load_q(u, r);
+                for (c, rs) in tail.chunks(16).enumerate() {
+                    let j0 = shared + 16 * c;
+                    score16(&q, rs, sp.add(soff[u] + r * padded[u] + j0));
+                }
             }
         }
         // Softmax over each head's `ctx` scores.
-        for r in 0..g {
-            let s = &mut scores[r * padded..r * padded + ctx];
-            let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mv = _mm512_set1_ps(m);
-            let mut z = _mm512_setzero_ps();
-            let sp = s.as_mut_ptr();
-            for j0 in (0..ctx).step_by(16) {
-                let n = (ctx - j0).min(16);
-                let mask = ((1u32 << n) - 1) as __mmask16;
-                let x = _mm512_maskz_loadu_ps(mask, sp.add(j0));
-                let e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(x, mv)));
-                z = _mm512_add_ps(z, e);
-                _mm512_mask_storeu_ps(sp.add(j0), mask, e);
-            }
-            let inv = 1.0 / _mm512_reduce_add_ps(z);
-            for x in s.iter_mut() {
-                *x *= inv;
+        for u in 0..toks.len() {
+            for r in 0..g {
+                let s = std::slice::from_raw_parts_mut(sp.add(soff[u] + r * padded[u]), ctx[u]);
+                let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mv = _mm512_set1_ps(m);
+                let mut z = _mm512_setzero_ps();
+                let p = s.as_mut_ptr();
+                for j0 in (0..ctx[u]).step_by(16) {
+                    let mask = ((1u32 << (ctx[u] - j0).min(16)) - 1) as __mmask16;
+                    let x = _mm512_maskz_loadu_ps(mask, p.add(j0));
+                    let e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(x, mv)));
+                    z = _mm512_add_ps(z, e);
+                    _mm512_mask_storeu_ps(p.add(j0), mask, e);
+                }
+                let inv = 1.0 / _mm512_reduce_add_ps(z);
+                for x in s.iter_mut() {
+                    *x *= inv;
+                }
             }
         }
-        // o_r = sum_j p_rj v_j, heads in groups whose rows fit in registers.
+        // o_r = sum_j p_rj v_j: heads in groups whose rows fit in registers,
+        // accumulated in `o` across runs of values.
         let per = (24 / DV).clamp(1, 6);
-        for r0 in (0..g).step_by(per) {
-            let sp = scores.as_ptr().add(r0 * padded);
-            let op = o.as_mut_ptr().add((kvh * g + r0) * d);
-            let vh = vp.add(kvh * d);
-            match per.min(g - r0) {
-                1 => weigh_values::<DV, 1>(&rows, vh, sp, padded, op, d),
-                2 => weigh_values::<DV, 2>(&rows, vh, sp, padded, op, d),
-                3 => weigh_values::<DV, 3>(&rows, vh, sp, padded, op, d),
-                4 => weigh_values::<DV, 4>(&rows, vh, sp, padded, op, d),
-                5 => weigh_values::<DV, 5>(&rows, vh, sp, padded, op, d),
-                _ => weigh_values::<DV, 6>(&rows, vh, sp, padded, op, d),
+        let vh = vp.add(kvh * d);
+        let weigh = |u: usize, rs: &[usize], j0: usize, init: bool| {
+            for r0 in (0..g).step_by(per) {
+                let p = sp.add(soff[u] + r0 * padded[u] + j0) as *const f32;
+                let op = ob.add(u * w + (kk * g + r0) * d);
+                let ld = padded[u];
+                match per.min(g - r0) {
+                    1 => weigh_values::<DV, 1>(rs, vh, p, ld, op, d, init),
+                    2 => weigh_values::<DV, 2>(rs, vh, p, ld, op, d, init),
+                    3 => weigh_values::<DV, 3>(rs, vh, p, ld, op, d, init),
+                    4 => weigh_values::<DV, 4>(rs, vh, p, ld, op, d, init),
+                    5 => weigh_values::<DV, 5>(rs, vh, p, ld, op, d, init),
+                    _ => weigh_values::<DV, 6>(rs, vh, p, ld, op, d, init),
+                }
+            }
+        };
+        for j0 in (0..shared).step_by(32) {
+            let rs = &srows[j0..(j0 + 32).min(shared)];
+            for u in 0..toks.len() {
+                weigh(u, rs, j0, j0 == 0);
+            }
+        }
+        for u in 0..toks.len() {
+            let tail = &trows[toff[u]..toff[u + 1]];
+            if !tail.is_empty() {
+                weigh(u, tail, shared, shared == 0);
             }
         }
     }
-    SCRATCH.with(|sc| sc.replace((rows, scores)));
+    SCRATCH.with(|sc| sc.replace((srows, trows, scores)));
 }
 
-/// `o[r] = sum_j p[r * ld + j] v_j` for `G` heads sharing the value rows
-/// `v + rows[j]` (`16 * DV` floats each); `o[r]` is `d` floats apart.
+/// `o[r] = (init ? 0 : o[r]) + sum_j p[r * ld + j] v_j` for `G` heads
+/// sharing the value rows `v + rows[j]` (`16 * DV` floats each), `j`
+/// ascending; `o[r]` is `d` floats apart.
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f")]
@@ -212,9 +396,17 @@ unsafe fn weigh_values<const DV: usize, const G: usize>(
     ld: usize,
     o: *mut f32,
     d: usize,
+    init: bool,
 ) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); DV]; G];
+    if !init {
+        for (r, acc) in acc.iter_mut().enumerate() {
+            for (c, x) in acc.iter_mut().enumerate() {
+                *x = _mm512_loadu_ps(o.add(r * d + 16 * c));
+            }
+        }
+    }
     for (j, &base) in rows.iter().enumerate() {
         let vr = v.add(base);
         let mut vv = [_mm512_setzero_ps(); DV];
@@ -233,78 +425,6 @@ unsafe fn weigh_values<const DV: usize, const G: usize>(
             _mm512_storeu_ps(o.add(r * d + 16 * c), *x);
         }
     }
-}
-
-/// `out[l] = sum of the 16 lanes of v[l]`, by one transpose tree (lanes
-/// `i + (i+8)`, `+4`, `+2`, `+1`).
-#[cfg(target_arch = "x86_64")]
-#[allow(unsafe_code)]
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn hsum16(v: &[std::arch::x86_64::__m512; 16]) -> std::arch::x86_64::__m512 {
-    use std::arch::x86_64::*;
-    // Pairs: [a lo256 + a hi256 | b lo256 + b hi256].
-    let mut u = [_mm512_setzero_ps(); 8];
-    for (p, u) in u.iter_mut().enumerate() {
-        let (x, y) = (v[2 * p], v[2 * p + 1]);
-        *u = _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0b01_00_01_00>(x, y),
-            _mm512_shuffle_f32x4::<0b11_10_11_10>(x, y),
-        );
-    }
-    // Quads: 128-bit lane q of w[r] holds v[4r + q]'s four partial sums.
-    let mut w = [_mm512_setzero_ps(); 4];
-    for (r, w) in w.iter_mut().enumerate() {
-        let (x, y) = (u[2 * r], u[2 * r + 1]);
-        *w = _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
-            _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y),
-        );
-    }
-    let z0 = _mm512_add_ps(
-        _mm512_shuffle_ps::<0x44>(w[0], w[1]),
-        _mm512_shuffle_ps::<0xEE>(w[0], w[1]),
-    );
-    let z1 = _mm512_add_ps(
-        _mm512_shuffle_ps::<0x44>(w[2], w[3]),
-        _mm512_shuffle_ps::<0xEE>(w[2], w[3]),
-    );
-    // Lane 4q + t holds the sum of v[4t + q].
-    let r = _mm512_add_ps(
-        _mm512_shuffle_ps::<0x88>(z0, z1),
-        _mm512_shuffle_ps::<0xDD>(z0, z1),
-    );
-    let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    _mm512_permutexvar_ps(idx, r)
-}
-
-/// `exp(x)` lane-wise for `x <= 0` (underflows to 0 below -87.3): `x = n
-/// ln 2 + r`, `|r| <= ln2 / 2`, a degree-7 Taylor polynomial in `r`, scaled
-/// by `2^n`. Relative error below 2e-7.
-#[cfg(target_arch = "x86_64")]
-#[allow(unsafe_code)]
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn exp512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
-    use std::arch::x86_64::*;
-    let x = _mm512_max_ps(x, _mm512_set1_ps(-87.3));
-    let n =
-        _mm512_roundscale_ps::<0x08>(_mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)));
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_145_75), x);
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428_606_8e-6), r);
-    let mut p = _mm512_set1_ps(1.0 / 5040.0);
-    for c in [
-        1.0 / 720.0,
-        1.0 / 120.0,
-        1.0 / 24.0,
-        1.0 / 6.0,
-        0.5,
-        1.0,
-        1.0,
-    ] {
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-    }
-    _mm512_scalef_ps(p, n)
 }
 
 #[multiversion(targets("x86_64+avx2+fma", "x86_64+avx", "x86_64+sse4.1"))]
@@ -371,7 +491,25 @@ mod tests {
     /// blocks) against a float64 dense reference.
     fn check(nh: usize, nkv: usize, d: usize, bs: usize, positions: &[u32], seed: u64) {
         let tables = vec![vec![5u32, 1, 7, 3, 9, 11, 2], vec![2u32, 0, 4, 6, 8]];
-        let slots = 12 * bs;
+        let token_seq: Vec<usize> = (0..positions.len()).map(|i| i % 2).collect();
+        check_tables(nh, nkv, d, bs, &tables, positions, &token_seq, seed);
+    }
+
+    /// Attention of tokens (`positions`, `token_seq`) over `tables` against
+    /// a float64 dense reference, and bit for bit against each token alone;
+    /// returns the batch's output.
+    #[allow(clippy::too_many_arguments)]
+    fn check_tables(
+        nh: usize,
+        nkv: usize,
+        d: usize,
+        bs: usize,
+        tables: &[Vec<u32>],
+        positions: &[u32],
+        token_seq: &[usize],
+        seed: u64,
+    ) -> Vec<f32> {
+        let slots = (tables.iter().flatten().copied().max().unwrap_or(0) as usize + 1) * bs;
         let mut s = seed;
         let mut r = || {
             s = s
@@ -381,21 +519,23 @@ mod tests {
         };
         let kc: Vec<f32> = (0..slots * nkv * d).map(|_| 2.0 * r()).collect();
         let vc: Vec<f32> = (0..slots * nkv * d).map(|_| r()).collect();
-        let token_seq: Vec<usize> = (0..positions.len()).map(|i| i % 2).collect();
         let t = positions.len();
         let q: Vec<f32> = (0..nh * t * d).map(|_| 2.0 * r()).collect();
-        let out = paged_attention(PagedAttentionArgs {
-            q: &q,
-            k_cache: &kc,
-            v_cache: &vc,
-            n_heads: nh,
-            n_kv: nkv,
-            head_dim: d,
-            block_size: bs,
-            positions,
-            token_seq: &token_seq,
-            tables: &tables,
-        });
+        let run = |q: &[f32], positions: &[u32], token_seq: &[usize]| {
+            paged_attention(PagedAttentionArgs {
+                q,
+                k_cache: &kc,
+                v_cache: &vc,
+                n_heads: nh,
+                n_kv: nkv,
+                head_dim: d,
+                block_size: bs,
+                positions,
+                token_seq,
+                tables,
+            })
+        };
+        let out = run(&q, positions, token_seq);
         for i in 0..t {
             let table = &tables[token_seq[i]];
             for h in 0..nh {
@@ -424,6 +564,88 @@ mod tests {
                     );
                 }
             }
+            let one = run(
+                &token_q(&q, nh, t, d, i),
+                &positions[i..=i],
+                &token_seq[i..=i],
+            );
+            assert!(
+                same_bits(&out[i * nh * d..(i + 1) * nh * d], &one),
+                "token {i} alone differs from the batch"
+            );
+        }
+        out
+    }
+
+    /// Token `i`'s queries out of `q: [nh, t, d]`, as a batch of one.
+    fn token_q(q: &[f32], nh: usize, t: usize, d: usize, i: usize) -> Vec<f32> {
+        (0..nh)
+            .flat_map(|h| q[(h * t + i) * d..(h * t + i + 1) * d].to_vec())
+            .collect()
+    }
+
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
+    /// A forked family: children sharing the parent's first blocks
+    /// physically (one child only the first two), each with its own last
+    /// block; one child in a prefill chunk of three tokens; an unrelated
+    /// sequence. The group plan finds the shared prefixes, and every token
+    /// matches the f64 reference and its lone computation bit for bit.
+    #[test]
+    fn forked_families_share_prefix_reads_exactly() {
+        let bs = 4;
+        let mut tables: Vec<Vec<u32>> = (0..6u32).map(|c| vec![4, 9, 1, 10 + c]).collect();
+        tables.push(vec![4, 9, 20, 21]);
+        tables.push(vec![0, 2]);
+        // Children 0..6 decode at position 12..=14 (their own block), child 0
+        // also has a chunk at 13 and 14; seq 6 diverges after 8 positions;
+        // seq 7 is unrelated.
+        let mut positions: Vec<u32> = (0..6).map(|c| 12 + c % 3).collect();
+        let mut token_seq: Vec<usize> = (0..6).collect();
+        positions.extend([13, 14, 10, 6]);
+        token_seq.extend([0, 0, 6, 7]);
+        let a = PagedAttentionArgs {
+            q: &[],
+            k_cache: &[],
+            v_cache: &[],
+            n_heads: 9,
+            n_kv: 3,
+            head_dim: 64,
+            block_size: bs,
+            positions: &positions,
+            token_seq: &token_seq,
+            tables: &tables,
+        };
+        let groups = plan_groups(&a);
+        let fam = groups
+            .iter()
+            .find(|g| g.tokens.contains(&0))
+            .expect("token 0 planned");
+        let members: usize = groups
+            .iter()
+            .filter(|g| g.kv.start == 0 && g.tokens.iter().any(|&i| token_seq[i] < 7))
+            .map(|g| g.tokens.len())
+            .sum();
+        assert_eq!(members, 9, "all children and seq 6 in the family");
+        assert!(fam.shared >= 8, "shared prefix {}", fam.shared);
+        for g in &groups {
+            for &i in &g.tokens {
+                assert!(g.shared <= positions[i] as usize + 1);
+            }
+        }
+        for (nh, nkv, d) in [(9, 3, 64), (4, 2, 32), (3, 1, 16)] {
+            check_tables(
+                nh,
+                nkv,
+                d,
+                bs,
+                &tables,
+                &positions,
+                &token_seq,
+                7 + d as u64,
+            );
         }
     }
 
@@ -443,78 +665,13 @@ mod tests {
         }
     }
 
-    /// A token's output is bit-identical alone and inside a batch.
+    /// A prefill chunk of 30 tokens of one sequence (scattered blocks):
+    /// every token matches the f64 reference, and its output is
+    /// bit-identical alone and inside the batch.
     #[test]
     fn tokens_do_not_depend_on_the_batch() {
-        let (nh, nkv, d, bs) = (6, 2, 64, 4);
         let tables = vec![vec![3u32, 0, 2, 1, 5, 4, 7, 6]];
-        let n = 8 * bs * nkv * d;
-        let kc: Vec<f32> = (0..n)
-            .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
-            .collect();
-        let vc: Vec<f32> = (0..n)
-            .map(|i| ((i * 53 % 97) as f32 / 48.0) - 1.0)
-            .collect();
         let positions: Vec<u32> = (0..30).collect();
-        let t = positions.len();
-        let q: Vec<f32> = (0..nh * t * d)
-            .map(|i| ((i * 29 % 89) as f32 / 44.0) - 1.0)
-            .collect();
-        let run = |pos: &[u32], q: &[f32]| {
-            paged_attention(PagedAttentionArgs {
-                q,
-                k_cache: &kc,
-                v_cache: &vc,
-                n_heads: nh,
-                n_kv: nkv,
-                head_dim: d,
-                block_size: bs,
-                positions: pos,
-                token_seq: &vec![0; pos.len()],
-                tables: &tables,
-            })
-        };
-        let all = run(&positions, &q);
-        for i in [0usize, 17, 29] {
-            let qi: Vec<f32> = (0..nh)
-                .flat_map(|h| q[(h * t + i) * d..(h * t + i + 1) * d].to_vec())
-                .collect();
-            let one = run(&positions[i..=i], &qi);
-            let got = &all[i * nh * d..(i + 1) * nh * d];
-            assert!(
-                got.iter()
-                    .zip(&one)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "token {i}"
-            );
-        }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn exp512_is_accurate() {
-        if !std::is_x86_feature_detected!("avx512f") {
-            return;
-        }
-        let mut worst = 0f64;
-        let mut x = -90.0f32;
-        while x <= 0.0 {
-            let xs = [x; 16];
-            let mut out = [0f32; 16];
-            // SAFETY: AVX-512F detected above.
-            #[allow(unsafe_code)]
-            unsafe {
-                use std::arch::x86_64::*;
-                _mm512_storeu_ps(out.as_mut_ptr(), exp512(_mm512_loadu_ps(xs.as_ptr())));
-            }
-            let want = (x as f64).exp();
-            if x > -87.0 {
-                worst = worst.max(((out[0] as f64 - want) / want).abs());
-            } else {
-                assert!(out[0] >= 0.0 && out[0] < 1e-37);
-            }
-            x += 0.0137;
-        }
-        assert!(worst < 3e-7, "max relative error {worst}");
+        check_tables(6, 2, 64, 4, &tables, &positions, &[0; 30], 5);
     }
 }

@@ -33,6 +33,7 @@ pub mod paged;
 pub mod ppo;
 pub mod rows;
 pub mod segment;
+mod simd;
 
 pub use attention::{paged_attention, PagedAttentionArgs};
 pub use logprob::{fused_logprobs, DEFAULT_CHUNK_ELEMS};

@@ -7,7 +7,7 @@
 //! Each output is a dot product computed the same way whatever the tile it
 //! falls in: 16 lane-wise FMA chains over `k` in order (a masked tail for
 //! `k % 16`), then the fixed pairwise tree `lane i + lane i+8`, `i + i+4`,
-//! `i + i+2`, `i + i+1` ([`hsum`]). So a row's result depends only on that
+//! `i + i+2`, `i + i+1` (`store_sums`). So a row's result depends only on that
 //! row and the weights, never on how many other rows share the call or where
 //! it sits among them. The engine relies on this: a sequence's logits (and
 //! therefore its sampled tokens) must not depend on the batch it decodes in,
@@ -19,7 +19,12 @@
 //! `MR x NR` (4 x 6) dot products loads `MR + NR` vectors per `MR * NR`
 //! FMAs; a weight tile of 6 rows stays in L1 while a 64-row block of `x`
 //! streams past it from L2, and the next weight tile is prefetched as the
-//! block's first rows meet the current one. Threads split the weight rows
+//! block's first rows meet the current one. The tile's 24 accumulators stay
+//! in registers through the loop: their lane sums are taken 16 at a time by
+//! one transposing tree of 512-bit instructions (a 128-bit reduction per sum
+//! would confine them to the 16 registers such instructions can name, and
+//! the compiler then spilled a third of them inside the loop, costing 1.3 to
+//! 1.5x at 8 to 32 rows). Threads split the weight rows
 //! (and, for long inputs, `x`). At decode sizes each weight is read from
 //! memory once per call.
 //!
@@ -30,6 +35,9 @@
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
+
+#[cfg(target_arch = "x86_64")]
+use crate::simd::hsum16;
 
 /// Rows of `x` per register tile.
 const MR: usize = 4;
@@ -370,7 +378,7 @@ unsafe fn dispatch<T: Tiles>(
     )
 }
 
-/// `R x C` dot products: `y[i * ldy + j] = hsum(sum_t x[i, 16t..] * w[j,
+/// `R x C` dot products: `y[i * ldy + j] = lane_sum(sum_t x[i, 16t..] * w[j,
 /// 16t..])` for `i < R`, `j < C`, rows of `x` and `w` `k` apart.
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
@@ -418,32 +426,47 @@ unsafe fn tile<const R: usize, const C: usize, const PF: bool>(
             }
         }
     }
-    for (i, row) in acc.iter().enumerate() {
-        for (j, a) in row.iter().enumerate() {
-            *y.add(i * ldy + j) = hsum(*a);
-        }
-    }
+    store_sums(&acc, y, ldy);
 }
 
-/// Sum of the 16 lanes in a fixed tree: `i + (i+8)`, then `+4`, `+2`, `+1`.
+/// `y[i * ldy + j] = ` the sum of `acc[i][j]`'s 16 lanes in the fixed tree
+/// `i + (i+8)`, then `+4`, `+2`, `+1` (`simd::hsum16`, 16 sums at a
+/// time). Only 512-bit instructions touch the accumulators: a 128-bit
+/// reduction per sum would confine them to the 16 registers such
+/// instructions can name, and the tile's inner loop would spill (`R * C <=
+/// 32`).
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn hsum(v: std::arch::x86_64::__m512) -> f32 {
+unsafe fn store_sums<const R: usize, const C: usize>(
+    acc: &[[std::arch::x86_64::__m512; C]; R],
+    y: *mut f32,
+    ldy: usize,
+) {
     use std::arch::x86_64::*;
-    let lo = _mm512_castps512_ps256(v);
-    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
-    let s8 = _mm256_add_ps(lo, hi);
-    let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
-    let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<0b01>(s2, s2));
-    _mm_cvtss_f32(s1)
+    let mut v = [_mm512_setzero_ps(); 32];
+    for i in 0..R {
+        for j in 0..C {
+            v[i * C + j] = acc[i][j];
+        }
+    }
+    let mut s = [0f32; 32];
+    let (lo, hi) = v.split_at(16);
+    _mm512_storeu_ps(s.as_mut_ptr(), hsum16(lo.try_into().expect("16")));
+    if R * C > 16 {
+        _mm512_storeu_ps(s.as_mut_ptr().add(16), hsum16(hi.try_into().expect("16")));
+    }
+    for i in 0..R {
+        for j in 0..C {
+            *y.add(i * ldy + j) = s[i * C + j];
+        }
+    }
 }
 
 /// The bf16 twin of [`tile`]: `R x C` dot products of bf16 rows (`u16`
 /// bits), 32 elements per `vdpbf16ps`, a masked tail for `k % 32`, then
-/// [`hsum`].
+/// [`store_sums`].
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
@@ -457,18 +480,22 @@ unsafe fn tile_bf16<const R: usize, const C: usize, const PF: bool>(
     pf: *const u16,
 ) {
     use std::arch::x86_64::*;
-    let full = k / 32 * 32;
-    let tail = (k - full) as u32;
     // Same 512 bits, read as 32 bf16 values.
     let bh = |v: __m512i| std::mem::transmute::<__m512i, __m512bh>(v);
     let zero = bh(_mm512_setzero_si512());
-    let load = |p: *const u16| bh(_mm512_loadu_si512(p as *const _));
     let mut acc = [[_mm512_setzero_ps(); C]; R];
     let mut kk = 0;
-    while kk < full {
+    while kk < k {
+        // All 32 lanes but in the last, partial step (`k % 32`).
+        let mask: __mmask32 = if k - kk >= 32 {
+            !0
+        } else {
+            ((1u64 << (k - kk)) - 1) as __mmask32
+        };
+        let load = |p: *const u16| bh(_mm512_maskz_loadu_epi16(mask, p as *const i16));
         let mut xv: [__m512bh; R] = [zero; R];
-        for (i, v) in xv.iter_mut().enumerate() {
-            *v = load(x.add(i * k + kk));
+        for i in 0..R {
+            xv[i] = load(x.add(i * k + kk));
         }
         for j in 0..C {
             let wv = load(w.add(j * k + kk));
@@ -481,25 +508,7 @@ unsafe fn tile_bf16<const R: usize, const C: usize, const PF: bool>(
         }
         kk += 32;
     }
-    if tail > 0 {
-        let mask: __mmask32 = ((1u64 << tail) - 1) as __mmask32;
-        let mload = |p: *const u16| bh(_mm512_maskz_loadu_epi16(mask, p as *const i16));
-        let mut xv: [__m512bh; R] = [zero; R];
-        for (i, v) in xv.iter_mut().enumerate() {
-            *v = mload(x.add(i * k + full));
-        }
-        for j in 0..C {
-            let wv = mload(w.add(j * k + full));
-            for i in 0..R {
-                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
-            }
-        }
-    }
-    for (i, row) in acc.iter().enumerate() {
-        for (j, a) in row.iter().enumerate() {
-            *y.add(i * ldy + j) = hsum(*a);
-        }
-    }
+    store_sums(&acc, y, ldy);
 }
 
 /// `x [m, k] @ w[n, k]^T` as a candle op on the CPU: `x` f32, `w` f32
