@@ -91,11 +91,12 @@ impl SamplingParams {
     }
 }
 
-/// `log softmax(x)_i` for all i, in f64 accumulation.
+/// `log softmax(x * scale)_i`, the normaliser summed in f64
+/// ([`arbor_ops::rows::exp_shifted`]).
 fn log_softmax_at(x: &[f32], scale: f32, i: usize) -> f32 {
-    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) * scale;
-    let s: f64 = x.iter().map(|&v| ((v * scale - m) as f64).exp()).sum();
-    (x[i] * scale - m) - s.ln() as f32
+    let mx = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let s = arbor_ops::rows::exp_shifted(x, mx, scale, None);
+    (x[i] - mx) * scale - s.ln() as f32
 }
 
 /// Sample one token from `logits` (length V). Returns `(token, logprob)`.
@@ -111,12 +112,9 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> (u32, f32
     }
     let inv_t = 1.0 / p.temperature;
     let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    // Unnormalised probabilities exp((l - max) / T).
-    let w: Vec<f64> = logits
-        .iter()
-        .map(|&l| (((l - m) * inv_t) as f64).exp())
-        .collect();
-    let total: f64 = w.iter().sum();
+    // Unnormalised probabilities exp((l - max) / T), their sum in f64.
+    let mut w = vec![0f32; logits.len()];
+    let total = arbor_ops::rows::exp_shifted(logits, m, inv_t, Some(&mut w));
     let u: f64 = rng.random::<f64>();
     let cut = p.top_k > 0 && p.top_k < logits.len() || p.top_p < 1.0 || p.min_p > 0.0;
     let token = if !cut {
@@ -125,7 +123,7 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> (u32, f32
         let mut acc = 0.0;
         let mut tok = logits.len() - 1;
         for (i, &x) in w.iter().enumerate() {
-            acc += x;
+            acc += x as f64;
             if acc > target {
                 tok = i;
                 break;
@@ -135,14 +133,14 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> (u32, f32
     } else {
         // Candidates in descending probability (ties by id). Tokens below
         // e^-40 of the max (mass < 1e-17 each) are dropped before sorting.
-        let floor = (-40.0f64).exp();
+        let floor = (-40.0f32).exp();
         let mut idx: Vec<usize> = (0..w.len()).filter(|&i| w[i] >= floor).collect();
         idx.sort_unstable_by(|&a, &b| w[b].total_cmp(&w[a]).then(a.cmp(&b)));
         if p.top_k > 0 {
             idx.truncate(p.top_k);
         }
         if p.min_p > 0.0 {
-            let thr = p.min_p as f64 * w[idx[0]];
+            let thr = p.min_p * w[idx[0]];
             idx.retain(|&i| w[i] >= thr);
         }
         if p.top_p < 1.0 {
@@ -150,7 +148,7 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> (u32, f32
             let mut acc = 0.0;
             let mut keep = idx.len();
             for (n, &i) in idx.iter().enumerate() {
-                acc += w[i];
+                acc += w[i] as f64;
                 if acc >= need {
                     keep = n + 1;
                     break;
@@ -158,12 +156,12 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> (u32, f32
             }
             idx.truncate(keep.max(1));
         }
-        let kept: f64 = idx.iter().map(|&i| w[i]).sum();
+        let kept: f64 = idx.iter().map(|&i| w[i] as f64).sum();
         let target = u * kept;
         let mut acc = 0.0;
         let mut tok = *idx.last().expect("at least one candidate");
         for &i in &idx {
-            acc += w[i];
+            acc += w[i] as f64;
             if acc > target {
                 tok = i;
                 break;
@@ -171,7 +169,7 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> (u32, f32
         }
         tok
     };
-    let lp = (w[token] / total).ln() as f32;
+    let lp = (w[token] as f64 / total).ln() as f32;
     (token as u32, lp)
 }
 
