@@ -442,7 +442,16 @@ impl Engine {
 
     /// Run one forward step over every running sequence plus newly
     /// admitted ones. Returns the number of tokens computed (0 when idle).
+    ///
+    /// On the CPU the step runs on a rayon worker ([`arbor_ops::in_pool`]),
+    /// so the forward's ~150 parallel kernel calls start inside the pool.
     pub fn step(&mut self) -> Result<usize, EngineError> {
+        let cpu = self.model.device().is_cpu();
+        arbor_ops::in_pool(cpu, || self.step_here())
+    }
+
+    /// [`Engine::step`] on the calling thread.
+    fn step_here(&mut self) -> Result<usize, EngineError> {
         let mut batch = PagedBatch::default();
         let mut ids: Vec<u32> = Vec::new();
         let mut scheduled: Vec<SeqId> = Vec::new();

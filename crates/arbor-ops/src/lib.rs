@@ -45,6 +45,21 @@ pub use paged::{cache_write, paged_attention_op, PagedMeta};
 pub use ppo::{pack_aux, ppo_loss, token_weights, value_loss, Aggregation, PpoClip};
 pub use segment::{segment_broadcast, segment_mean, segment_sum};
 
+/// Run `f` on a rayon worker thread when `cpu` (moved there once, unless
+/// the caller already is one), else on the calling thread. CPU kernels
+/// called from inside the pool push their parallel work onto the worker's
+/// own queue; called from outside, each call is injected into the pool and
+/// waits on a sleeping worker's wake-up (30-50 us a call on a 2-core
+/// machine: a third of a decode-sized matmul). Wrap a whole step (a
+/// forward, an update) with it, not single calls.
+pub fn in_pool<R: Send>(cpu: bool, f: impl FnOnce() -> R + Send) -> R {
+    if cpu && rayon::current_thread_index().is_none() {
+        rayon::scope(|_| f())
+    } else {
+        f()
+    }
+}
+
 static POISON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Poison (NaN-fill) the output buffers of the CUDA ops before their kernels

@@ -302,6 +302,16 @@ impl Learner {
         rows: &[LossRow],
         train_policy: bool,
     ) -> Result<UpdateStats, TrainError> {
+        let cpu = self.device().is_cpu();
+        arbor_ops::in_pool(cpu, || self.update_here(rows, train_policy))
+    }
+
+    /// [`Learner::update_with`] on the calling thread.
+    fn update_here(
+        &mut self,
+        rows: &[LossRow],
+        train_policy: bool,
+    ) -> Result<UpdateStats, TrainError> {
         let n_tok: usize = rows
             .iter()
             .map(|r| r.mask.iter().skip(1).filter(|&&m| m > 0.0).count())
@@ -418,6 +428,12 @@ impl Learner {
     /// Supervised step: maximise the log-likelihood of the masked tokens of
     /// `rows` (token mean). Returns the mean negative log-likelihood.
     pub fn sft_step(&mut self, rows: &[LossRow]) -> Result<(f64, StepStats), TrainError> {
+        let cpu = self.device().is_cpu();
+        arbor_ops::in_pool(cpu, || self.sft_here(rows))
+    }
+
+    /// [`Learner::sft_step`] on the calling thread.
+    fn sft_here(&mut self, rows: &[LossRow]) -> Result<(f64, StepStats), TrainError> {
         let n_tok: usize = rows
             .iter()
             .map(|r| r.mask.iter().skip(1).filter(|&&m| m > 0.0).count())
