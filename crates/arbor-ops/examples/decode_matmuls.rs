@@ -1,7 +1,7 @@
 //! The matmuls of one decode step of a SmolLM2-135M-shaped model (30 layers
 //! of q/k/v, o, gate/up, down; the tied LM head), bf16 weights (f32 with
 //! `F32=1`), `m` rows, through `matmul_nt_multi_into` as the engine calls
-//! them; weights read from memory as in a real step. Prints ms per step,
+//! them (inside the rayon pool); weights read from memory as in a real step. Prints ms per step,
 //! GFLOP/s and the weight bytes streamed per second.
 //! `cargo run --release -p arbor-ops --example decode_matmuls -- [M] [STEPS]`
 use arbor_ops::WeightRows;
@@ -93,12 +93,15 @@ fn main() {
             bytes += (vocab * h) as f64 * el;
         }
     };
-    step(false);
-    let t0 = std::time::Instant::now();
-    for _ in 0..steps {
-        step(true);
-    }
-    let dt = t0.elapsed().as_secs_f64();
+    // Inside the pool, as the engine runs a step (`arbor_ops::in_pool`).
+    let dt = arbor_ops::in_pool(true, || {
+        step(false);
+        let t0 = std::time::Instant::now();
+        for _ in 0..steps {
+            step(true);
+        }
+        t0.elapsed().as_secs_f64()
+    });
     println!(
         "m {m} {}: {:.2} ms/step, {:.1} GFLOP/s, {:.1} GB/s of weights",
         if f32w { "f32" } else { "bf16" },

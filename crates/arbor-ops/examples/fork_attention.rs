@@ -2,7 +2,9 @@
 //! of a `P`-token prompt (default 512), each `T` tokens (default 64) past
 //! it, over 30 layers of a SmolLM2-135M-shaped cache (9 query heads, 3 KV
 //! heads, head size 64, blocks of 16; 71 MB, more than the L3, as in a real
-//! step). Prints ms per step and the effective GFLOP/s.
+//! step). Prints ms per step and the effective GFLOP/s. With `SEPARATE=1`
+//! the `N` sequences share nothing (a batch of different prompts, as in
+//! `arbor bench generate`).
 //! `cargo run --release -p arbor-ops --example fork_attention -- [N] [P] [T] [STEPS]`
 use arbor_ops::{paged_attention, PagedAttentionArgs};
 
@@ -13,9 +15,17 @@ fn main() {
         .collect();
     let arg = |i: usize, d: usize| a.get(i).copied().unwrap_or(d);
     let (n, p, t, steps) = (arg(0, 8), arg(1, 512), arg(2, 64), arg(3, 50));
-    let (nh, nkv, d, bs, layers) = (9, 3, 64, 16, 30);
-    let pb = p / bs;
-    let own = (t + bs).div_ceil(bs);
+    let layers = std::env::var("LAYERS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(30);
+    let (nh, nkv, d, bs) = (9, 3, 64, 16);
+    let separate = std::env::var("SEPARATE").is_ok();
+    let (pb, own) = if separate {
+        (0, (p + t + bs).div_ceil(bs))
+    } else {
+        (p / bs, (t + bs).div_ceil(bs))
+    };
     let blocks = pb + n * own;
     // The prompt's blocks shared by every child, then each child's own.
     let tables: Vec<Vec<u32>> = (0..n)
@@ -57,15 +67,18 @@ fn main() {
             }));
         }
     };
-    step();
-    let t0 = std::time::Instant::now();
-    for _ in 0..steps {
+    let dt = arbor_ops::in_pool(true, || {
         step();
-    }
-    let dt = t0.elapsed().as_secs_f64() / steps as f64;
+        let t0 = std::time::Instant::now();
+        for _ in 0..steps {
+            step();
+        }
+        t0.elapsed().as_secs_f64() / steps as f64
+    });
     let flop = 4.0 * (n * nh * (p + t + 1) * d * layers) as f64;
     println!(
-        "{n} children x {p}+{t} tokens: {:.3} ms/step, {:.1} GFLOP/s",
+        "{n} {} x {p}+{t} tokens: {:.3} ms/step, {:.1} GFLOP/s",
+        if separate { "sequences" } else { "children" },
         dt * 1e3,
         flop / dt / 1e9
     );
