@@ -94,7 +94,7 @@ impl SamplingParams {
 /// `log softmax(x * scale)_i`, the normaliser summed in f64
 /// ([`arbor_ops::rows::exp_shifted`]).
 fn log_softmax_at(x: &[f32], scale: f32, i: usize) -> f32 {
-    let mx = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mx = arbor_ops::rows::max(x);
     let s = arbor_ops::rows::exp_shifted(x, mx, scale, None);
     (x[i] - mx) * scale - s.ln() as f32
 }
@@ -102,16 +102,11 @@ fn log_softmax_at(x: &[f32], scale: f32, i: usize) -> f32 {
 /// Sample one token from `logits` (length V). Returns `(token, logprob)`.
 pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> (u32, f32) {
     if p.temperature == 0.0 {
-        let mut best = 0;
-        for (i, &v) in logits.iter().enumerate() {
-            if v > logits[best] {
-                best = i;
-            }
-        }
+        let best = arbor_ops::rows::argmax(logits);
         return (best as u32, log_softmax_at(logits, 1.0, best));
     }
     let inv_t = 1.0 / p.temperature;
-    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let m = arbor_ops::rows::max(logits);
     // Unnormalised probabilities exp((l - max) / T), their sum in f64.
     let mut w = vec![0f32; logits.len()];
     let total = arbor_ops::rows::exp_shifted(logits, m, inv_t, Some(&mut w));

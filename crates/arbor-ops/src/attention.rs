@@ -23,7 +23,7 @@
 use multiversion::multiversion;
 
 #[cfg(target_arch = "x86_64")]
-use crate::simd::{exp512, hsum16};
+use crate::simd::{exp512, hsum16, max_f32};
 use rayon::prelude::*;
 
 /// Inputs of [`paged_attention`].
@@ -331,7 +331,7 @@ unsafe fn attend_group<const DV: usize>(a: &PagedAttentionArgs<'_>, grp: &Group,
         for u in 0..toks.len() {
             for r in 0..g {
                 let s = std::slice::from_raw_parts_mut(sp.add(soff[u] + r * padded[u]), ctx[u]);
-                let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let m = max_f32(s);
                 let mv = _mm512_set1_ps(m);
                 let mut z = _mm512_setzero_ps();
                 let p = s.as_mut_ptr();

@@ -75,6 +75,32 @@ pub(crate) unsafe fn exp512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::
     _mm512_scalef_ps(p, n)
 }
 
+/// `max_i x_i` of a slice (`-inf` when empty): four 16-lane running
+/// maxima (independent chains), then one reduction. Exact, as any order of
+/// `max` is (NaN aside).
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn max_f32(x: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut m = [ninf; 4];
+    let p = x.as_ptr();
+    let n = x.len();
+    let mut i = 0;
+    while i + 64 <= n {
+        for (c, m) in m.iter_mut().enumerate() {
+            *m = _mm512_max_ps(*m, _mm512_loadu_ps(p.add(i + 16 * c)));
+        }
+        i += 64;
+    }
+    while i < n {
+        let mask = ((1u32 << (n - i).min(16)) - 1) as __mmask16;
+        m[0] = _mm512_max_ps(m[0], _mm512_mask_loadu_ps(ninf, mask, p.add(i)));
+        i += 16;
+    }
+    let m = _mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3]));
+    _mm512_reduce_max_ps(m)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -114,7 +140,19 @@ mod tests {
         }
     }
 
-    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn max_f32_is_the_max() {
+        if !std::is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        for n in [0usize, 1, 15, 16, 17, 63, 64, 65, 200, 49_152] {
+            let x: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1009) as f32 - 600.0).collect();
+            let want = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            // SAFETY: AVX-512F detected above.
+            assert_eq!(unsafe { max_f32(&x) }, want, "n = {n}");
+        }
+    }
+
     #[test]
     fn exp512_is_accurate() {
         if !std::is_x86_feature_detected!("avx512f") {
