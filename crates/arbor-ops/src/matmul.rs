@@ -18,8 +18,13 @@
 //! weight, `[out, in]`), so there is no packing: a register tile of
 //! `MR x NR` (4 x 6) dot products loads `MR + NR` vectors per `MR * NR`
 //! FMAs; a weight tile of 6 rows stays in L1 while a 64-row block of `x`
-//! streams past it from L2, and the next weight tile is prefetched as the
-//! block's first rows meet the current one. The tile's 24 accumulators stay
+//! streams past it from L2, and the next weight tile is prefetched while
+//! the block's rows meet the current one, its rows shared out among the
+//! block's first row tiles (one row each from 24 rows of `x` up; all six by
+//! the one tile of a 1-4 row call) so that only a few misses are in flight
+//! at a time and they overlap the arithmetic (issuing all six rows' misses
+//! from the first row tile stalled it and left weight streaming and compute
+//! in series: cold weights at 32 rows ran 35% below hot ones). The tile's 24 accumulators stay
 //! in registers through the loop: their lane sums are taken 16 at a time by
 //! one transposing tree of 512-bit instructions (a 128-bit reduction per sum
 //! would confine them to the 16 registers such instructions can name, and
@@ -213,12 +218,13 @@ pub fn matmul_nt_multi_into(
             let y = out.0.add(i * n + j);
             match ws[g] {
                 WeightRows::F32(w) => {
-                    let pf = pf.then(|| w.as_ptr().wrapping_add((j + NR) * k));
+                    let pf = (w.as_ptr().wrapping_add((j + NR + pf.start) * k), pf.len());
                     let (x, w) = (x.as_ptr().add(i * k), w.as_ptr().add(j * k));
                     dispatch::<F32Tiles>(mr, nr, x, w, k, y, n, pf)
                 }
                 WeightRows::Bf16(w) => {
-                    let pf = pf.then(|| w.as_ptr().wrapping_add((j + NR) * k) as *const u16);
+                    let p = w.as_ptr().wrapping_add((j + NR + pf.start) * k);
+                    let pf = (p as *const u16, pf.len());
                     let x = xb.as_ptr().add(i * k) as *const u16;
                     let w = w.as_ptr().add(j * k) as *const u16;
                     dispatch::<Bf16Tiles>(mr, nr, x, w, k, y, n, pf)
@@ -237,7 +243,7 @@ fn drive(
     m: usize,
     k: usize,
     ns: &[usize],
-    tile: impl Fn(usize, usize, usize, usize, usize, bool) + Sync,
+    tile: impl Fn(usize, usize, usize, usize, usize, std::ops::Range<usize>) + Sync,
 ) {
     let n_all: usize = ns.iter().sum();
     if m == 0 || n_all == 0 {
@@ -261,8 +267,19 @@ fn drive(
             let m1 = (m0 + MB).min(me);
             for j in (n0..n1).step_by(NR) {
                 let nr = NR.min(n1 - j);
-                for i in (m0..m1).step_by(MR) {
-                    tile(g, i, MR.min(m1 - i), j, nr, i == m0);
+                // The block's first row tiles share out the next weight
+                // tile's rows to prefetch (1, 2, 3 or all 6 rows each), so
+                // the misses stay few at a time and overlap the arithmetic.
+                let tiles = (m1 - m0).div_ceil(MR);
+                let spread = [6, 3, 2, 1].into_iter().find(|&s| s <= tiles).unwrap_or(1);
+                let per = NR / spread;
+                for (t, i) in (m0..m1).step_by(MR).enumerate() {
+                    let pf = if t < spread {
+                        t * per..(t + 1) * per
+                    } else {
+                        0..0
+                    };
+                    tile(g, i, MR.min(m1 - i), j, nr, pf);
                 }
             }
         }
@@ -296,13 +313,13 @@ fn task_shape(m: usize, n: usize) -> (usize, usize) {
 trait Tiles {
     type W;
     /// `R x C` dot products of rows `k` apart into `y` (row stride `ldy`),
-    /// prefetching the weight rows at `pf` when `PF`.
+    /// prefetching the `PF` weight rows (`k` apart) from `pf`.
     ///
     /// # Safety
     /// The CPU has the kernel's features; the `R` rows of `x`, the `C` rows
     /// of `w` and the outputs lie inside live allocations.
     #[allow(unsafe_code)]
-    unsafe fn tile<const R: usize, const C: usize, const PF: bool>(
+    unsafe fn tile<const R: usize, const C: usize, const PF: usize>(
         x: *const Self::W,
         w: *const Self::W,
         k: usize,
@@ -327,7 +344,7 @@ macro_rules! impl_tiles {
         #[allow(unsafe_code)]
         impl Tiles for $kernel {
             type W = $w;
-            unsafe fn tile<const R: usize, const C: usize, const PF: bool>(
+            unsafe fn tile<const R: usize, const C: usize, const PF: usize>(
                 x: *const $w,
                 w: *const $w,
                 k: usize,
@@ -356,14 +373,18 @@ unsafe fn dispatch<T: Tiles>(
     k: usize,
     y: *mut f32,
     ldy: usize,
-    pf: Option<*const T::W>,
+    pf: (*const T::W, usize),
 ) {
+    let (p, np) = pf;
     macro_rules! go {
         ($($a:literal: $($b:literal)*;)*) => {
-            match (mr, nr, pf) {
+            match (mr, nr, np) {
                 $($(
-                    ($a, $b, Some(p)) => T::tile::<$a, $b, true>(x, w, k, y, ldy, p),
-                    ($a, $b, None) => T::tile::<$a, $b, false>(x, w, k, y, ldy, std::ptr::null()),
+                    ($a, $b, 0) => T::tile::<$a, $b, 0>(x, w, k, y, ldy, p),
+                    ($a, $b, 1) => T::tile::<$a, $b, 1>(x, w, k, y, ldy, p),
+                    ($a, $b, 2) => T::tile::<$a, $b, 2>(x, w, k, y, ldy, p),
+                    ($a, $b, 3) => T::tile::<$a, $b, 3>(x, w, k, y, ldy, p),
+                    ($a, $b, _) => T::tile::<$a, $b, 6>(x, w, k, y, ldy, p),
                 )*)*
                 _ => unreachable!("tile {mr} x {nr}"),
             }
@@ -384,7 +405,7 @@ unsafe fn dispatch<T: Tiles>(
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::needless_range_loop)]
-unsafe fn tile<const R: usize, const C: usize, const PF: bool>(
+unsafe fn tile<const R: usize, const C: usize, const PF: usize>(
     x: *const f32,
     w: *const f32,
     k: usize,
@@ -404,7 +425,7 @@ unsafe fn tile<const R: usize, const C: usize, const PF: bool>(
         }
         for j in 0..C {
             let wv = _mm512_loadu_ps(w.add(j * k + kk));
-            if PF {
+            if j < PF {
                 _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(j * k + kk) as *const i8);
             }
             for i in 0..R {
@@ -471,7 +492,7 @@ unsafe fn store_sums<const R: usize, const C: usize>(
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 #[allow(clippy::needless_range_loop)]
-unsafe fn tile_bf16<const R: usize, const C: usize, const PF: bool>(
+unsafe fn tile_bf16<const R: usize, const C: usize, const PF: usize>(
     x: *const u16,
     w: *const u16,
     k: usize,
@@ -499,7 +520,7 @@ unsafe fn tile_bf16<const R: usize, const C: usize, const PF: bool>(
         }
         for j in 0..C {
             let wv = load(w.add(j * k + kk));
-            if PF {
+            if j < PF {
                 _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(j * k + kk) as *const i8);
             }
             for i in 0..R {
