@@ -73,6 +73,15 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    // Engine steps and learner updates run on rayon workers
+    // (`arbor_ops::in_pool`), and candle's backward walks the graph
+    // recursively: give workers the main thread's headroom and more.
+    if let Err(e) = rayon::ThreadPoolBuilder::new()
+        .stack_size(16 << 20)
+        .build_global()
+    {
+        tracing::warn!("rayon pool already built: {e}");
+    }
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
         std::process::exit(1);

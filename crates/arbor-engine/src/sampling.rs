@@ -116,7 +116,9 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> (u32, f32
         // Inverse CDF in id order.
         let target = u * total;
         let mut acc = 0.0;
-        let mut tok = logits.len() - 1;
+        // Should rounding leave the running sum a hair short of the target,
+        // the last token with any weight (never one of weight 0).
+        let mut tok = w.iter().rposition(|&x| x > 0.0).unwrap_or(logits.len() - 1);
         for (i, &x) in w.iter().enumerate() {
             acc += x as f64;
             if acc > target {

@@ -51,7 +51,11 @@ pub use segment::{segment_broadcast, segment_mean, segment_sum};
 /// own queue; called from outside, each call is injected into the pool and
 /// waits on a sleeping worker's wake-up (30-50 us a call on a 2-core
 /// machine: a third of a decode-sized matmul). Wrap a whole step (a
-/// forward, an update) with it, not single calls.
+/// forward, an update) with it, not single calls. The step runs on a worker's
+/// stack (the `arbor` binary gives workers 16 MiB: candle's backward walks
+/// the graph recursively), and a worker waiting inside another caller's
+/// parallel call may run this step first: fine for compute, but `f` must not
+/// wait on locks that such a caller holds.
 pub fn in_pool<R: Send>(cpu: bool, f: impl FnOnce() -> R + Send) -> R {
     if cpu && rayon::current_thread_index().is_none() {
         rayon::scope(|_| f())

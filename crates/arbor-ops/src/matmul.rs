@@ -20,7 +20,7 @@
 //! FMAs; a weight tile of 6 rows stays in L1 while a 64-row block of `x`
 //! streams past it from L2, and the next weight tile is prefetched while
 //! the block's rows meet the current one, its rows shared out among the
-//! block's first row tiles (one row each from 24 rows of `x` up; all six by
+//! block's first row tiles (one row each from 21 rows of `x` up; all six by
 //! the one tile of a 1-4 row call) so that only a few misses are in flight
 //! at a time and they overlap the arithmetic (issuing all six rows' misses
 //! from the first row tile stalled it and left weight streaming and compute

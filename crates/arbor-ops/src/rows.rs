@@ -181,18 +181,19 @@ pub fn exp_shifted(x: &[f32], shift: f32, scale: f32, out: Option<&mut [f32]>) -
         #[allow(unsafe_code)]
         return unsafe { exp_shifted_avx512(x, shift, scale, out) };
     }
+    // The sum is of the rounded values, so it is exactly the sum of `out`.
+    let e = |v: f32| (((v - shift) * scale) as f64).exp() as f32;
     let mut sum = 0f64;
     match out {
         Some(o) => {
             for (o, &v) in o.iter_mut().zip(x) {
-                let e = (((v - shift) * scale) as f64).exp();
-                *o = e as f32;
-                sum += e;
+                *o = e(v);
+                sum += *o as f64;
             }
         }
         None => {
             for &v in x {
-                sum += (((v - shift) * scale) as f64).exp();
+                sum += e(v) as f64;
             }
         }
     }

@@ -46,16 +46,18 @@ pub(crate) unsafe fn hsum16(v: &[std::arch::x86_64::__m512; 16]) -> std::arch::x
     _mm512_permutexvar_ps(idx, r)
 }
 
-/// `exp(x)` lane-wise for `x <= 0` (underflows to 0 below -87.3): `x = n
-/// ln 2 + r`, `|r| <= ln2 / 2`, a degree-7 Taylor polynomial in `r`, scaled
-/// by `2^n`. Relative error below 2e-7.
+/// `exp(x)` lane-wise for `x <= 0` (arguments below -87.3, `-inf`
+/// included, give about 1e-38 instead of a subnormal or 0; NaN stays NaN):
+/// `x = n ln 2 + r`, `|r| <= ln2 / 2`, a degree-7 Taylor polynomial in `r`,
+/// scaled by `2^n`. Relative error below 3e-7.
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f")]
 #[inline]
 pub(crate) unsafe fn exp512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
     use std::arch::x86_64::*;
-    let x = _mm512_max_ps(x, _mm512_set1_ps(-87.3));
+    // `max(c, x)` returns `x` when it is NaN, so NaN propagates.
+    let x = _mm512_max_ps(_mm512_set1_ps(-87.3), x);
     let n =
         _mm512_roundscale_ps::<0x08>(_mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)));
     let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_145_75), x);
@@ -178,5 +180,13 @@ mod tests {
             x += 0.0137;
         }
         assert!(worst < 3e-7, "max relative error {worst}");
+        // NaN stays visible.
+        let mut out = [0f32; 16];
+        // SAFETY: AVX-512F detected above.
+        unsafe {
+            use std::arch::x86_64::*;
+            _mm512_storeu_ps(out.as_mut_ptr(), exp512(_mm512_set1_ps(f32::NAN)));
+        }
+        assert!(out.iter().all(|v| v.is_nan()));
     }
 }
