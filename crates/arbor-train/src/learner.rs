@@ -271,6 +271,16 @@ impl Learner {
         seqs: &[Vec<u32>],
         positions: &[Vec<usize>],
     ) -> Result<Vec<Vec<f64>>, TrainError> {
+        let cpu = self.device().is_cpu();
+        arbor_ops::in_pool(cpu, || self.values_here(seqs, positions))
+    }
+
+    /// [`Learner::values_at`] on the calling thread.
+    fn values_here(
+        &self,
+        seqs: &[Vec<u32>],
+        positions: &[Vec<usize>],
+    ) -> Result<Vec<Vec<f64>>, TrainError> {
         let dev = self.device();
         let mut out = Vec::with_capacity(seqs.len());
         for (s, pos) in seqs.iter().zip(positions) {
