@@ -446,8 +446,8 @@ impl Engine {
     /// On the CPU the step runs on a rayon worker ([`arbor_ops::in_pool`]),
     /// so the forward's ~150 parallel kernel calls start inside the pool.
     pub fn step(&mut self) -> Result<usize, EngineError> {
-        let cpu = self.model.device().is_cpu();
-        arbor_ops::in_pool(cpu, || self.step_here())
+        let dev = self.model.device().clone();
+        arbor_ops::in_pool(&dev, || self.step_here())
     }
 
     /// [`Engine::step`] on the calling thread.

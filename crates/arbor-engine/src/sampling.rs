@@ -91,22 +91,17 @@ impl SamplingParams {
     }
 }
 
-/// `log softmax(x * scale)_i`, the normaliser summed in f64
-/// ([`arbor_ops::rows::exp_shifted`]).
-fn log_softmax_at(x: &[f32], scale: f32, i: usize) -> f32 {
-    let mx = arbor_ops::rows::max(x);
-    let s = arbor_ops::rows::exp_shifted(x, mx, scale, None);
-    (x[i] - mx) * scale - s.ln() as f32
-}
-
 /// Sample one token from `logits` (length V). Returns `(token, logprob)`.
 pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> (u32, f32) {
+    let m = arbor_ops::rows::max(logits);
     if p.temperature == 0.0 {
-        let best = arbor_ops::rows::argmax(logits);
-        return (best as u32, log_softmax_at(logits, 1.0, best));
+        // Argmax (lowest id on ties) and its untempered log-softmax, the
+        // normaliser summed in f64.
+        let best = logits.iter().position(|&v| v == m).unwrap_or(0);
+        let z = arbor_ops::rows::exp_shifted(logits, m, 1.0, None);
+        return (best as u32, (logits[best] - m) - z.ln() as f32);
     }
     let inv_t = 1.0 / p.temperature;
-    let m = arbor_ops::rows::max(logits);
     // Unnormalised probabilities exp((l - max) / T), their sum in f64.
     let mut w = vec![0f32; logits.len()];
     let total = arbor_ops::rows::exp_shifted(logits, m, inv_t, Some(&mut w));

@@ -94,7 +94,7 @@ fn main() {
         }
     };
     // Inside the pool, as the engine runs a step (`arbor_ops::in_pool`).
-    let dt = arbor_ops::in_pool(true, || {
+    let dt = arbor_ops::in_pool(&candle_core::Device::Cpu, || {
         step(false);
         let t0 = std::time::Instant::now();
         for _ in 0..steps {

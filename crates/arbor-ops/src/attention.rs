@@ -134,6 +134,11 @@ fn plan_groups(a: &PagedAttentionArgs<'_>) -> Vec<Group> {
     } else {
         0
     };
+    let kvs: Vec<std::ops::Range<usize>> = if split_kv {
+        (0..a.n_kv).map(|h| h..h + 1).collect()
+    } else {
+        std::iter::once(0..a.n_kv).collect()
+    };
     let mut groups = Vec::new();
     for fam in families {
         let n_chunks = chunks_of(fam.len()).max(want.min(fam.len()));
@@ -154,16 +159,11 @@ fn plan_groups(a: &PagedAttentionArgs<'_>) -> Vec<Group> {
                 blocks += 1;
             }
             let shared = min_ctx.min(blocks * a.block_size);
-            let kvs: Vec<std::ops::Range<usize>> = if split_kv {
-                (0..a.n_kv).map(|h| h..h + 1).collect()
-            } else {
-                std::iter::once(0..a.n_kv).collect()
-            };
-            for kv in kvs {
+            for kv in &kvs {
                 groups.push(Group {
                     tokens: toks.to_vec(),
                     shared,
-                    kv,
+                    kv: kv.clone(),
                 });
             }
         }

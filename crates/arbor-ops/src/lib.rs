@@ -45,8 +45,8 @@ pub use paged::{cache_write, paged_attention_op, PagedMeta};
 pub use ppo::{pack_aux, ppo_loss, token_weights, value_loss, Aggregation, PpoClip};
 pub use segment::{segment_broadcast, segment_mean, segment_sum};
 
-/// Run `f` on a rayon worker thread when `cpu` (moved there once, unless
-/// the caller already is one), else on the calling thread. CPU kernels
+/// Run `f` on a rayon worker thread when `device` is the CPU (moved there
+/// once, unless the caller already is one), else on the calling thread. CPU kernels
 /// called from inside the pool push their parallel work onto the worker's
 /// own queue; called from outside, each call is injected into the pool and
 /// waits on a sleeping worker's wake-up (30-50 us a call on a 2-core
@@ -56,8 +56,8 @@ pub use segment::{segment_broadcast, segment_mean, segment_sum};
 /// the graph recursively), and a worker waiting inside another caller's
 /// parallel call may run this step first: fine for compute, but `f` must not
 /// wait on locks that such a caller holds.
-pub fn in_pool<R: Send>(cpu: bool, f: impl FnOnce() -> R + Send) -> R {
-    if cpu && rayon::current_thread_index().is_none() {
+pub fn in_pool<R: Send>(device: &candle_core::Device, f: impl FnOnce() -> R + Send) -> R {
+    if device.is_cpu() && rayon::current_thread_index().is_none() {
         rayon::scope(|_| f())
     } else {
         f()

@@ -24,13 +24,13 @@
 //! the one tile of a 1-4 row call) so that only a few misses are in flight
 //! at a time and they overlap the arithmetic (issuing all six rows' misses
 //! from the first row tile stalled it and left weight streaming and compute
-//! in series: cold weights at 32 rows ran 35% below hot ones). The tile's 24 accumulators stay
-//! in registers through the loop: their lane sums are taken 16 at a time by
-//! one transposing tree of 512-bit instructions (a 128-bit reduction per sum
-//! would confine them to the 16 registers such instructions can name, and
-//! the compiler then spilled a third of them inside the loop, costing 1.3 to
-//! 1.5x at 8 to 32 rows). Threads split the weight rows
-//! (and, for long inputs, `x`). At decode sizes each weight is read from
+//! in series: cold weights at 32 rows ran 35% below hot ones). The tile's
+//! 24 accumulators stay in registers through the loop: their lane sums are
+//! taken 16 at a time by one transposing tree of 512-bit instructions (a
+//! 128-bit reduction per sum would confine them to the 16 registers such
+//! instructions can name, and the compiler then spilled a third of them
+//! inside the loop, costing 1.3 to 1.5x at 8 to 32 rows). Threads split the
+//! weight rows (and, for long inputs, `x`). At decode sizes each weight is read from
 //! memory once per call.
 //!
 //! [`matmul_nt_op`] is a candle op (f32 `x`; f32 or bf16 `w`; CPU) with the
@@ -216,15 +216,16 @@ pub fn matmul_nt_multi_into(
         #[cfg(target_arch = "x86_64")]
         unsafe {
             let y = out.0.add(i * n + j);
+            // The rows of the next weight tile this tile prefetches.
+            let (pf_at, npf) = ((j + NR + pf.start) * k, pf.len());
             match ws[g] {
                 WeightRows::F32(w) => {
-                    let pf = (w.as_ptr().wrapping_add((j + NR + pf.start) * k), pf.len());
+                    let pf = (w.as_ptr().wrapping_add(pf_at), npf);
                     let (x, w) = (x.as_ptr().add(i * k), w.as_ptr().add(j * k));
                     dispatch::<F32Tiles>(mr, nr, x, w, k, y, n, pf)
                 }
                 WeightRows::Bf16(w) => {
-                    let p = w.as_ptr().wrapping_add((j + NR + pf.start) * k);
-                    let pf = (p as *const u16, pf.len());
+                    let pf = (w.as_ptr().wrapping_add(pf_at) as *const u16, npf);
                     let x = xb.as_ptr().add(i * k) as *const u16;
                     let w = w.as_ptr().add(j * k) as *const u16;
                     dispatch::<Bf16Tiles>(mr, nr, x, w, k, y, n, pf)
@@ -237,8 +238,8 @@ pub fn matmul_nt_multi_into(
 /// Walks the tiles of the products `[m, k] x [ns[g], k]^T`: calls `tile(g,
 /// i, mr, j, nr, prefetch)` for the `mr x nr` output tile at `(i, j)` of
 /// product `g`, in cache blocks, on rayon tasks that own disjoint output
-/// tiles. `prefetch` is true for the first tile of a block's column, the
-/// moment to pull the next weight tile in.
+/// tiles. `prefetch` is the range of the next weight tile's rows (`0..NR`)
+/// that this tile pulls in, empty for all but a block's first row tiles.
 fn drive(
     m: usize,
     k: usize,
@@ -650,6 +651,10 @@ mod tests {
         }
     }
 
+    fn same(a: &[f32], b: &[f32]) -> bool {
+        a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits())
+    }
+
     /// Uniform in [-1, 1), as the kernel's weights can hold them.
     fn values(kn: &Kernel, rng: &mut StdRng, len: usize) -> Vec<f32> {
         (0..len)
@@ -710,7 +715,6 @@ mod tests {
         let alone: Vec<Vec<f32>> = (0..big)
             .map(|r| (kn.run)(&x[r * k..(r + 1) * k], &w, 1, k, n))
             .collect();
-        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
         for m in [2usize, 3, 5, 8, 32, 65, 150] {
             for start in [0usize, 1, 3] {
                 if start + m > big {
@@ -813,7 +817,6 @@ mod tests {
             .map(|_| half::bf16::from_f32(rng.random_range(-1.0..1.0)))
             .collect();
         let w3: Vec<f32> = (0..7 * k).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
         for m in [1usize, 8, 32, 300] {
             let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
             let (mut y1, mut y2, mut y3) =

@@ -153,13 +153,6 @@ pub fn max(x: &[f32]) -> f32 {
     x.iter().copied().fold(f32::NEG_INFINITY, f32::max)
 }
 
-/// The first index of the largest value of a non-empty `x` (lowest index
-/// on ties): a greedy sampler's argmax.
-pub fn argmax(x: &[f32]) -> usize {
-    let m = max(x);
-    x.iter().position(|&v| v == m).unwrap_or(0)
-}
-
 /// `e_i = exp((x_i - shift) * scale)` for every `i`, written to `out` when
 /// given, and `sum_i e_i` accumulated in f64: a sampler's softmax weights
 /// and normaliser over one row of logits. Requires `(x_i - shift) * scale

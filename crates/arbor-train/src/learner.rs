@@ -271,8 +271,7 @@ impl Learner {
         seqs: &[Vec<u32>],
         positions: &[Vec<usize>],
     ) -> Result<Vec<Vec<f64>>, TrainError> {
-        let cpu = self.device().is_cpu();
-        arbor_ops::in_pool(cpu, || self.values_here(seqs, positions))
+        arbor_ops::in_pool(&self.device(), || self.values_here(seqs, positions))
     }
 
     /// [`Learner::values_at`] on the calling thread.
@@ -312,8 +311,8 @@ impl Learner {
         rows: &[LossRow],
         train_policy: bool,
     ) -> Result<UpdateStats, TrainError> {
-        let cpu = self.device().is_cpu();
-        arbor_ops::in_pool(cpu, || self.update_here(rows, train_policy))
+        let dev = self.device();
+        arbor_ops::in_pool(&dev, || self.update_here(rows, train_policy))
     }
 
     /// [`Learner::update_with`] on the calling thread.
@@ -438,8 +437,8 @@ impl Learner {
     /// Supervised step: maximise the log-likelihood of the masked tokens of
     /// `rows` (token mean). Returns the mean negative log-likelihood.
     pub fn sft_step(&mut self, rows: &[LossRow]) -> Result<(f64, StepStats), TrainError> {
-        let cpu = self.device().is_cpu();
-        arbor_ops::in_pool(cpu, || self.sft_here(rows))
+        let dev = self.device();
+        arbor_ops::in_pool(&dev, || self.sft_here(rows))
     }
 
     /// [`Learner::sft_step`] on the calling thread.
