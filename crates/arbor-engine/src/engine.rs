@@ -443,11 +443,14 @@ impl Engine {
     /// Run one forward step over every running sequence plus newly
     /// admitted ones. Returns the number of tokens computed (0 when idle).
     ///
-    /// On the CPU the step runs on a rayon worker ([`arbor_ops::in_pool`]),
-    /// so the forward's ~150 parallel kernel calls start inside the pool.
+    /// On the CPU the step runs on a rayon worker, with the pool's other
+    /// workers polling for work until it ends
+    /// ([`arbor_ops::in_pool_polling`]), so the forward's ~200 parallel
+    /// kernel calls start inside the pool and never wait for a sleeping
+    /// thread.
     pub fn step(&mut self) -> Result<usize, EngineError> {
         let dev = self.model.device().clone();
-        arbor_ops::in_pool(&dev, || self.step_here())
+        arbor_ops::in_pool_polling(&dev, || self.step_here())
     }
 
     /// [`Engine::step`] on the calling thread.

@@ -380,6 +380,13 @@ fn with_cpu_f32<R>(x: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     }
 }
 
+/// `a + b` for the generation forward ([`arbor_ops::rows::add`]: the same
+/// f32 sums as candle's add, on the rayon pool rather than candle's).
+fn add_rows(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let out = with_cpu_f32(a, |a| with_cpu_f32(b, |b| arbor_ops::rows::add(a, b)))??;
+    Ok(Tensor::from_vec(out, a.shape(), a.device())?)
+}
+
 /// `f` with an optional per-head norm's `(weight, eps)` as f32 values.
 fn with_norm<R>(norm: &Option<RmsNorm>, f: impl FnOnce(Option<(&[f32], f32)>) -> R) -> Result<R> {
     match norm {
@@ -573,9 +580,9 @@ impl DecoderLayer {
         let h = self.input_norm.forward_rows(x)?;
         let (q, k, v) = self.attn.project_rows(&h, rope)?;
         let a = backend.attend(idx, &q, &k, &v)?;
-        let x = (x + self.attn.o.forward(&a)?)?;
+        let x = add_rows(x, &self.attn.o.forward(&a)?)?;
         let h = self.post_norm.forward_rows(&x)?;
-        Ok((&x + self.mlp.forward_rows(&h)?)?)
+        add_rows(&x, &self.mlp.forward_rows(&h)?)
     }
 
     /// `x + attn(norm x)`, then `+ mlp(norm ·)`.

@@ -93,8 +93,8 @@ fn main() {
             bytes += (vocab * h) as f64 * el;
         }
     };
-    // Inside the pool, as the engine runs a step (`arbor_ops::in_pool`).
-    let dt = arbor_ops::in_pool(&candle_core::Device::Cpu, || {
+    // Inside the pool, as the engine runs a step (`arbor_ops::in_pool_polling`).
+    let dt = arbor_ops::in_pool_polling(&candle_core::Device::Cpu, || {
         step(false);
         let t0 = std::time::Instant::now();
         for _ in 0..steps {

@@ -67,7 +67,7 @@ fn main() {
             }));
         }
     };
-    let dt = arbor_ops::in_pool(&candle_core::Device::Cpu, || {
+    let dt = arbor_ops::in_pool_polling(&candle_core::Device::Cpu, || {
         step();
         let t0 = std::time::Instant::now();
         for _ in 0..steps {

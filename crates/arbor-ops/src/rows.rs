@@ -1,6 +1,6 @@
 //! Fused row-wise f32 kernels for the generation forward on the CPU (no
-//! autograd): RMSNorm, head split with optional q/k-norm and RoPE, and
-//! SwiGLU's `silu(g) * u`.
+//! autograd): RMSNorm, head split with optional q/k-norm and RoPE,
+//! SwiGLU's `silu(g) * u`, and the residual `a + b`.
 //!
 //! Each replaces a chain of candle ops (RMSNorm alone is seven, each with
 //! its own allocation and pass over memory) by one pass. They use the same
@@ -127,16 +127,29 @@ fn rope_row(o: &mut [f32], cos: &[f32], sin: &[f32]) {
     }
 }
 
+/// `a + b`, elementwise: the residual additions of the generation forward
+/// (candle's add would hand large inputs to candle's own thread pool, whose
+/// threads compete for cores with the rayon workers of
+/// [`crate::in_pool_polling`]).
+pub fn add(a: &[f32], b: &[f32]) -> Vec<f32> {
+    map2(a, b, |x, y| x + y)
+}
+
 /// SwiGLU's gate: `silu(g) * u = g / (1 + exp(-g)) * u`, elementwise.
 pub fn silu_mul(g: &[f32], u: &[f32]) -> Vec<f32> {
-    assert_eq!(g.len(), u.len(), "silu_mul: lengths");
-    let mut out = vec![0f32; g.len()];
+    map2(g, u, |a, b| a / (1.0 + (-a).exp()) * b)
+}
+
+/// `f(a_i, b_i)` for every `i`, in parallel chunks for large inputs.
+fn map2(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + Sync + Send) -> Vec<f32> {
+    assert_eq!(a.len(), b.len(), "elementwise kernel: lengths");
+    let mut out = vec![0f32; a.len()];
     // Chunks of CH as the "rows" (the last one shorter).
     const CH: usize = 1 << 14;
     for_rows(&mut out, CH, |c, o| {
-        let (g, u) = (&g[c * CH..], &u[c * CH..]);
-        for ((o, &a), &b) in o.iter_mut().zip(g).zip(u) {
-            *o = a / (1.0 + (-a).exp()) * b;
+        let (a, b) = (&a[c * CH..], &b[c * CH..]);
+        for ((o, &x), &y) in o.iter_mut().zip(a).zip(b) {
+            *o = f(x, y);
         }
     });
     out
@@ -308,6 +321,18 @@ mod tests {
                 let want = a / (1.0 + (-a).exp()) * b;
                 assert!((y[i] as f64 - want).abs() < 1e-6 * (1.0 + want.abs()));
             }
+        }
+    }
+
+    #[test]
+    fn add_is_the_elementwise_sum() {
+        for n in [10usize, 100_000] {
+            let (a, b) = (data(n, 8), data(n, 9));
+            let y = add(&a, &b);
+            assert!(y
+                .iter()
+                .zip(a.iter().zip(&b))
+                .all(|(y, (a, b))| *y == a + b));
         }
     }
 
