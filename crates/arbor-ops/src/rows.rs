@@ -5,7 +5,8 @@
 //! Each replaces a chain of candle ops (RMSNorm alone is seven, each with
 //! its own allocation and pass over memory) by one pass. They use the same
 //! f32 operations in the same order as the training forward's candle ops,
-//! except the RMSNorm sum of squares, whose order is this kernel's own; every
+//! except the RMSNorm sum of squares, whose order is this kernel's own, and
+//! SiLU's `exp`, a vectorised polynomial on AVX-512 CPUs; every
 //! row is computed on its own, so results never depend on the batch. Rows
 //! are split across threads only when there are enough of them to pay for it.
 
@@ -136,8 +137,48 @@ pub fn add(a: &[f32], b: &[f32]) -> Vec<f32> {
 }
 
 /// SwiGLU's gate: `silu(g) * u = g / (1 + exp(-g)) * u`, elementwise.
+/// On CPUs with AVX-512F `exp` is the f32 polynomial (relative error below
+/// 3e-7; the rest is the same f32 operations in the same order), 16 values
+/// at a time; elsewhere it is `f32::exp`, as in candle's `silu`.
 pub fn silu_mul(g: &[f32], u: &[f32]) -> Vec<f32> {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") {
+        assert_eq!(g.len(), u.len(), "silu_mul: lengths");
+        let mut out = vec![0f32; g.len()];
+        const CH: usize = 1 << 14;
+        for_rows(&mut out, CH, |c, o| {
+            // SAFETY: AVX-512F detected; `g` and `u` reach past `c * CH + o.len()`.
+            #[allow(unsafe_code)]
+            unsafe {
+                silu_mul_avx512(&g[c * CH..], &u[c * CH..], o)
+            }
+        });
+        return out;
+    }
     map2(g, u, |a, b| a / (1.0 + (-a).exp()) * b)
+}
+
+/// `o[i] = g[i] / (1 + exp(-g[i])) * u[i]` for `i < o.len()`.
+///
+/// # Safety
+/// The CPU supports AVX-512F; `g` and `u` hold at least `o.len()` values.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx512f")]
+unsafe fn silu_mul_avx512(g: &[f32], u: &[f32], o: &mut [f32]) {
+    use crate::simd::exp512;
+    use std::arch::x86_64::*;
+    let n = o.len();
+    assert!(g.len() >= n && u.len() >= n);
+    let one = _mm512_set1_ps(1.0);
+    for i in (0..n).step_by(16) {
+        let mask = ((1u32 << (n - i).min(16)) - 1) as __mmask16;
+        let a = _mm512_maskz_loadu_ps(mask, g.as_ptr().add(i));
+        let b = _mm512_maskz_loadu_ps(mask, u.as_ptr().add(i));
+        let e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), a));
+        let y = _mm512_mul_ps(_mm512_div_ps(a, _mm512_add_ps(one, e)), b);
+        _mm512_mask_storeu_ps(o.as_mut_ptr().add(i), mask, y);
+    }
 }
 
 /// `f(a_i, b_i)` for every `i`, in parallel chunks for large inputs.
@@ -312,7 +353,7 @@ mod tests {
 
     #[test]
     fn silu_mul_matches_f64_and_is_parallel_safe() {
-        for n in [10usize, 100_000] {
+        for n in [10usize, 17, 100_000] {
             let g = data(n, 5);
             let u = data(n, 6);
             let y = silu_mul(&g, &u);
@@ -322,6 +363,19 @@ mod tests {
                 assert!((y[i] as f64 - want).abs() < 1e-6 * (1.0 + want.abs()));
             }
         }
+    }
+
+    #[test]
+    fn silu_mul_at_the_extremes() {
+        let g = [-1e4f32, -100.0, -88.0, -20.0, 0.0, 20.0, 100.0, 1e4, f32::NAN];
+        let u = [2.0f32; 9];
+        let y = silu_mul(&g, &u);
+        for (i, (&a, &y)) in g.iter().zip(&y).enumerate().take(8) {
+            let want = (a as f64 / (1.0 + (-(a as f64)).exp()) * 2.0) as f32;
+            assert!((y - want).abs() <= 1e-6 * (1.0 + want.abs()), "g = {a}: {y} vs {want}");
+            assert!(y.is_finite(), "{i}");
+        }
+        assert!(y[8].is_nan());
     }
 
     #[test]
