@@ -198,11 +198,8 @@ pub fn matmul_nt_multi_into(
         !any_bf16 || matmul_nt_bf16_available(),
         "matmul_nt_bf16 needs AVX-512F, BW and BF16"
     );
-    let xb: Vec<half::bf16> = if any_bf16 {
-        x[..m * k]
-            .iter()
-            .map(|&v| half::bf16::from_f32(v))
-            .collect()
+    let xb: Vec<u16> = if any_bf16 {
+        to_bf16_bits(&x[..m * k])
     } else {
         Vec::new()
     };
@@ -226,13 +223,90 @@ pub fn matmul_nt_multi_into(
                 }
                 WeightRows::Bf16(w) => {
                     let pf = (w.as_ptr().wrapping_add(pf_at) as *const u16, npf);
-                    let x = xb.as_ptr().add(i * k) as *const u16;
+                    let x = xb.as_ptr().add(i * k);
                     let w = w.as_ptr().add(j * k) as *const u16;
                     dispatch::<Bf16Tiles>(mr, nr, x, w, k, y, n, pf)
                 }
             }
         }
     });
+}
+
+/// The bits of `bf16(x)` for every value: exactly `half::bf16::from_f32`
+/// (round to nearest even, subnormals kept, NaN made quiet with its
+/// payload's top bits), 16 values per step in AVX-512 integer arithmetic
+/// (`vcvtneps2bf16` would flush subnormals to zero), in parallel chunks
+/// for long inputs. The bf16 kernel rounds its `x` this way; a prefill's
+/// `x` has millions of values, which the scalar conversion took ~1 ns each
+/// on one thread.
+fn to_bf16_bits(x: &[f32]) -> Vec<u16> {
+    let mut out = vec![0u16; x.len()];
+    const CH: usize = 1 << 14;
+    let run = |(c, o): (usize, &mut [u16])| {
+        let x = &x[c * CH..c * CH + o.len()];
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: AVX-512F detected; `x` and `o` have the same length.
+            #[allow(unsafe_code)]
+            unsafe {
+                bf16_bits_avx512(x, o)
+            };
+            return;
+        }
+        for (o, &v) in o.iter_mut().zip(x) {
+            *o = half::bf16::from_f32(v).to_bits();
+        }
+    };
+    if x.len() >= 4 * CH {
+        out.par_chunks_mut(CH).enumerate().for_each(run);
+    } else {
+        out.chunks_mut(CH).enumerate().for_each(run);
+    }
+    out
+}
+
+/// [`to_bf16_bits`] of one chunk: `bits(v) + 0x7fff + lsb >> 16` rounds to
+/// nearest even (carrying into the exponent, up to infinity, as it
+/// should); NaN becomes `bits >> 16 | 0x40`.
+///
+/// # Safety
+/// The CPU supports AVX-512F; `o.len() == x.len()`.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx512f")]
+unsafe fn bf16_bits_avx512(x: &[f32], o: &mut [u16]) {
+    use std::arch::x86_64::*;
+    assert_eq!(x.len(), o.len());
+    let n = x.len();
+    let one = _mm512_set1_epi32(1);
+    let half_ulp = _mm512_set1_epi32(0x7fff);
+    let abs = _mm512_set1_epi32(0x7fff_ffff);
+    let inf = _mm512_set1_epi32(0x7f80_0000);
+    let quiet = _mm512_set1_epi32(0x40);
+    let mut i = 0;
+    while i < n {
+        let len = (n - i).min(16);
+        let mask = ((1u32 << len) - 1) as __mmask16;
+        let v = _mm512_maskz_loadu_epi32(mask, x.as_ptr().add(i) as *const i32);
+        let hi = _mm512_srli_epi32::<16>(v);
+        let lsb = _mm512_and_si512(hi, one);
+        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(
+            v,
+            _mm512_add_epi32(half_ulp, lsb),
+        ));
+        // |v| above infinity's bits (as signed: both sides are positive).
+        let nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(v, abs), inf);
+        let r = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(hi, quiet));
+        let h = _mm512_cvtepi32_epi16(r);
+        if len == 16 {
+            _mm256_storeu_si256(o.as_mut_ptr().add(i) as *mut __m256i, h);
+        } else {
+            let mut lanes = [0u16; 16];
+            _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, h);
+            o[i..i + len].copy_from_slice(&lanes[..len]);
+        }
+        i += 16;
+    }
 }
 
 /// Walks the tiles of the products `[m, k] x [ns[g], k]^T`: calls `tile(g,
@@ -616,6 +690,48 @@ impl CustomOp2 for MatmulNt {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bf16_bits_are_half_from_f32() {
+        // Specials, ties, subnormals, the overflow edge, NaN payloads.
+        let mut xs: Vec<f32> = [
+            0x0000_0000u32,
+            0x8000_0000,
+            0x0000_0001,
+            0x8000_8000,
+            0x0001_8000,
+            0x0000_7fff,
+            0x007f_ffff,
+            0x3f80_8000,
+            0x3f81_8000,
+            0x3f80_8001,
+            0x3f80_7fff,
+            0x7f7f_ffff,
+            0x7f7f_7fff,
+            0x7f80_0000,
+            0xff80_0000,
+            0x7f80_0001,
+            0xffc1_2345,
+            0x7fbf_ffff,
+        ]
+        .iter()
+        .map(|&b| f32::from_bits(b))
+        .collect();
+        // Every exponent, with pseudo-random mantissas and signs.
+        let mut s = 12345u64;
+        for _ in 0..100_000 {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            xs.push(f32::from_bits((s >> 32) as u32));
+        }
+        for n in [xs.len(), 17, 16, 5] {
+            let got = to_bf16_bits(&xs[..n]);
+            for (i, (&g, &x)) in got.iter().zip(&xs).enumerate() {
+                assert_eq!(g, half::bf16::from_f32(x).to_bits(), "{i}: {:#010x}", x.to_bits());
+            }
+        }
+    }
     use candle_core::{Device, Var};
     use rand::{rngs::StdRng, Rng, SeedableRng};
 
