@@ -290,10 +290,7 @@ unsafe fn bf16_bits_avx512(x: &[f32], o: &mut [u16]) {
         let v = _mm512_maskz_loadu_epi32(mask, x.as_ptr().add(i) as *const i32);
         let hi = _mm512_srli_epi32::<16>(v);
         let lsb = _mm512_and_si512(hi, one);
-        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(
-            v,
-            _mm512_add_epi32(half_ulp, lsb),
-        ));
+        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(v, _mm512_add_epi32(half_ulp, lsb)));
         // |v| above infinity's bits (as signed: both sides are positive).
         let nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(v, abs), inf);
         let r = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(hi, quiet));
@@ -728,7 +725,12 @@ mod tests {
         for n in [xs.len(), 17, 16, 5] {
             let got = to_bf16_bits(&xs[..n]);
             for (i, (&g, &x)) in got.iter().zip(&xs).enumerate() {
-                assert_eq!(g, half::bf16::from_f32(x).to_bits(), "{i}: {:#010x}", x.to_bits());
+                assert_eq!(
+                    g,
+                    half::bf16::from_f32(x).to_bits(),
+                    "{i}: {:#010x}",
+                    x.to_bits()
+                );
             }
         }
     }

@@ -367,12 +367,25 @@ mod tests {
 
     #[test]
     fn silu_mul_at_the_extremes() {
-        let g = [-1e4f32, -100.0, -88.0, -20.0, 0.0, 20.0, 100.0, 1e4, f32::NAN];
+        let g = [
+            -1e4f32,
+            -100.0,
+            -88.0,
+            -20.0,
+            0.0,
+            20.0,
+            100.0,
+            1e4,
+            f32::NAN,
+        ];
         let u = [2.0f32; 9];
         let y = silu_mul(&g, &u);
         for (i, (&a, &y)) in g.iter().zip(&y).enumerate().take(8) {
             let want = (a as f64 / (1.0 + (-(a as f64)).exp()) * 2.0) as f32;
-            assert!((y - want).abs() <= 1e-6 * (1.0 + want.abs()), "g = {a}: {y} vs {want}");
+            assert!(
+                (y - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                "g = {a}: {y} vs {want}"
+            );
             assert!(y.is_finite(), "{i}");
         }
         assert!(y[8].is_nan());
