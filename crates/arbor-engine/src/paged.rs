@@ -94,6 +94,23 @@ impl PagedBatch {
     }
 }
 
+/// `f` over the values of a CPU tensor as contiguous f32, borrowed in place
+/// when it already is one (the generation forward's q/k/v are), else
+/// converted.
+fn with_f32<R>(x: &Tensor, f: impl FnOnce(&[f32]) -> R) -> arbor_model::Result<R> {
+    let x = x.to_dtype(DType::F32)?.contiguous()?;
+    let (storage, layout) = x.storage_and_layout();
+    match &*storage {
+        candle_core::Storage::Cpu(c) => {
+            let start = layout.start_offset();
+            Ok(f(&c.as_slice::<f32>()?[start..start + x.elem_count()]))
+        }
+        _ => Err(ModelError::Input(
+            "paged attention: the host KV cache was given a device tensor".into(),
+        )),
+    }
+}
+
 /// The engine's [`AttentionBackend`]: writes the step's K/V into the paged
 /// cache and attends over each token's sequence through its block table.
 #[derive(Debug)]
@@ -125,34 +142,36 @@ impl AttentionBackend for PagedAttention<'_> {
             )));
         }
         let dt = q.dtype();
-        let qv: Vec<f32> = q.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?; // [nh, t, d]
-        let kv: Vec<f32> = k.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?; // [nkv, t, d]
-        let vv: Vec<f32> = v.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         let row = nkv * d;
-        {
-            let kc = &mut self.cache.k[layer];
-            let vc = &mut self.cache.v[layer];
-            for (i, &slot) in self.batch.slots.iter().enumerate() {
-                for h in 0..nkv {
-                    let src = (h * t + i) * d;
-                    let dst = slot * row + h * d;
-                    kc[dst..dst + d].copy_from_slice(&kv[src..src + d]);
-                    vc[dst..dst + d].copy_from_slice(&vv[src..src + d]);
+        let (kc, vc) = (&mut self.cache.k[layer], &mut self.cache.v[layer]);
+        // k, v: [nkv, t, d] -> each new token's row of the cache.
+        with_f32(k, |kv| {
+            with_f32(v, |vv| {
+                for (i, &slot) in self.batch.slots.iter().enumerate() {
+                    for h in 0..nkv {
+                        let src = (h * t + i) * d;
+                        let dst = slot * row + h * d;
+                        kc[dst..dst + d].copy_from_slice(&kv[src..src + d]);
+                        vc[dst..dst + d].copy_from_slice(&vv[src..src + d]);
+                    }
                 }
-            }
-        }
-        let out = arbor_ops::paged_attention(arbor_ops::PagedAttentionArgs {
-            q: &qv,
-            k_cache: &self.cache.k[layer],
-            v_cache: &self.cache.v[layer],
-            n_heads: nh,
-            n_kv: nkv,
-            head_dim: d,
-            block_size: self.cache.block_size,
-            positions: &self.batch.positions,
-            token_seq: &self.batch.token_seq,
-            tables: &self.batch.tables,
-        });
+            })
+        })??;
+        let (kc, vc) = (&self.cache.k[layer], &self.cache.v[layer]);
+        let out = with_f32(q, |qv| {
+            arbor_ops::paged_attention(arbor_ops::PagedAttentionArgs {
+                q: qv, // [nh, t, d]
+                k_cache: kc,
+                v_cache: vc,
+                n_heads: nh,
+                n_kv: nkv,
+                head_dim: d,
+                block_size: self.cache.block_size,
+                positions: &self.batch.positions,
+                token_seq: &self.batch.token_seq,
+                tables: &self.batch.tables,
+            })
+        })?;
         Ok(Tensor::from_vec(out, (1, t, nh * d), q.device())?.to_dtype(dt)?)
     }
 }
