@@ -14,6 +14,7 @@
 //! (f32 accumulation), tested against it.
 
 use arbor_kv::CopyOp;
+use arbor_model::model::with_cpu_f32;
 use arbor_model::{AttentionBackend, ModelConfig, ModelError};
 use candle_core::{DType, Tensor};
 
@@ -94,23 +95,6 @@ impl PagedBatch {
     }
 }
 
-/// `f` over the values of a CPU tensor as contiguous f32, borrowed in place
-/// when it already is one (the generation forward's q/k/v are), else
-/// converted.
-fn with_f32<R>(x: &Tensor, f: impl FnOnce(&[f32]) -> R) -> arbor_model::Result<R> {
-    let x = x.to_dtype(DType::F32)?.contiguous()?;
-    let (storage, layout) = x.storage_and_layout();
-    match &*storage {
-        candle_core::Storage::Cpu(c) => {
-            let start = layout.start_offset();
-            Ok(f(&c.as_slice::<f32>()?[start..start + x.elem_count()]))
-        }
-        _ => Err(ModelError::Input(
-            "paged attention: the host KV cache was given a device tensor".into(),
-        )),
-    }
-}
-
 /// The engine's [`AttentionBackend`]: writes the step's K/V into the paged
 /// cache and attends over each token's sequence through its block table.
 #[derive(Debug)]
@@ -142,11 +126,13 @@ impl AttentionBackend for PagedAttention<'_> {
             )));
         }
         let dt = q.dtype();
+        let f32_of = |x: &Tensor| x.to_dtype(DType::F32);
+        let (q, k, v) = (f32_of(q)?, f32_of(k)?, f32_of(v)?);
         let row = nkv * d;
         let (kc, vc) = (&mut self.cache.k[layer], &mut self.cache.v[layer]);
         // k, v: [nkv, t, d] -> each new token's row of the cache.
-        with_f32(k, |kv| {
-            with_f32(v, |vv| {
+        with_cpu_f32(&k, |kv| {
+            with_cpu_f32(&v, |vv| {
                 for (i, &slot) in self.batch.slots.iter().enumerate() {
                     for h in 0..nkv {
                         let src = (h * t + i) * d;
@@ -158,7 +144,7 @@ impl AttentionBackend for PagedAttention<'_> {
             })
         })??;
         let (kc, vc) = (&self.cache.k[layer], &self.cache.v[layer]);
-        let out = with_f32(q, |qv| {
+        let out = with_cpu_f32(&q, |qv| {
             arbor_ops::paged_attention(arbor_ops::PagedAttentionArgs {
                 q: qv, // [nh, t, d]
                 k_cache: kc,

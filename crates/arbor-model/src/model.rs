@@ -364,8 +364,9 @@ pub trait AttentionBackend {
     }
 }
 
-/// The contiguous f32 values of a CPU tensor, handed to `f` without a copy.
-fn with_cpu_f32<R>(x: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+/// The contiguous f32 values of a CPU f32 tensor, handed to `f` without a
+/// copy (a strided tensor is made contiguous first).
+pub fn with_cpu_f32<R>(x: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     let x = x.contiguous()?;
     let (storage, layout) = x.storage_and_layout();
     match &*storage {

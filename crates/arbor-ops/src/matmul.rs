@@ -242,7 +242,7 @@ pub fn matmul_nt_multi_into(
 fn to_bf16_bits(x: &[f32]) -> Vec<u16> {
     let mut out = vec![0u16; x.len()];
     const CH: usize = 1 << 14;
-    let run = |(c, o): (usize, &mut [u16])| {
+    crate::rows::for_rows(&mut out, CH, |c, o| {
         let x = &x[c * CH..c * CH + o.len()];
         #[cfg(target_arch = "x86_64")]
         if std::is_x86_feature_detected!("avx512f") {
@@ -256,12 +256,7 @@ fn to_bf16_bits(x: &[f32]) -> Vec<u16> {
         for (o, &v) in o.iter_mut().zip(x) {
             *o = half::bf16::from_f32(v).to_bits();
         }
-    };
-    if x.len() >= 4 * CH {
-        out.par_chunks_mut(CH).enumerate().for_each(run);
-    } else {
-        out.chunks_mut(CH).enumerate().for_each(run);
-    }
+    });
     out
 }
 
@@ -687,6 +682,8 @@ impl CustomOp2 for MatmulNt {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::{Device, Var};
+    use rand::{rngs::StdRng, Rng, SeedableRng};
 
     #[test]
     fn bf16_bits_are_half_from_f32() {
@@ -734,8 +731,6 @@ mod tests {
             }
         }
     }
-    use candle_core::{Device, Var};
-    use rand::{rngs::StdRng, Rng, SeedableRng};
 
     /// A kernel under test: `run(x, w, m, k, n)` with `w` as f32 values
     /// (bf16-exact for the bf16 kernel); `round` is what the kernel does to

@@ -17,7 +17,11 @@ const PAR_MIN: usize = 1 << 16;
 
 /// Apply `f` to every `width`-element row of `out` (with its index), in
 /// parallel for large inputs.
-fn for_rows(out: &mut [f32], width: usize, f: impl Fn(usize, &mut [f32]) + Sync + Send) {
+pub(crate) fn for_rows<T: Send>(
+    out: &mut [T],
+    width: usize,
+    f: impl Fn(usize, &mut [T]) + Sync + Send,
+) {
     if out.len() >= PAR_MIN {
         out.par_chunks_mut(width)
             .enumerate()
@@ -133,7 +137,11 @@ fn rope_row(o: &mut [f32], cos: &[f32], sin: &[f32]) {
 /// threads compete for cores with the rayon workers of
 /// [`crate::in_pool_polling`]).
 pub fn add(a: &[f32], b: &[f32]) -> Vec<f32> {
-    map2(a, b, |x, y| x + y)
+    zip_chunks(a, b, |a, b, o| {
+        for ((o, &x), &y) in o.iter_mut().zip(a).zip(b) {
+            *o = x + y;
+        }
+    })
 }
 
 /// SwiGLU's gate: `silu(g) * u = g / (1 + exp(-g)) * u`, elementwise.
@@ -141,21 +149,20 @@ pub fn add(a: &[f32], b: &[f32]) -> Vec<f32> {
 /// 3e-7; the rest is the same f32 operations in the same order), 16 values
 /// at a time; elsewhere it is `f32::exp`, as in candle's `silu`.
 pub fn silu_mul(g: &[f32], u: &[f32]) -> Vec<f32> {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx512f") {
-        assert_eq!(g.len(), u.len(), "silu_mul: lengths");
-        let mut out = vec![0f32; g.len()];
-        const CH: usize = 1 << 14;
-        for_rows(&mut out, CH, |c, o| {
-            // SAFETY: AVX-512F detected; `g` and `u` reach past `c * CH + o.len()`.
+    zip_chunks(g, u, |g, u, o| {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: AVX-512F detected; `g`, `u` and `o` have one length.
             #[allow(unsafe_code)]
             unsafe {
-                silu_mul_avx512(&g[c * CH..], &u[c * CH..], o)
-            }
-        });
-        return out;
-    }
-    map2(g, u, |a, b| a / (1.0 + (-a).exp()) * b)
+                silu_mul_avx512(g, u, o)
+            };
+            return;
+        }
+        for ((o, &a), &b) in o.iter_mut().zip(g).zip(u) {
+            *o = a / (1.0 + (-a).exp()) * b;
+        }
+    })
 }
 
 /// `o[i] = g[i] / (1 + exp(-g[i])) * u[i]` for `i < o.len()`.
@@ -181,17 +188,20 @@ unsafe fn silu_mul_avx512(g: &[f32], u: &[f32], o: &mut [f32]) {
     }
 }
 
-/// `f(a_i, b_i)` for every `i`, in parallel chunks for large inputs.
-fn map2(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + Sync + Send) -> Vec<f32> {
+/// An elementwise kernel of two inputs: `f(a, b, out)` over matching
+/// chunks of `a`, `b` and the new output, in parallel for large inputs.
+fn zip_chunks(
+    a: &[f32],
+    b: &[f32],
+    f: impl Fn(&[f32], &[f32], &mut [f32]) + Sync + Send,
+) -> Vec<f32> {
     assert_eq!(a.len(), b.len(), "elementwise kernel: lengths");
     let mut out = vec![0f32; a.len()];
     // Chunks of CH as the "rows" (the last one shorter).
     const CH: usize = 1 << 14;
     for_rows(&mut out, CH, |c, o| {
-        let (a, b) = (&a[c * CH..], &b[c * CH..]);
-        for ((o, &x), &y) in o.iter_mut().zip(a).zip(b) {
-            *o = f(x, y);
-        }
+        let r = c * CH..c * CH + o.len();
+        f(&a[r.clone()], &b[r], o)
     });
     out
 }
