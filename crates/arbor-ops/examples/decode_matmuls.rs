@@ -2,7 +2,9 @@
 //! of q/k/v, o, gate/up, down; the tied LM head), bf16 weights (f32 with
 //! `F32=1`), `m` rows, through `matmul_nt_multi_into` as the engine calls
 //! them (inside the rayon pool); weights read from memory as in a real step. Prints ms per step,
-//! GFLOP/s and the weight bytes streamed per second.
+//! GFLOP/s and the weight bytes streamed per second. `HOT=1` runs every
+//! layer on layer 0's weights (cache-resident; the head stays cold), to
+//! separate compute from weight streaming.
 //! `cargo run --release -p arbor-ops --example decode_matmuls -- [M] [STEPS]`
 use arbor_ops::WeightRows;
 use half::bf16;
@@ -63,8 +65,10 @@ fn main() {
     let mut flop = 0f64;
     let mut bytes = 0f64;
     let el = if f32w { 4.0 } else { 2.0 };
+    let hot = std::env::var("HOT").is_ok();
     let mut step = |count: bool| {
-        for l in 0..layers {
+        for l0 in 0..layers {
+            let l = if hot { 0 } else { l0 };
             for (gi, g) in shapes.iter().enumerate() {
                 let k = g[0].1;
                 let ws: Vec<WeightRows<'_>> = (0..g.len()).map(|j| wr(l, gi, j)).collect();

@@ -15,7 +15,12 @@
 //! tokens in groups that share a prefix of cache rows (a fork's children,
 //! which share their parent's blocks; the tokens of one prefill chunk;
 //! prompts served from the prefix cache): each shared key and value row is
-//! read once per group instead of once per token. Elsewhere the portable
+//! read once per group instead of once per token. A chunk of rows is scored
+//! (and weighed) for every KV head before the next chunk, so the cache is
+//! read in address order, and the rows ahead are prefetched into L2 a few
+//! at a time (the decode step's context is scattered blocks far larger than
+//! the caches; without the prefetches, misses took half its attention
+//! time). Elsewhere the portable
 //! kernel runs (`multiversion`), a token at a time. Either way a token's
 //! output depends only on its own query and context, never on the other
 //! tokens of the batch or on how they are grouped (tested bit for bit).
@@ -93,6 +98,10 @@ fn push_rows(
 /// Most tokens attended together over one shared prefix.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const MAX_GROUP: usize = 8;
+
+/// Rows of keys prefetched ahead of the ones being scored.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+const PF_AHEAD: usize = 16;
 
 /// One unit of work of `attend_shared`: `tokens` (sorted by position)
 /// whose first `shared` context positions are the same cache rows, over KV
@@ -177,16 +186,17 @@ fn plan_groups(a: &PagedAttentionArgs<'_>) -> Vec<Group> {
 fn attend_shared(a: &PagedAttentionArgs<'_>, out: &mut [f32]) {
     let groups = plan_groups(a);
     let (hd, g) = (a.n_heads * a.head_dim, a.n_heads / a.n_kv);
-    let parts: Vec<Vec<f32>> = groups
-        .par_iter()
-        .map(|grp| {
+    let parts: Vec<Vec<f32>> = (0..groups.len())
+        .into_par_iter()
+        .map(|x| {
+            let grp = &groups[x];
             let w = grp.kv.len() * g * a.head_dim;
             let mut o = vec![0f32; grp.tokens.len() * w];
             // SAFETY: AVX-512F and the head size were checked by
             // `avx512_head_dim`; `o` holds `w` floats per token.
             #[allow(unsafe_code)]
             unsafe {
-                attend_group_avx512(a, grp, &mut o)
+                attend_group_avx512(a, grp, groups.get(x + 1), &mut o)
             };
             o
         })
@@ -197,6 +207,39 @@ fn attend_shared(a: &PagedAttentionArgs<'_>, out: &mut [f32]) {
         for (u, &i) in grp.tokens.iter().enumerate() {
             out[i * hd + at..i * hd + at + w].copy_from_slice(&o[u * w..(u + 1) * w]);
         }
+    }
+}
+
+/// The rows a chunk of keys prefetches (keys ahead, its own values),
+/// handed out a few at a time over the chunk's `score16` calls: issuing
+/// them all at once filled the miss queues and stalled the dot products
+/// (2x slower at 32 sequences x 128 tokens on a 2-core Zen 4).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+struct Spread<'r> {
+    k: &'r [usize],
+    v: &'r [usize],
+    per_k: usize,
+    per_v: usize,
+}
+
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+impl<'r> Spread<'r> {
+    fn new(k: &'r [usize], v: &'r [usize], calls: usize) -> Self {
+        let calls = calls.max(1);
+        Spread {
+            k,
+            v,
+            per_k: k.len().div_ceil(calls),
+            per_v: v.len().div_ceil(calls),
+        }
+    }
+
+    /// The next call's share: (key rows, value rows).
+    fn take(&mut self) -> (&'r [usize], &'r [usize]) {
+        let (k, k_rest) = self.k.split_at(self.per_k.min(self.k.len()));
+        let (v, v_rest) = self.v.split_at(self.per_v.min(self.v.len()));
+        (self.k, self.v) = (k_rest, v_rest);
+        (k, v)
     }
 }
 
@@ -213,13 +256,18 @@ thread_local! {
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f")]
-unsafe fn attend_group_avx512(a: &PagedAttentionArgs<'_>, grp: &Group, o: &mut [f32]) {
+unsafe fn attend_group_avx512(
+    a: &PagedAttentionArgs<'_>,
+    grp: &Group,
+    next: Option<&Group>,
+    o: &mut [f32],
+) {
     match a.head_dim / 16 {
-        1 => attend_group::<1>(a, grp, o),
-        2 => attend_group::<2>(a, grp, o),
-        4 => attend_group::<4>(a, grp, o),
-        8 => attend_group::<8>(a, grp, o),
-        16 => attend_group::<16>(a, grp, o),
+        1 => attend_group::<1>(a, grp, next, o),
+        2 => attend_group::<2>(a, grp, next, o),
+        4 => attend_group::<4>(a, grp, next, o),
+        8 => attend_group::<8>(a, grp, next, o),
+        16 => attend_group::<16>(a, grp, next, o),
         _ => unreachable!("head_dim checked by avx512_head_dim"),
     }
 }
@@ -237,11 +285,19 @@ unsafe fn attend_group_avx512(a: &PagedAttentionArgs<'_>, grp: &Group, o: &mut [
 /// polynomial `exp` (relative error below 3e-7), partial sums in 16 lanes
 /// from position 0; then `sum_j p_j v_j` in ascending `j`, the output rows
 /// held in registers within a run of values and in `o` between runs (f32
-/// stores and loads are exact).
+/// stores and loads are exact). Each chunk of rows serves every KV head of
+/// the group before the next chunk. `next` is the group this thread most
+/// likely attends next (the following one in the plan): its first keys are
+/// prefetched while this group weighs its values.
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f")]
-unsafe fn attend_group<const DV: usize>(a: &PagedAttentionArgs<'_>, grp: &Group, o: &mut [f32]) {
+unsafe fn attend_group<const DV: usize>(
+    a: &PagedAttentionArgs<'_>,
+    grp: &Group,
+    next: Option<&Group>,
+    o: &mut [f32],
+) {
     use std::arch::x86_64::*;
     let (d, nkv) = (a.head_dim, a.n_kv);
     let t = a.positions.len();
@@ -266,7 +322,7 @@ unsafe fn attend_group<const DV: usize>(a: &PagedAttentionArgs<'_>, grp: &Group,
         toff.push(trows.len());
         push_rows(a, i, shared..ctx[u], &mut trows);
         soff.push(stot);
-        stot += g * padded[u];
+        stot += grp.kv.len() * g * padded[u];
     }
     toff.push(trows.len());
     // Every row offset inside the caches: the unchecked loads below rely on it.
@@ -283,103 +339,154 @@ unsafe fn attend_group<const DV: usize>(a: &PagedAttentionArgs<'_>, grp: &Group,
     let vp = a.v_cache.as_ptr();
     let sp = scores.as_mut_ptr();
     let ob = o.as_mut_ptr();
-    for (kk, kvh) in grp.kv.clone().enumerate() {
-        let qrow = |u: usize, r: usize| a.q.as_ptr().add(((kvh * g + r) * t + toks[u]) * d);
-        // Scores q . k * scale of 16 keys at rows `rs`, stored from `dst`.
-        let score16 = |q: &[__m512; DV], rs: &[usize], dst: *mut f32| {
-            let mut dots = [_mm512_setzero_ps(); 16];
-            for (dot, &base) in dots.iter_mut().zip(rs) {
-                let kr = kp.add(base + kvh * d);
-                let mut acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(kr));
-                for (c, qv) in q.iter().enumerate().skip(1) {
-                    acc = _mm512_fmadd_ps(*qv, _mm512_loadu_ps(kr.add(16 * c)), acc);
-                }
-                *dot = acc;
+    let nk = grp.kv.len();
+    // Head `r` of KV head `grp.kv.start + kk` of token `u`: its scores.
+    let srow = |u: usize, kk: usize, r: usize| sp.add(soff[u] + (kk * g + r) * padded[u]);
+    // Scores q . k * scale of 16 keys at rows `rs` (KV head `kvh`), stored
+    // from `dst`.
+    let score16 = |q: &[__m512; DV], kvh: usize, rs: &[usize], dst: *mut f32| {
+        let mut dots = [_mm512_setzero_ps(); 16];
+        for (dot, &base) in dots.iter_mut().zip(rs) {
+            let kr = kp.add(base + kvh * d);
+            let mut acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(kr));
+            for (c, qv) in q.iter().enumerate().skip(1) {
+                acc = _mm512_fmadd_ps(*qv, _mm512_loadu_ps(kr.add(16 * c)), acc);
             }
-            let s = _mm512_mul_ps(hsum16(&dots), scale);
-            _mm512_mask_storeu_ps(dst, ((1u32 << rs.len()) - 1) as __mmask16, s);
-        };
-        let load_q = |u: usize, r: usize| {
-            let qp = qrow(u, r);
-            let mut q = [_mm512_setzero_ps(); DV];
-            for (c, v) in q.iter_mut().enumerate() {
-                *v = _mm512_loadu_ps(qp.add(16 * c));
+            *dot = acc;
+        }
+        let s = _mm512_mul_ps(hsum16(&dots), scale);
+        _mm512_mask_storeu_ps(dst, ((1u32 << rs.len()) - 1) as __mmask16, s);
+    };
+    let load_q = |u: usize, kvh: usize, r: usize| {
+        let qp = a.q.as_ptr().add(((kvh * g + r) * t + toks[u]) * d);
+        let mut q = [_mm512_setzero_ps(); DV];
+        for (c, v) in q.iter_mut().enumerate() {
+            *v = _mm512_loadu_ps(qp.add(16 * c));
+        }
+        q
+    };
+    // Keys: 16 rows at a time, every KV head of a row before the next rows
+    // (a row's heads are contiguous, so the cache is read in order).
+    // Shared keys for every token of the group, then each token's own.
+    // Software prefetch into L2 (the cache misses of the context's rows,
+    // scattered blocks, otherwise stall the dot products: 19% of a decode
+    // step's attention on a 2-core Zen 4): a chunk's value rows while its
+    // keys are scored, the keys [`PF_AHEAD`] rows ahead, and the next
+    // group's first keys while this group weighs its values. Only the group's
+    // KV heads' part of a row.
+    let (pf_off, pf_lines) = (grp.kv.start * d, (grp.kv.len() * d * 4).div_ceil(64));
+    let pf = |base: *const f32, rs: &[usize]| {
+        for &r in rs {
+            let p = base.wrapping_add(r + pf_off) as *const i8;
+            for c in 0..pf_lines {
+                _mm_prefetch::<_MM_HINT_T2>(p.wrapping_add(64 * c));
             }
-            q
-        };
-        // Shared keys: 16 at a time for every token and head.
-        for j0 in (0..shared).step_by(16) {
-            let rs = &srows[j0..(j0 + 16).min(shared)];
+        }
+    };
+    for j0 in (0..shared).step_by(16) {
+        let rs = &srows[j0..(j0 + 16).min(shared)];
+        let ahead = &srows[(j0 + PF_AHEAD).min(shared)..(j0 + PF_AHEAD + 16).min(shared)];
+        let mut spread = Spread::new(ahead, rs, nk * g * toks.len());
+        for (kk, kvh) in grp.kv.clone().enumerate() {
             for u in 0..toks.len() {
                 for r in 0..g {
-                    score16(&load_q(u, r), rs, sp.add(soff[u] + r * padded[u] + j0));
+                    let (k_rows, v_rows) = spread.take();
+                    pf(kp, k_rows);
+                    pf(vp, v_rows);
+                    score16(&load_q(u, kvh, r), kvh, rs, srow(u, kk, r).add(j0));
                 }
-            }
-        }
-        // Each token's own keys.
-        for u in 0..toks.len() {
-            let tail = &trows[toff[u]..toff[u + 1]];
-            for r in 0..g {
-                let q = load_q(u, r);
-                for (c, rs) in tail.chunks(16).enumerate() {
-                    let j0 = shared + 16 * c;
-                    score16(&q, rs, sp.add(soff[u] + r * padded[u] + j0));
-                }
-            }
-        }
-        // Softmax over each head's `ctx` scores.
-        for u in 0..toks.len() {
-            for r in 0..g {
-                let s = std::slice::from_raw_parts_mut(sp.add(soff[u] + r * padded[u]), ctx[u]);
-                let m = max_f32(s);
-                let mv = _mm512_set1_ps(m);
-                let mut z = _mm512_setzero_ps();
-                let p = s.as_mut_ptr();
-                for j0 in (0..ctx[u]).step_by(16) {
-                    let mask = ((1u32 << (ctx[u] - j0).min(16)) - 1) as __mmask16;
-                    let x = _mm512_maskz_loadu_ps(mask, p.add(j0));
-                    let e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(x, mv)));
-                    z = _mm512_add_ps(z, e);
-                    _mm512_mask_storeu_ps(p.add(j0), mask, e);
-                }
-                let inv = 1.0 / _mm512_reduce_add_ps(z);
-                for x in s.iter_mut() {
-                    *x *= inv;
-                }
-            }
-        }
-        // o_r = sum_j p_rj v_j: heads in groups whose rows fit in registers,
-        // accumulated in `o` across runs of values.
-        let per = (24 / DV).clamp(1, 6);
-        let vh = vp.add(kvh * d);
-        let weigh = |u: usize, rs: &[usize], j0: usize, init: bool| {
-            for r0 in (0..g).step_by(per) {
-                let p = sp.add(soff[u] + r0 * padded[u] + j0) as *const f32;
-                let op = ob.add(u * w + (kk * g + r0) * d);
-                let ld = padded[u];
-                match per.min(g - r0) {
-                    1 => weigh_values::<DV, 1>(rs, vh, p, ld, op, d, init),
-                    2 => weigh_values::<DV, 2>(rs, vh, p, ld, op, d, init),
-                    3 => weigh_values::<DV, 3>(rs, vh, p, ld, op, d, init),
-                    4 => weigh_values::<DV, 4>(rs, vh, p, ld, op, d, init),
-                    5 => weigh_values::<DV, 5>(rs, vh, p, ld, op, d, init),
-                    _ => weigh_values::<DV, 6>(rs, vh, p, ld, op, d, init),
-                }
-            }
-        };
-        for j0 in (0..shared).step_by(32) {
-            let rs = &srows[j0..(j0 + 32).min(shared)];
-            for u in 0..toks.len() {
-                weigh(u, rs, j0, j0 == 0);
-            }
-        }
-        for u in 0..toks.len() {
-            let tail = &trows[toff[u]..toff[u + 1]];
-            if !tail.is_empty() {
-                weigh(u, tail, shared, shared == 0);
             }
         }
     }
+    for u in 0..toks.len() {
+        let tail = &trows[toff[u]..toff[u + 1]];
+        for (c, rs) in tail.chunks(16).enumerate() {
+            let j0 = shared + 16 * c;
+            let at = (16 * c + PF_AHEAD).min(tail.len());
+            let mut spread = Spread::new(&tail[at..(at + 16).min(tail.len())], rs, nk * g);
+            for (kk, kvh) in grp.kv.clone().enumerate() {
+                for r in 0..g {
+                    let (k_rows, v_rows) = spread.take();
+                    pf(kp, k_rows);
+                    pf(vp, v_rows);
+                    score16(&load_q(u, kvh, r), kvh, rs, srow(u, kk, r).add(j0));
+                }
+            }
+        }
+    }
+    // Softmax over each head's `ctx` scores.
+    for (u, &n) in ctx.iter().enumerate() {
+        for kr in 0..nk * g {
+            let s = std::slice::from_raw_parts_mut(srow(u, kr / g, kr % g), n);
+            let m = max_f32(s);
+            let mv = _mm512_set1_ps(m);
+            let mut z = _mm512_setzero_ps();
+            let p = s.as_mut_ptr();
+            for j0 in (0..n).step_by(16) {
+                let mask = ((1u32 << (n - j0).min(16)) - 1) as __mmask16;
+                let x = _mm512_maskz_loadu_ps(mask, p.add(j0));
+                let e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(x, mv)));
+                z = _mm512_add_ps(z, e);
+                _mm512_mask_storeu_ps(p.add(j0), mask, e);
+            }
+            let inv = 1.0 / _mm512_reduce_add_ps(z);
+            for x in s.iter_mut() {
+                *x *= inv;
+            }
+        }
+    }
+    // o_r = sum_j p_rj v_j: heads in groups whose rows fit in registers,
+    // accumulated in `o` across runs of values; every KV head of a run of
+    // rows before the next run.
+    let per = (24 / DV).clamp(1, 6);
+    let weigh = |u: usize, kk: usize, rs: &[usize], j0: usize, init: bool| {
+        let vh = vp.add((grp.kv.start + kk) * d);
+        for r0 in (0..g).step_by(per) {
+            let p = srow(u, kk, r0).add(j0) as *const f32;
+            let op = ob.add(u * w + (kk * g + r0) * d);
+            let ld = padded[u];
+            match per.min(g - r0) {
+                1 => weigh_values::<DV, 1>(rs, vh, p, ld, op, d, init),
+                2 => weigh_values::<DV, 2>(rs, vh, p, ld, op, d, init),
+                3 => weigh_values::<DV, 3>(rs, vh, p, ld, op, d, init),
+                4 => weigh_values::<DV, 4>(rs, vh, p, ld, op, d, init),
+                5 => weigh_values::<DV, 5>(rs, vh, p, ld, op, d, init),
+                _ => weigh_values::<DV, 6>(rs, vh, p, ld, op, d, init),
+            }
+        }
+    };
+    // The next group's first keys (its first token's), a few rows per run.
+    let mut next_rows = Vec::new();
+    if let Some(nx) = next {
+        let n = (a.positions[nx.tokens[0]] as usize + 1).min(PF_AHEAD + 16);
+        push_rows(a, nx.tokens[0], 0..n, &mut next_rows);
+    }
+    let mut next_rows = &next_rows[..];
+    let mut pf_next = |n: usize| {
+        let (now, later) = next_rows.split_at(n.min(next_rows.len()));
+        pf(kp, now);
+        next_rows = later;
+    };
+    for j0 in (0..shared).step_by(32) {
+        let rs = &srows[j0..(j0 + 32).min(shared)];
+        pf_next(8);
+        for kk in 0..nk {
+            for u in 0..toks.len() {
+                weigh(u, kk, rs, j0, j0 == 0);
+            }
+        }
+    }
+    for u in 0..toks.len() {
+        let tail = &trows[toff[u]..toff[u + 1]];
+        for (c, rs) in tail.chunks(32).enumerate() {
+            let j0 = shared + 32 * c;
+            pf_next(8);
+            for kk in 0..nk {
+                weigh(u, kk, rs, j0, j0 == 0);
+            }
+        }
+    }
+    pf_next(usize::MAX);
     SCRATCH.with(|sc| sc.replace((srows, trows, scores)));
 }
 
