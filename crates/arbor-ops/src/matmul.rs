@@ -572,15 +572,10 @@ unsafe fn tile_bf16<const R: usize, const C: usize, const PF: usize>(
     let bh = |v: __m512i| std::mem::transmute::<__m512i, __m512bh>(v);
     let zero = bh(_mm512_setzero_si512());
     let mut acc = [[_mm512_setzero_ps(); C]; R];
+    let full = k / 32 * 32;
     let mut kk = 0;
-    while kk < k {
-        // All 32 lanes but in the last, partial step (`k % 32`).
-        let mask: __mmask32 = if k - kk >= 32 {
-            !0
-        } else {
-            ((1u64 << (k - kk)) - 1) as __mmask32
-        };
-        let load = |p: *const u16| bh(_mm512_maskz_loadu_epi16(mask, p as *const i16));
+    while kk < full {
+        let load = |p: *const u16| bh(_mm512_loadu_si512(p as *const __m512i));
         let mut xv: [__m512bh; R] = [zero; R];
         for i in 0..R {
             xv[i] = load(x.add(i * k + kk));
@@ -595,6 +590,21 @@ unsafe fn tile_bf16<const R: usize, const C: usize, const PF: usize>(
             }
         }
         kk += 32;
+    }
+    if full < k {
+        // The last, partial step (`k % 32` lanes).
+        let mask = ((1u64 << (k - full)) - 1) as __mmask32;
+        let load = |p: *const u16| bh(_mm512_maskz_loadu_epi16(mask, p as *const i16));
+        let mut xv: [__m512bh; R] = [zero; R];
+        for i in 0..R {
+            xv[i] = load(x.add(i * k + full));
+        }
+        for j in 0..C {
+            let wv = load(w.add(j * k + full));
+            for i in 0..R {
+                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
+            }
+        }
     }
     store_sums(&acc, y, ldy);
 }
