@@ -57,7 +57,7 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub json: bool,
     /// f32, bf16, f16 or f64 (bf16 on a CPU with AVX-512 BF16: bf16 weight
-    /// matrices, f32 activations and KV cache; elsewhere bf16 throughout).
+    /// matrices and KV cache, f32 activations; elsewhere bf16 throughout).
     #[arg(long, default_value = "f32")]
     pub dtype: String,
     /// KV-cache memory budget.

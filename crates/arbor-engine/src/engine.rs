@@ -175,12 +175,13 @@ impl Engine {
             ));
         }
         let on_device = cfg.kv_on_device.unwrap_or(!model.device().is_cpu());
-        let elem = if on_device {
-            model.dtype().size_in_bytes()
-        } else {
-            4
+        // Host caches hold f32, or bf16 when K/V are bf16 values already.
+        let host_dtype = match model.kv_dtype() {
+            DType::BF16 => DType::BF16,
+            _ => DType::F32,
         };
-        let per_block = PagedKvCache::bytes_per_token(&model.cfg) / 4 * elem * cfg.block_size;
+        let kv_dtype = if on_device { model.dtype() } else { host_dtype };
+        let per_block = PagedKvCache::bytes_per_token_in(&model.cfg, kv_dtype) * cfg.block_size;
         let num_blocks = if cfg.num_blocks > 0 {
             cfg.num_blocks
         } else {
@@ -210,7 +211,12 @@ impl Engine {
                     model.device(),
                 )?)
             } else {
-                KvStore::Host(PagedKvCache::new(&model.cfg, num_blocks, cfg.block_size))
+                KvStore::Host(PagedKvCache::with_dtype(
+                    &model.cfg,
+                    num_blocks,
+                    cfg.block_size,
+                    host_dtype,
+                )?)
             },
             cfg,
             seqs: HashMap::new(),

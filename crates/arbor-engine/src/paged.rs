@@ -2,7 +2,10 @@
 //! (CPU, multi-threaded with rayon).
 //!
 //! Storage per layer: `K, V: [num_blocks * block_size, n_kv_heads, head_dim]`
-//! in f32; token slot `s` of the [`arbor_kv`] manager is row `s`.
+//! in f32, or in bf16 for a model whose K/V values are bf16 already
+//! ([`Transformer::kv_dtype`](arbor_model::Transformer::kv_dtype): bf16
+//! matrices on the CPU), which halves the bytes each decode step streams;
+//! token slot `s` of the [`arbor_kv`] manager is row `s`.
 //!
 //! For a new token `i` of sequence `s` at position `p`, query head `h`
 //! (KV head `h / g`, `g = n_heads / n_kv_heads`):
@@ -17,12 +20,23 @@ use arbor_kv::CopyOp;
 use arbor_model::model::with_cpu_f32;
 use arbor_model::{AttentionBackend, ModelConfig, ModelError};
 use candle_core::{DType, Tensor};
+use half::bf16;
+use half::slice::HalfBitsSliceExt;
+
+/// One layer's K or V rows: f32, or bf16 bits (allocated as zeroed `u16`s,
+/// so the pool's pages are only touched when used, as with f32).
+#[derive(Debug, Clone)]
+enum Rows {
+    F32(Vec<f32>),
+    Bf16(Vec<u16>),
+}
 
 /// Paged K/V storage of every layer.
 #[derive(Debug, Clone)]
 pub struct PagedKvCache {
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
+    k: Vec<Rows>,
+    v: Vec<Rows>,
+    dtype: DType,
     n_kv: usize,
     head_dim: usize,
     block_size: usize,
@@ -30,12 +44,43 @@ pub struct PagedKvCache {
 }
 
 impl PagedKvCache {
+    /// An f32 cache.
     pub fn new(cfg: &ModelConfig, num_blocks: usize, block_size: usize) -> Self {
+        Self::alloc(cfg, num_blocks, block_size, DType::F32)
+    }
+
+    /// A cache holding `dtype` (f32 or bf16; a bf16 cache rounds the K/V it
+    /// is given to nearest even, exact for a model whose
+    /// [`kv_dtype`](arbor_model::Transformer::kv_dtype) is bf16).
+    pub fn with_dtype(
+        cfg: &ModelConfig,
+        num_blocks: usize,
+        block_size: usize,
+        dtype: DType,
+    ) -> arbor_model::Result<Self> {
+        match dtype {
+            DType::F32 | DType::BF16 => Ok(Self::alloc(cfg, num_blocks, block_size, dtype)),
+            other => Err(ModelError::Input(format!(
+                "host KV cache: {other:?} is not supported (f32 or bf16)"
+            ))),
+        }
+    }
+
+    fn alloc(cfg: &ModelConfig, num_blocks: usize, block_size: usize, dtype: DType) -> Self {
         let row = cfg.num_key_value_heads * cfg.head_dim;
         let n = num_blocks * block_size * row;
+        let rows = || -> Vec<Rows> {
+            (0..cfg.num_hidden_layers)
+                .map(|_| match dtype {
+                    DType::BF16 => Rows::Bf16(vec![0u16; n]),
+                    _ => Rows::F32(vec![0.0; n]),
+                })
+                .collect()
+        };
         PagedKvCache {
-            k: (0..cfg.num_hidden_layers).map(|_| vec![0.0; n]).collect(),
-            v: (0..cfg.num_hidden_layers).map(|_| vec![0.0; n]).collect(),
+            k: rows(),
+            v: rows(),
+            dtype,
             n_kv: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
             block_size,
@@ -43,17 +88,29 @@ impl PagedKvCache {
         }
     }
 
-    /// Bytes of KV storage per token slot.
+    /// Bytes of f32 KV storage per token slot.
     pub fn bytes_per_token(cfg: &ModelConfig) -> usize {
-        2 * cfg.num_hidden_layers
-            * cfg.num_key_value_heads
-            * cfg.head_dim
-            * std::mem::size_of::<f32>()
+        Self::bytes_per_token_in(cfg, DType::F32)
+    }
+
+    /// Bytes of KV storage per token slot in `dtype`.
+    pub fn bytes_per_token_in(cfg: &ModelConfig, dtype: DType) -> usize {
+        2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.size_in_bytes()
+    }
+
+    /// The element type held.
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// Total bytes held.
     pub fn bytes(&self) -> usize {
-        2 * self.k.len() * self.num_blocks * self.block_size * self.n_kv * self.head_dim * 4
+        2 * self.k.len()
+            * self.num_blocks
+            * self.block_size
+            * self.n_kv
+            * self.head_dim
+            * self.dtype.size_in_bytes()
     }
 
     pub fn num_blocks(&self) -> usize {
@@ -67,7 +124,30 @@ impl PagedKvCache {
         let dst = op.dst as usize * self.block_size * row;
         let n = op.len * row;
         for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
-            buf.copy_within(src..src + n, dst);
+            match buf {
+                Rows::F32(b) => b.copy_within(src..src + n, dst),
+                Rows::Bf16(b) => b.copy_within(src..src + n, dst),
+            }
+        }
+    }
+}
+
+/// Write new token `i`'s K (or V) heads, `src: [nkv, t, d]`, into cache
+/// rows `slot` of `dst`.
+fn write_rows(dst: &mut Rows, src: &[f32], slots: &[usize], nkv: usize, t: usize, d: usize) {
+    let row = nkv * d;
+    for (i, &slot) in slots.iter().enumerate() {
+        for h in 0..nkv {
+            let from = &src[(h * t + i) * d..][..d];
+            let at = slot * row + h * d;
+            match dst {
+                Rows::F32(b) => b[at..at + d].copy_from_slice(from),
+                Rows::Bf16(b) => {
+                    for (o, &x) in b[at..at + d].iter_mut().zip(from) {
+                        *o = bf16::from_f32(x).to_bits();
+                    }
+                }
+            }
         }
     }
 }
@@ -93,6 +173,32 @@ impl PagedBatch {
     pub fn is_empty(&self) -> bool {
         self.slots.is_empty()
     }
+}
+
+/// [`arbor_ops::paged_attention`] of `q: [nh, t, d]` over one layer's cache.
+#[allow(clippy::too_many_arguments)]
+fn attend_rows<E: arbor_ops::KvElem>(
+    q: &[f32],
+    k_cache: &[E],
+    v_cache: &[E],
+    n_heads: usize,
+    n_kv: usize,
+    head_dim: usize,
+    block_size: usize,
+    batch: &PagedBatch,
+) -> Vec<f32> {
+    arbor_ops::paged_attention(arbor_ops::PagedAttentionArgs {
+        q,
+        k_cache,
+        v_cache,
+        n_heads,
+        n_kv,
+        head_dim,
+        block_size,
+        positions: &batch.positions,
+        token_seq: &batch.token_seq,
+        tables: &batch.tables,
+    })
 }
 
 /// The engine's [`AttentionBackend`]: writes the step's K/V into the paged
@@ -128,35 +234,24 @@ impl AttentionBackend for PagedAttention<'_> {
         let dt = q.dtype();
         let f32_of = |x: &Tensor| x.to_dtype(DType::F32);
         let (q, k, v) = (f32_of(q)?, f32_of(k)?, f32_of(v)?);
-        let row = nkv * d;
-        let (kc, vc) = (&mut self.cache.k[layer], &mut self.cache.v[layer]);
+        let slots = &self.batch.slots;
         // k, v: [nkv, t, d] -> each new token's row of the cache.
         with_cpu_f32(&k, |kv| {
-            with_cpu_f32(&v, |vv| {
-                for (i, &slot) in self.batch.slots.iter().enumerate() {
-                    for h in 0..nkv {
-                        let src = (h * t + i) * d;
-                        let dst = slot * row + h * d;
-                        kc[dst..dst + d].copy_from_slice(&kv[src..src + d]);
-                        vc[dst..dst + d].copy_from_slice(&vv[src..src + d]);
-                    }
-                }
-            })
-        })??;
-        let (kc, vc) = (&self.cache.k[layer], &self.cache.v[layer]);
+            write_rows(&mut self.cache.k[layer], kv, slots, nkv, t, d)
+        })?;
+        with_cpu_f32(&v, |vv| {
+            write_rows(&mut self.cache.v[layer], vv, slots, nkv, t, d)
+        })?;
+        let (batch, bs) = (self.batch, self.cache.block_size);
         let out = with_cpu_f32(&q, |qv| {
-            arbor_ops::paged_attention(arbor_ops::PagedAttentionArgs {
-                q: qv, // [nh, t, d]
-                k_cache: kc,
-                v_cache: vc,
-                n_heads: nh,
-                n_kv: nkv,
-                head_dim: d,
-                block_size: self.cache.block_size,
-                positions: &self.batch.positions,
-                token_seq: &self.batch.token_seq,
-                tables: &self.batch.tables,
-            })
+            match (&self.cache.k[layer], &self.cache.v[layer]) {
+                (Rows::F32(kc), Rows::F32(vc)) => attend_rows(qv, kc, vc, nh, nkv, d, bs, batch),
+                (Rows::Bf16(kc), Rows::Bf16(vc)) => {
+                    let (kc, vc) = (kc.reinterpret_cast::<bf16>(), vc.reinterpret_cast::<bf16>());
+                    attend_rows(qv, kc, vc, nh, nkv, d, bs, batch)
+                }
+                _ => unreachable!("K and V are allocated in one dtype"),
+            }
         })?;
         Ok(Tensor::from_vec(out, (1, t, nh * d), q.device())?.to_dtype(dt)?)
     }

@@ -5,6 +5,7 @@
 
 use std::path::PathBuf;
 
+use arbor_engine::paged::PagedKvCache;
 use arbor_engine::{Completion, Engine, EngineConfig, EngineStats, FinishReason, SamplingParams};
 use arbor_model::{LoadOptions, LoadedModel, Transformer};
 use candle_core::Tensor;
@@ -106,9 +107,10 @@ fn greedy_matches_dense_recompute_for_mixed_batches() {
     }
 }
 
-/// bf16 on a CPU with AVX-512 BF16 (bf16 matrices, f32 activations and KV): the engine's
-/// fused row path and the dense forward run the same bf16 matmul, so greedy
-/// tokens and logprobs agree exactly as in f32.
+/// bf16 on a CPU with AVX-512 BF16 (bf16 matrices, f32 activations, K/V
+/// rounded to bf16 and cached in bf16): the engine's fused row path and the
+/// dense forward run the same bf16 matmul and the same K/V rounding, so
+/// greedy tokens and logprobs agree exactly as in f32.
 #[test]
 fn bf16_matrices_greedy_matches_dense_recompute() {
     let p =
@@ -123,7 +125,10 @@ fn bf16_matrices_greedy_matches_dense_recompute() {
         return;
     }
     assert_eq!(m.lm_head.dtype(), candle_core::DType::BF16);
+    assert_eq!(m.kv_dtype(), candle_core::DType::BF16);
     let mut e = engine(&m, 64, 4);
+    let f32_cache = PagedKvCache::bytes_per_token_in(&m.cfg, candle_core::DType::F32);
+    assert_eq!(e.kv_bytes(), 64 * 4 * f32_cache / 2, "a bf16 cache");
     let n = 10;
     for p in prompts() {
         e.submit(p, vec![SamplingParams::greedy(n)]).unwrap();

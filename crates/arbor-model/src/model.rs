@@ -457,6 +457,16 @@ pub struct Attention {
     pub n_heads: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
+    /// Round K and V to bf16 values (after RoPE), as a bf16 model's K/V
+    /// tensors are: set for bf16 matrices under f32 compute
+    /// ([`ParamLoader::bf16_matrices`]), whose KV cache then holds bf16.
+    pub kv_bf16: bool,
+}
+
+/// `x` rounded to bf16 values (nearest even), kept in its dtype.
+fn round_bf16(x: Tensor) -> Result<Tensor> {
+    let dt = x.dtype();
+    Ok(x.to_dtype(DType::BF16)?.to_dtype(dt)?)
 }
 
 impl Attention {
@@ -485,6 +495,7 @@ impl Attention {
             n_heads: nh,
             n_kv_heads: nkv,
             head_dim: d,
+            kv_bf16: p.bf16_matrices(),
         })
     }
 
@@ -509,7 +520,11 @@ impl Attention {
         let q = heads(&self.q, self.n_heads, &self.q_norm)?;
         let k = heads(&self.k, self.n_kv_heads, &self.k_norm)?;
         let v = heads(&self.v, self.n_kv_heads, &None)?;
-        Ok((apply_rope(&q, cos, sin)?, apply_rope(&k, cos, sin)?, v))
+        let k = apply_rope(&k, cos, sin)?;
+        if self.kv_bf16 {
+            return Ok((apply_rope(&q, cos, sin)?, round_bf16(k)?, round_bf16(v)?));
+        }
+        Ok((apply_rope(&q, cos, sin)?, k, v))
     }
 }
 
@@ -536,6 +551,9 @@ impl Attention {
             .reshape((1, t, self.n_kv_heads, d))?
             .transpose(1, 2)?
             .contiguous()?;
+        if self.kv_bf16 {
+            return Ok((q, round_bf16(k)?, round_bf16(v)?));
+        }
         Ok((q, k, v))
     }
 }
@@ -768,6 +786,17 @@ impl Transformer {
     /// so a crash never leaves a half-written file under the final name.
     pub fn save_pretrained(&self, dir: &std::path::Path, dtype: DType) -> Result<()> {
         crate::weights::save_pretrained(dir, &self.cfg, &self.named_tensors()?, dtype)
+    }
+
+    /// The dtype whose values K and V hold: bf16 for bf16 matrices under
+    /// f32 compute (see [`Attention::kv_bf16`]), else the activations'
+    /// dtype. A KV cache in this dtype stores them exactly.
+    pub fn kv_dtype(&self) -> DType {
+        if self.layers.first().is_some_and(|l| l.attn.kv_bf16) {
+            DType::BF16
+        } else {
+            self.dtype
+        }
     }
 
     /// Full logits `[.., V]` for hidden states `[.., H]`, in the model dtype.

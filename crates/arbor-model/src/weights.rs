@@ -440,8 +440,10 @@ impl<'a> ParamLoader<'a> {
     /// [`all_in_dtype`](Self::all_in_dtype). Such a CPU has no fast bf16
     /// arithmetic besides dot products, so the projections and embeddings
     /// stay bf16 (half the bytes; the matmuls round their inputs to bf16 and
-    /// sum in f32, see [`crate::model::matmul_nt`]) while norms, biases,
-    /// activations and the KV cache are f32. Elsewhere bf16 means bf16
+    /// sum in f32, see [`crate::model::matmul_nt`]) while norms, biases and
+    /// activations are f32; K and V are rounded to bf16 values, as a bf16
+    /// model's are, so the KV cache holds them in bf16
+    /// ([`crate::Transformer::kv_dtype`]). Elsewhere bf16 means bf16
     /// throughout (candle's bf16 arithmetic).
     pub fn bf16_matrices(&self) -> bool {
         !self.all_in_dtype

@@ -31,15 +31,69 @@ use multiversion::multiversion;
 use crate::simd::{exp512, hsum16, max_f32};
 use rayon::prelude::*;
 
-/// Inputs of [`paged_attention`].
+/// An element type of the KV cache: `f32`, or `bf16` (half the bytes to
+/// stream each step; every bf16 value is exact in f32, so attention over a
+/// bf16 cache equals attention over the same values held as f32, bit for
+/// bit).
+pub trait KvElem: Copy + Send + Sync + std::fmt::Debug + sealed::Sealed + 'static {
+    /// The value as f32 (exact).
+    fn to_f32(self) -> f32;
+
+    /// 16 consecutive values from `p` as f32 lanes. Inlined into the
+    /// AVX-512 kernels (which enable the feature).
+    ///
+    /// # Safety
+    /// The CPU supports AVX-512F; `p..p + 16` is readable.
+    #[cfg(target_arch = "x86_64")]
+    #[doc(hidden)]
+    #[allow(unsafe_code)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+}
+
+impl KvElem for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[allow(unsafe_code)]
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
+        std::arch::x86_64::_mm512_loadu_ps(p)
+    }
+}
+
+impl KvElem for half::bf16 {
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+
+    /// The bits widened to 32 and shifted up: the exact f32 value.
+    #[cfg(target_arch = "x86_64")]
+    #[allow(unsafe_code)]
+    #[inline(always)]
+    unsafe fn load16(p: *const half::bf16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        let h = _mm256_loadu_si256(p as *const __m256i);
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+    }
+}
+
+/// Inputs of [`paged_attention`], over a KV cache of `E` (`f32` or `bf16`).
 #[derive(Debug, Clone, Copy)]
-pub struct PagedAttentionArgs<'a> {
+pub struct PagedAttentionArgs<'a, E = f32> {
     /// Queries `[n_heads, t, head_dim]` (head-major, RoPE applied).
     pub q: &'a [f32],
     /// Key cache `[slots, n_kv, head_dim]`, holding every token's K already.
-    pub k_cache: &'a [f32],
+    pub k_cache: &'a [E],
     /// Value cache, same layout.
-    pub v_cache: &'a [f32],
+    pub v_cache: &'a [E],
     pub n_heads: usize,
     pub n_kv: usize,
     pub head_dim: usize,
@@ -52,8 +106,26 @@ pub struct PagedAttentionArgs<'a> {
     pub tables: &'a [Vec<u32>],
 }
 
+impl<'a, E> PagedAttentionArgs<'a, E> {
+    /// The same queries and batch over another cache (of `F`).
+    pub fn over<F>(self, k_cache: &'a [F], v_cache: &'a [F]) -> PagedAttentionArgs<'a, F> {
+        PagedAttentionArgs {
+            q: self.q,
+            k_cache,
+            v_cache,
+            n_heads: self.n_heads,
+            n_kv: self.n_kv,
+            head_dim: self.head_dim,
+            block_size: self.block_size,
+            positions: self.positions,
+            token_seq: self.token_seq,
+            tables: self.tables,
+        }
+    }
+}
+
 /// Attention output `[t, n_heads * head_dim]`.
-pub fn paged_attention(a: PagedAttentionArgs<'_>) -> Vec<f32> {
+pub fn paged_attention<E: KvElem>(a: PagedAttentionArgs<'_, E>) -> Vec<f32> {
     let t = a.positions.len();
     let d = a.head_dim;
     let mut out = vec![0f32; t * a.n_heads * d];
@@ -76,7 +148,7 @@ fn avx512_head_dim(d: usize) -> bool {
 
 /// Token `i`'s context length (`position + 1`), with the offset of every
 /// context position's row in the caches written to `rows`.
-fn context_rows(a: &PagedAttentionArgs<'_>, i: usize, rows: &mut Vec<usize>) -> usize {
+fn context_rows<E>(a: &PagedAttentionArgs<'_, E>, i: usize, rows: &mut Vec<usize>) -> usize {
     let ctx = a.positions[i] as usize + 1;
     rows.clear();
     push_rows(a, i, 0..ctx, rows);
@@ -84,8 +156,8 @@ fn context_rows(a: &PagedAttentionArgs<'_>, i: usize, rows: &mut Vec<usize>) -> 
 }
 
 /// Append the cache row offsets of token `i`'s context positions `js`.
-fn push_rows(
-    a: &PagedAttentionArgs<'_>,
+fn push_rows<E>(
+    a: &PagedAttentionArgs<'_, E>,
     i: usize,
     js: std::ops::Range<usize>,
     rows: &mut Vec<usize>,
@@ -121,7 +193,7 @@ struct Group {
 /// reaches through identical table entries. With fewer groups than two per
 /// thread, the KV heads are split across tasks as well.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn plan_groups(a: &PagedAttentionArgs<'_>) -> Vec<Group> {
+fn plan_groups<E>(a: &PagedAttentionArgs<'_, E>) -> Vec<Group> {
     let t = a.positions.len();
     let first = |i: usize| a.tables[a.token_seq[i]].first().copied();
     let mut order: Vec<usize> = (0..t).collect();
@@ -183,7 +255,7 @@ fn plan_groups(a: &PagedAttentionArgs<'_>) -> Vec<Group> {
 /// The AVX-512 path: [`plan_groups`], each group attended by
 /// [`attend_group`] in parallel, outputs scattered into `out`.
 #[cfg(target_arch = "x86_64")]
-fn attend_shared(a: &PagedAttentionArgs<'_>, out: &mut [f32]) {
+fn attend_shared<E: KvElem>(a: &PagedAttentionArgs<'_, E>, out: &mut [f32]) {
     let groups = plan_groups(a);
     let (hd, g) = (a.n_heads * a.head_dim, a.n_heads / a.n_kv);
     let parts: Vec<Vec<f32>> = (0..groups.len())
@@ -256,18 +328,18 @@ thread_local! {
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f")]
-unsafe fn attend_group_avx512(
-    a: &PagedAttentionArgs<'_>,
+unsafe fn attend_group_avx512<E: KvElem>(
+    a: &PagedAttentionArgs<'_, E>,
     grp: &Group,
     next: Option<&Group>,
     o: &mut [f32],
 ) {
     match a.head_dim / 16 {
-        1 => attend_group::<1>(a, grp, next, o),
-        2 => attend_group::<2>(a, grp, next, o),
-        4 => attend_group::<4>(a, grp, next, o),
-        8 => attend_group::<8>(a, grp, next, o),
-        16 => attend_group::<16>(a, grp, next, o),
+        1 => attend_group::<E, 1>(a, grp, next, o),
+        2 => attend_group::<E, 2>(a, grp, next, o),
+        4 => attend_group::<E, 4>(a, grp, next, o),
+        8 => attend_group::<E, 8>(a, grp, next, o),
+        16 => attend_group::<E, 16>(a, grp, next, o),
         _ => unreachable!("head_dim checked by avx512_head_dim"),
     }
 }
@@ -292,8 +364,8 @@ unsafe fn attend_group_avx512(
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f")]
-unsafe fn attend_group<const DV: usize>(
-    a: &PagedAttentionArgs<'_>,
+unsafe fn attend_group<E: KvElem, const DV: usize>(
+    a: &PagedAttentionArgs<'_, E>,
     grp: &Group,
     next: Option<&Group>,
     o: &mut [f32],
@@ -348,9 +420,9 @@ unsafe fn attend_group<const DV: usize>(
         let mut dots = [_mm512_setzero_ps(); 16];
         for (dot, &base) in dots.iter_mut().zip(rs) {
             let kr = kp.add(base + kvh * d);
-            let mut acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(kr));
+            let mut acc = _mm512_mul_ps(q[0], E::load16(kr));
             for (c, qv) in q.iter().enumerate().skip(1) {
-                acc = _mm512_fmadd_ps(*qv, _mm512_loadu_ps(kr.add(16 * c)), acc);
+                acc = _mm512_fmadd_ps(*qv, E::load16(kr.add(16 * c)), acc);
             }
             *dot = acc;
         }
@@ -374,8 +446,9 @@ unsafe fn attend_group<const DV: usize>(
     // keys are scored, the keys [`PF_AHEAD`] rows ahead, and the next
     // group's first keys while this group weighs its values. Only the group's
     // KV heads' part of a row.
-    let (pf_off, pf_lines) = (grp.kv.start * d, (grp.kv.len() * d * 4).div_ceil(64));
-    let pf = |base: *const f32, rs: &[usize]| {
+    let bytes = grp.kv.len() * d * std::mem::size_of::<E>();
+    let (pf_off, pf_lines) = (grp.kv.start * d, bytes.div_ceil(64));
+    let pf = |base: *const E, rs: &[usize]| {
         for &r in rs {
             let p = base.wrapping_add(r + pf_off) as *const i8;
             for c in 0..pf_lines {
@@ -446,12 +519,12 @@ unsafe fn attend_group<const DV: usize>(
             let op = ob.add(u * w + (kk * g + r0) * d);
             let ld = padded[u];
             match per.min(g - r0) {
-                1 => weigh_values::<DV, 1>(rs, vh, p, ld, op, d, init),
-                2 => weigh_values::<DV, 2>(rs, vh, p, ld, op, d, init),
-                3 => weigh_values::<DV, 3>(rs, vh, p, ld, op, d, init),
-                4 => weigh_values::<DV, 4>(rs, vh, p, ld, op, d, init),
-                5 => weigh_values::<DV, 5>(rs, vh, p, ld, op, d, init),
-                _ => weigh_values::<DV, 6>(rs, vh, p, ld, op, d, init),
+                1 => weigh_values::<E, DV, 1>(rs, vh, p, ld, op, d, init),
+                2 => weigh_values::<E, DV, 2>(rs, vh, p, ld, op, d, init),
+                3 => weigh_values::<E, DV, 3>(rs, vh, p, ld, op, d, init),
+                4 => weigh_values::<E, DV, 4>(rs, vh, p, ld, op, d, init),
+                5 => weigh_values::<E, DV, 5>(rs, vh, p, ld, op, d, init),
+                _ => weigh_values::<E, DV, 6>(rs, vh, p, ld, op, d, init),
             }
         }
     };
@@ -496,9 +569,9 @@ unsafe fn attend_group<const DV: usize>(
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f")]
-unsafe fn weigh_values<const DV: usize, const G: usize>(
+unsafe fn weigh_values<E: KvElem, const DV: usize, const G: usize>(
     rows: &[usize],
-    v: *const f32,
+    v: *const E,
     p: *const f32,
     ld: usize,
     o: *mut f32,
@@ -518,7 +591,7 @@ unsafe fn weigh_values<const DV: usize, const G: usize>(
         let vr = v.add(base);
         let mut vv = [_mm512_setzero_ps(); DV];
         for (c, x) in vv.iter_mut().enumerate() {
-            *x = _mm512_loadu_ps(vr.add(16 * c));
+            *x = E::load16(vr.add(16 * c));
         }
         for (r, acc) in acc.iter_mut().enumerate() {
             let w = _mm512_set1_ps(*p.add(r * ld + j));
@@ -535,7 +608,7 @@ unsafe fn weigh_values<const DV: usize, const G: usize>(
 }
 
 #[multiversion(targets("x86_64+avx2+fma", "x86_64+avx", "x86_64+sse4.1"))]
-fn one_token(a: &PagedAttentionArgs<'_>, i: usize, o: &mut [f32]) {
+fn one_token<E: KvElem>(a: &PagedAttentionArgs<'_, E>, i: usize, o: &mut [f32]) {
     let (d, nkv) = (a.head_dim, a.n_kv);
     let t = a.positions.len();
     let g = a.n_heads / nkv;
@@ -555,11 +628,11 @@ fn one_token(a: &PagedAttentionArgs<'_>, i: usize, o: &mut [f32]) {
                 let n8 = d / 8 * 8;
                 for c in (0..n8).step_by(8) {
                     for l in 0..8 {
-                        acc[l] += q[c + l] * kr[c + l];
+                        acc[l] += q[c + l] * kr[c + l].to_f32();
                     }
                 }
                 for x in n8..d {
-                    tail += q[x] * kr[x];
+                    tail += q[x] * kr[x].to_f32();
                 }
                 scores[r * ctx + j] = (acc.iter().sum::<f32>() + tail) * scale;
             }
@@ -583,7 +656,7 @@ fn one_token(a: &PagedAttentionArgs<'_>, i: usize, o: &mut [f32]) {
                 let p = scores[r * ctx + j];
                 let oh = &mut o[(kvh * g + r) * d..(kvh * g + r + 1) * d];
                 for (x, v) in oh.iter_mut().zip(vr) {
-                    *x += p * v;
+                    *x += p * v.to_f32();
                 }
             }
         }
@@ -628,21 +701,19 @@ mod tests {
         let vc: Vec<f32> = (0..slots * nkv * d).map(|_| r()).collect();
         let t = positions.len();
         let q: Vec<f32> = (0..nh * t * d).map(|_| 2.0 * r()).collect();
-        let run = |q: &[f32], positions: &[u32], token_seq: &[usize]| {
-            paged_attention(PagedAttentionArgs {
-                q,
-                k_cache: &kc,
-                v_cache: &vc,
-                n_heads: nh,
-                n_kv: nkv,
-                head_dim: d,
-                block_size: bs,
-                positions,
-                token_seq,
-                tables,
-            })
+        let base = PagedAttentionArgs {
+            q: &q,
+            k_cache: &kc,
+            v_cache: &vc,
+            n_heads: nh,
+            n_kv: nkv,
+            head_dim: d,
+            block_size: bs,
+            positions,
+            token_seq,
+            tables,
         };
-        let out = run(&q, positions, token_seq);
+        let out = paged_attention(base);
         for i in 0..t {
             let table = &tables[token_seq[i]];
             for h in 0..nh {
@@ -671,17 +742,44 @@ mod tests {
                     );
                 }
             }
-            let one = run(
-                &token_q(&q, nh, t, d, i),
-                &positions[i..=i],
-                &token_seq[i..=i],
-            );
+            let tq = token_q(&q, nh, t, d, i);
+            let one = paged_attention(PagedAttentionArgs {
+                q: &tq,
+                positions: &positions[i..=i],
+                token_seq: &token_seq[i..=i],
+                ..base
+            });
             assert!(
                 same_bits(&out[i * nh * d..(i + 1) * nh * d], &one),
                 "token {i} alone differs from the batch"
             );
         }
+        check_bf16_cache(base);
         out
+    }
+
+    /// A bf16 cache gives bit for bit what an f32 cache of the same
+    /// (rounded) values gives, in the dispatched kernel and in the portable
+    /// one; `a` is the batch over an f32 cache.
+    fn check_bf16_cache(a: PagedAttentionArgs<'_>) {
+        use half::bf16;
+        let kb: Vec<bf16> = a.k_cache.iter().map(|&x| bf16::from_f32(x)).collect();
+        let vb: Vec<bf16> = a.v_cache.iter().map(|&x| bf16::from_f32(x)).collect();
+        let kr: Vec<f32> = kb.iter().map(|x| x.to_f32()).collect();
+        let vr: Vec<f32> = vb.iter().map(|x| x.to_f32()).collect();
+        let (a16, a32) = (a.over(&kb[..], &vb[..]), a.over(&kr[..], &vr[..]));
+        let want = paged_attention(a32);
+        assert!(same_bits(&paged_attention(a16), &want), "bf16 cache");
+        let w = a.n_heads * a.head_dim;
+        for i in 0..a.positions.len() {
+            let (mut o16, mut o32) = (vec![0f32; w], vec![0f32; w]);
+            one_token(&a16, i, &mut o16);
+            one_token(&a32, i, &mut o32);
+            assert!(
+                same_bits(&o16, &o32),
+                "portable kernel, bf16 cache, token {i}"
+            );
+        }
     }
 
     /// Token `i`'s queries out of `q: [nh, t, d]`, as a batch of one.
@@ -713,7 +811,7 @@ mod tests {
         let mut token_seq: Vec<usize> = (0..6).collect();
         positions.extend([13, 14, 10, 6]);
         token_seq.extend([0, 0, 6, 7]);
-        let a = PagedAttentionArgs {
+        let a = PagedAttentionArgs::<f32> {
             q: &[],
             k_cache: &[],
             v_cache: &[],

@@ -35,7 +35,7 @@ pub mod rows;
 pub mod segment;
 mod simd;
 
-pub use attention::{paged_attention, PagedAttentionArgs};
+pub use attention::{paged_attention, KvElem, PagedAttentionArgs};
 pub use logprob::{fused_logprobs, DEFAULT_CHUNK_ELEMS};
 pub use matmul::{
     matmul_nt, matmul_nt_available, matmul_nt_bf16, matmul_nt_bf16_available, matmul_nt_into,
