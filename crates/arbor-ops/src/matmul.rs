@@ -24,7 +24,9 @@
 //! the one tile of a 1-4 row call) so that only a few misses are in flight
 //! at a time and they overlap the arithmetic (issuing all six rows' misses
 //! from the first row tile stalled it and left weight streaming and compute
-//! in series: cold weights at 32 rows ran 35% below hot ones). The tile's
+//! in series: cold weights at 32 rows ran 35% below hot ones); calls of up
+//! to 64 rows also prefetch the tile [`FAR_TILES`] further on into L2, so
+//! the weight stream is not bound by the L1 miss queues. The tile's
 //! 24 accumulators stay in registers through the loop: their lane sums are
 //! taken 16 at a time by one transposing tree of 512-bit instructions (a
 //! 128-bit reduction per sum would confine them to the 16 registers such
@@ -50,6 +52,14 @@ const MR: usize = 4;
 const NR: usize = 6;
 /// Rows of `x` per cache block (kept in L2 while a weight tile sits in L1).
 const MB: usize = 64;
+/// Weight tiles between the next tile (prefetched into L1 by the current
+/// one) and the tile whose rows are prefetched into L2 at the same time,
+/// for calls of at most [`MB`] rows. With only the next tile prefetched, the
+/// weight stream of a decode step ran at 16 GB/s of a 2-core Zen 4's
+/// ~29: the L1 miss queues bound it. Two tiles ahead in L2: m = 8, f32
+/// 33 -> 18 ms a SmolLM2-135M step, bf16 16.7 -> 10.5 ms; m = 1 and 32 gain
+/// 23-38% and 7-9% (`decode_matmuls`).
+const FAR_TILES: usize = 2;
 /// Multiply-adds below which a call runs on one thread (~10 us of work).
 const SERIAL_MACS: usize = 1 << 20;
 
@@ -204,6 +214,10 @@ pub fn matmul_nt_multi_into(
         Vec::new()
     };
     let outs: Vec<OutPtr> = ys.iter_mut().map(|y| OutPtr(y.as_mut_ptr())).collect();
+    // Decode-sized calls stream each weight once: the rows FAR_TILES tiles
+    // past the next one are prefetched into L2 as well (elements past the
+    // next tile's rows; 0 = none).
+    let far = if m <= MB { FAR_TILES * NR * k } else { 0 };
     drive(m, k, &ns, |g, i, mr, j, nr, pf| {
         let (out, n) = (outs[g], ns[g]);
         // SAFETY: the CPU features were checked above; rows i..i+mr of x
@@ -219,13 +233,13 @@ pub fn matmul_nt_multi_into(
                 WeightRows::F32(w) => {
                     let pf = (w.as_ptr().wrapping_add(pf_at), npf);
                     let (x, w) = (x.as_ptr().add(i * k), w.as_ptr().add(j * k));
-                    dispatch::<F32Tiles>(mr, nr, x, w, k, y, n, pf)
+                    dispatch::<F32Tiles>(mr, nr, x, w, k, y, n, pf, far)
                 }
                 WeightRows::Bf16(w) => {
                     let pf = (w.as_ptr().wrapping_add(pf_at) as *const u16, npf);
                     let x = xb.as_ptr().add(i * k);
                     let w = w.as_ptr().add(j * k) as *const u16;
-                    dispatch::<Bf16Tiles>(mr, nr, x, w, k, y, n, pf)
+                    dispatch::<Bf16Tiles>(mr, nr, x, w, k, y, n, pf, far)
                 }
             }
         }
@@ -380,7 +394,8 @@ fn task_shape(m: usize, n: usize) -> (usize, usize) {
 trait Tiles {
     type W;
     /// `R x C` dot products of rows `k` apart into `y` (row stride `ldy`),
-    /// prefetching the `PF` weight rows (`k` apart) from `pf`.
+    /// prefetching the `PF` weight rows (`k` apart) from `pf` into L1 and,
+    /// unless `far` is 0, those from `pf + far` into L2.
     ///
     /// # Safety
     /// The CPU has the kernel's features; the `R` rows of `x`, the `C` rows
@@ -393,6 +408,7 @@ trait Tiles {
         y: *mut f32,
         ldy: usize,
         pf: *const Self::W,
+        far: usize,
     );
 }
 
@@ -418,8 +434,9 @@ macro_rules! impl_tiles {
                 y: *mut f32,
                 ldy: usize,
                 pf: *const $w,
+                far: usize,
             ) {
-                $tile::<R, C, PF>(x, w, k, y, ldy, pf)
+                $tile::<R, C, PF>(x, w, k, y, ldy, pf, far)
             }
         }
     };
@@ -441,17 +458,18 @@ unsafe fn dispatch<T: Tiles>(
     y: *mut f32,
     ldy: usize,
     pf: (*const T::W, usize),
+    far: usize,
 ) {
     let (p, np) = pf;
     macro_rules! go {
         ($($a:literal: $($b:literal)*;)*) => {
             match (mr, nr, np) {
                 $($(
-                    ($a, $b, 0) => T::tile::<$a, $b, 0>(x, w, k, y, ldy, p),
-                    ($a, $b, 1) => T::tile::<$a, $b, 1>(x, w, k, y, ldy, p),
-                    ($a, $b, 2) => T::tile::<$a, $b, 2>(x, w, k, y, ldy, p),
-                    ($a, $b, 3) => T::tile::<$a, $b, 3>(x, w, k, y, ldy, p),
-                    ($a, $b, _) => T::tile::<$a, $b, 6>(x, w, k, y, ldy, p),
+                    ($a, $b, 0) => T::tile::<$a, $b, 0>(x, w, k, y, ldy, p, far),
+                    ($a, $b, 1) => T::tile::<$a, $b, 1>(x, w, k, y, ldy, p, far),
+                    ($a, $b, 2) => T::tile::<$a, $b, 2>(x, w, k, y, ldy, p, far),
+                    ($a, $b, 3) => T::tile::<$a, $b, 3>(x, w, k, y, ldy, p, far),
+                    ($a, $b, _) => T::tile::<$a, $b, 6>(x, w, k, y, ldy, p, far),
                 )*)*
                 _ => unreachable!("tile {mr} x {nr}"),
             }
@@ -479,6 +497,7 @@ unsafe fn tile<const R: usize, const C: usize, const PF: usize>(
     y: *mut f32,
     ldy: usize,
     pf: *const f32,
+    far: usize,
 ) {
     use std::arch::x86_64::*;
     let full = k / 16 * 16;
@@ -494,6 +513,9 @@ unsafe fn tile<const R: usize, const C: usize, const PF: usize>(
             let wv = _mm512_loadu_ps(w.add(j * k + kk));
             if j < PF {
                 _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(j * k + kk) as *const i8);
+                if far > 0 {
+                    _mm_prefetch::<_MM_HINT_T2>(pf.wrapping_add(far + j * k + kk) as *const i8);
+                }
             }
             for i in 0..R {
                 acc[i][j] = _mm512_fmadd_ps(xv[i], wv, acc[i][j]);
@@ -566,6 +588,7 @@ unsafe fn tile_bf16<const R: usize, const C: usize, const PF: usize>(
     y: *mut f32,
     ldy: usize,
     pf: *const u16,
+    far: usize,
 ) {
     use std::arch::x86_64::*;
     // Same 512 bits, read as 32 bf16 values.
@@ -584,6 +607,9 @@ unsafe fn tile_bf16<const R: usize, const C: usize, const PF: usize>(
             let wv = load(w.add(j * k + kk));
             if j < PF {
                 _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(j * k + kk) as *const i8);
+                if far > 0 {
+                    _mm_prefetch::<_MM_HINT_T2>(pf.wrapping_add(far + j * k + kk) as *const i8);
+                }
             }
             for i in 0..R {
                 acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
