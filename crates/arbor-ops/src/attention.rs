@@ -417,9 +417,13 @@ unsafe fn attend_group<E: KvElem, const DV: usize>(
     // Scores q . k * scale of 16 keys at rows `rs` (KV head `kvh`), stored
     // from `dst`.
     let score16 = |q: &[__m512; DV], kvh: usize, rs: &[usize], dst: *mut f32| {
+        // Always 16 dot products (a short chunk repeats its first row, the
+        // store drops those lanes), so the loop unrolls and the 16 sums stay
+        // in registers instead of going through the stack.
+        let n = rs.len();
         let mut dots = [_mm512_setzero_ps(); 16];
-        for (dot, &base) in dots.iter_mut().zip(rs) {
-            let kr = kp.add(base + kvh * d);
+        for (l, dot) in dots.iter_mut().enumerate() {
+            let kr = kp.add(*rs.get_unchecked(if l < n { l } else { 0 }) + kvh * d);
             let mut acc = _mm512_mul_ps(q[0], E::load16(kr));
             for (c, qv) in q.iter().enumerate().skip(1) {
                 acc = _mm512_fmadd_ps(*qv, E::load16(kr.add(16 * c)), acc);
