@@ -57,8 +57,11 @@ if [ ! -f "$STUB/libcuda.so" ]; then
   find_cudarc() {
     src=""
     for d in "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-*/src/driver/sys; do
-      [ -d "$d" ] && src="$d"
+      if [ -d "$d" ]; then src="$d"; fi
     done
+    # Found or not, this is no failure (`set -e` would end the script on a
+    # fresh machine, where cudarc is not fetched yet).
+    return 0
   }
   find_cudarc
   if [ -z "$src" ] && command -v cargo >/dev/null && [ -f Cargo.lock ]; then
