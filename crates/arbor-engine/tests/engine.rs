@@ -107,12 +107,10 @@ fn greedy_matches_dense_recompute_for_mixed_batches() {
     }
 }
 
-/// bf16 on a CPU with AVX-512 BF16 (bf16 matrices, f32 activations, K/V
-/// rounded to bf16 and cached in bf16): the engine's fused row path and the
-/// dense forward run the same bf16 matmul and the same K/V rounding, so
-/// greedy tokens and logprobs agree exactly as in f32.
-#[test]
-fn bf16_matrices_greedy_matches_dense_recompute() {
+/// The bf16 fixture with bf16 matrices under f32 compute, or `None` (with
+/// a SKIP line) on a CPU without AVX-512 BF16, where bf16 is bf16
+/// throughout.
+fn bf16_matrices_fixture() -> Option<Transformer> {
     let p =
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../arbor-model/tests/fixtures/qwen2-bf16");
     let opts = LoadOptions {
@@ -122,10 +120,22 @@ fn bf16_matrices_greedy_matches_dense_recompute() {
     let m = LoadedModel::load(p.to_str().unwrap(), &opts).unwrap().model;
     if m.dtype() != candle_core::DType::F32 {
         eprintln!("SKIP: no AVX-512 BF16, so bf16 is bf16 throughout here");
-        return;
+        return None;
     }
     assert_eq!(m.lm_head.dtype(), candle_core::DType::BF16);
     assert_eq!(m.kv_dtype(), candle_core::DType::BF16);
+    Some(m)
+}
+
+/// bf16 on a CPU with AVX-512 BF16 (bf16 matrices, f32 activations, K/V
+/// rounded to bf16 and cached in bf16): the engine's fused row path and the
+/// dense forward run the same bf16 matmul and the same K/V rounding, so
+/// greedy tokens and logprobs agree exactly as in f32.
+#[test]
+fn bf16_matrices_greedy_matches_dense_recompute() {
+    let Some(m) = bf16_matrices_fixture() else {
+        return;
+    };
     let mut e = engine(&m, 64, 4);
     let f32_cache = PagedKvCache::bytes_per_token_in(&m.cfg, candle_core::DType::F32);
     assert_eq!(e.kv_bytes(), 64 * 4 * f32_cache / 2, "a bf16 cache");
@@ -138,6 +148,18 @@ fn bf16_matrices_greedy_matches_dense_recompute() {
         assert_eq!(c.tokens, dense_greedy(&m, p, n), "prompt {p:?}");
         assert_logprobs_match_scores(&m, p, c);
     }
+}
+
+/// The bf16 cache through preemption (blocks freed and recomputed) and a
+/// fork of a running sequence (copy-on-write of a partial block): outputs
+/// stay those of the dense forward.
+#[test]
+fn bf16_cache_keeps_preemption_and_forks_exact() {
+    let Some(m) = bf16_matrices_fixture() else {
+        return;
+    };
+    assert_preemption_keeps_outputs_exact(&m);
+    assert_fork_of_running_sequence_exact(&m);
 }
 
 #[test]
@@ -170,10 +192,15 @@ fn greedy_logprobs_match_dense_scores() {
 
 #[test]
 fn preemption_by_a_tiny_pool_keeps_outputs_exact() {
-    let m = fixture("llama").model;
+    assert_preemption_keeps_outputs_exact(&fixture("llama").model);
+}
+
+/// Five sequences through a pool too small for all of them: preemption
+/// happens, outputs equal the dense forward's, every block comes back.
+fn assert_preemption_keeps_outputs_exact(m: &Transformer) {
     let n = 16;
     // 14 blocks of 4 slots: the five sequences (up to 56 tokens) cannot all fit.
-    let mut e = engine(&m, 14, 4);
+    let mut e = engine(m, 14, 4);
     for p in prompts() {
         e.submit(p, vec![SamplingParams::greedy(n)]).unwrap();
     }
@@ -188,7 +215,7 @@ fn preemption_by_a_tiny_pool_keeps_outputs_exact() {
     );
     for (p, c) in prompts().iter().zip(&out) {
         assert_eq!(c.finish_reason, FinishReason::Length, "{:?}", c.error);
-        assert_eq!(c.tokens, dense_greedy(&m, p, n), "prompt {p:?}");
+        assert_eq!(c.tokens, dense_greedy(m, p, n), "prompt {p:?}");
     }
     let st = e.pool_stats();
     assert_eq!(st.in_use, 0, "every block returned");
@@ -232,9 +259,14 @@ fn fan_out_computes_prefix_once_and_matches_unshared_runs() {
 
 #[test]
 fn fork_of_a_running_sequence_shares_kv() {
-    let m = fixture("qwen2").model;
+    assert_fork_of_running_sequence_exact(&fixture("qwen2").model);
+}
+
+/// A running sequence forked after 4 tokens: its KV is shared (a partial
+/// block copied on write), parent and children equal the dense forward.
+fn assert_fork_of_running_sequence_exact(m: &Transformer) {
     let prompt: Vec<u32> = (3..21).collect();
-    let mut e = engine(&m, 64, 4);
+    let mut e = engine(m, 64, 4);
     let id = e
         .submit(prompt.clone(), vec![SamplingParams::greedy(12)])
         .unwrap()[0];
@@ -250,7 +282,7 @@ fn fork_of_a_running_sequence_shares_kv() {
     assert!(e.stats().prefill_forked >= 2 * prompt.len() as u64);
     let out = by_id(e.run(|_| {}).unwrap());
     let parent = out.iter().find(|c| c.id == id).unwrap();
-    let want = dense_greedy(&m, &prompt, 12);
+    let want = dense_greedy(m, &prompt, 12);
     assert_eq!(parent.tokens, want);
     for k in kids {
         let c = out.iter().find(|c| c.id == k).unwrap();
