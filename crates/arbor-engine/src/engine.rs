@@ -33,8 +33,9 @@ pub struct EngineConfig {
     pub max_context: usize,
     /// Keep the KV cache as device tensors in the model's dtype
     /// ([`crate::paged::DeviceKvCache`]: the CUDA kernels on a GPU) instead
-    /// of f32 host slices. `None`: on the device whenever the model is not
-    /// on the CPU.
+    /// of host slices (f32, or bf16 for a model whose
+    /// [`Transformer::kv_dtype`] is bf16). `None`: on the device whenever
+    /// the model is not on the CPU.
     #[serde(default)]
     pub kv_on_device: Option<bool>,
 }
@@ -53,7 +54,8 @@ impl Default for EngineConfig {
     }
 }
 
-/// Where the KV lives: f32 host slices (the CPU engine) or device tensors.
+/// Where the KV lives: host slices (the CPU engine; f32, or bf16 when the
+/// model's K/V are bf16 values) or device tensors.
 #[derive(Debug)]
 enum KvStore {
     Host(PagedKvCache),
