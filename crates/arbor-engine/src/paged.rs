@@ -23,20 +23,18 @@ use candle_core::{DType, Tensor};
 use half::bf16;
 use half::slice::HalfBitsSliceExt;
 
-/// One layer's K or V rows: f32, or bf16 bits (allocated as zeroed `u16`s,
+/// One layer's K and V rows: f32, or bf16 bits (allocated as zeroed `u16`s,
 /// so the pool's pages are only touched when used, as with f32).
 #[derive(Debug, Clone)]
-enum Rows {
-    F32(Vec<f32>),
-    Bf16(Vec<u16>),
+enum LayerKv {
+    F32 { k: Vec<f32>, v: Vec<f32> },
+    Bf16 { k: Vec<u16>, v: Vec<u16> },
 }
 
 /// Paged K/V storage of every layer.
 #[derive(Debug, Clone)]
 pub struct PagedKvCache {
-    k: Vec<Rows>,
-    v: Vec<Rows>,
-    dtype: DType,
+    layers: Vec<LayerKv>,
     n_kv: usize,
     head_dim: usize,
     block_size: usize,
@@ -69,18 +67,18 @@ impl PagedKvCache {
     fn alloc(cfg: &ModelConfig, num_blocks: usize, block_size: usize, dtype: DType) -> Self {
         let row = cfg.num_key_value_heads * cfg.head_dim;
         let n = num_blocks * block_size * row;
-        let rows = || -> Vec<Rows> {
-            (0..cfg.num_hidden_layers)
-                .map(|_| match dtype {
-                    DType::BF16 => Rows::Bf16(vec![0u16; n]),
-                    _ => Rows::F32(vec![0.0; n]),
-                })
-                .collect()
+        let layer = || match dtype {
+            DType::BF16 => LayerKv::Bf16 {
+                k: vec![0; n],
+                v: vec![0; n],
+            },
+            _ => LayerKv::F32 {
+                k: vec![0.0; n],
+                v: vec![0.0; n],
+            },
         };
         PagedKvCache {
-            k: rows(),
-            v: rows(),
-            dtype,
+            layers: (0..cfg.num_hidden_layers).map(|_| layer()).collect(),
             n_kv: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
             block_size,
@@ -100,17 +98,20 @@ impl PagedKvCache {
 
     /// The element type held.
     pub fn dtype(&self) -> DType {
-        self.dtype
+        match self.layers.first() {
+            Some(LayerKv::Bf16 { .. }) => DType::BF16,
+            _ => DType::F32,
+        }
     }
 
     /// Total bytes held.
     pub fn bytes(&self) -> usize {
-        2 * self.k.len()
+        2 * self.layers.len()
             * self.num_blocks
             * self.block_size
             * self.n_kv
             * self.head_dim
-            * self.dtype.size_in_bytes()
+            * self.dtype().size_in_bytes()
     }
 
     pub fn num_blocks(&self) -> usize {
@@ -123,30 +124,37 @@ impl PagedKvCache {
         let src = op.src as usize * self.block_size * row;
         let dst = op.dst as usize * self.block_size * row;
         let n = op.len * row;
-        for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
-            match buf {
-                Rows::F32(b) => b.copy_within(src..src + n, dst),
-                Rows::Bf16(b) => b.copy_within(src..src + n, dst),
+        for layer in &mut self.layers {
+            match layer {
+                LayerKv::F32 { k, v } => {
+                    k.copy_within(src..src + n, dst);
+                    v.copy_within(src..src + n, dst);
+                }
+                LayerKv::Bf16 { k, v } => {
+                    k.copy_within(src..src + n, dst);
+                    v.copy_within(src..src + n, dst);
+                }
             }
         }
     }
 }
 
-/// Write new token `i`'s K (or V) heads, `src: [nkv, t, d]`, into cache
-/// rows `slot` of `dst`.
-fn write_rows(dst: &mut Rows, src: &[f32], slots: &[usize], nkv: usize, t: usize, d: usize) {
+/// Write every new token `i`'s K (or V) heads, `src: [nkv, t, d]`, into
+/// cache row `slots[i]` of `dst`, each value through `elem`.
+fn write_rows<T>(
+    dst: &mut [T],
+    src: &[f32],
+    slots: &[usize],
+    (nkv, t, d): (usize, usize, usize),
+    elem: impl Fn(f32) -> T,
+) {
     let row = nkv * d;
     for (i, &slot) in slots.iter().enumerate() {
         for h in 0..nkv {
             let from = &src[(h * t + i) * d..][..d];
             let at = slot * row + h * d;
-            match dst {
-                Rows::F32(b) => b[at..at + d].copy_from_slice(from),
-                Rows::Bf16(b) => {
-                    for (o, &x) in b[at..at + d].iter_mut().zip(from) {
-                        *o = bf16::from_f32(x).to_bits();
-                    }
-                }
+            for (o, &x) in dst[at..at + d].iter_mut().zip(from) {
+                *o = elem(x);
             }
         }
     }
@@ -234,23 +242,28 @@ impl AttentionBackend for PagedAttention<'_> {
         let dt = q.dtype();
         let f32_of = |x: &Tensor| x.to_dtype(DType::F32);
         let (q, k, v) = (f32_of(q)?, f32_of(k)?, f32_of(v)?);
-        let slots = &self.batch.slots;
+        let (slots, shape) = (&self.batch.slots, (nkv, t, d));
+        let store = &mut self.cache.layers[layer];
         // k, v: [nkv, t, d] -> each new token's row of the cache.
         with_cpu_f32(&k, |kv| {
-            write_rows(&mut self.cache.k[layer], kv, slots, nkv, t, d)
-        })?;
-        with_cpu_f32(&v, |vv| {
-            write_rows(&mut self.cache.v[layer], vv, slots, nkv, t, d)
-        })?;
-        let (batch, bs) = (self.batch, self.cache.block_size);
-        let out = with_cpu_f32(&q, |qv| {
-            match (&self.cache.k[layer], &self.cache.v[layer]) {
-                (Rows::F32(kc), Rows::F32(vc)) => attend_rows(qv, kc, vc, nh, nkv, d, bs, batch),
-                (Rows::Bf16(kc), Rows::Bf16(vc)) => {
-                    let (kc, vc) = (kc.reinterpret_cast::<bf16>(), vc.reinterpret_cast::<bf16>());
-                    attend_rows(qv, kc, vc, nh, nkv, d, bs, batch)
+            with_cpu_f32(&v, |vv| match store {
+                LayerKv::F32 { k, v } => {
+                    write_rows(k, kv, slots, shape, |x| x);
+                    write_rows(v, vv, slots, shape, |x| x);
                 }
-                _ => unreachable!("K and V are allocated in one dtype"),
+                LayerKv::Bf16 { k, v } => {
+                    let bits = |x| bf16::from_f32(x).to_bits();
+                    write_rows(k, kv, slots, shape, bits);
+                    write_rows(v, vv, slots, shape, bits);
+                }
+            })
+        })??;
+        let (batch, bs) = (self.batch, self.cache.block_size);
+        let out = with_cpu_f32(&q, |qv| match &self.cache.layers[layer] {
+            LayerKv::F32 { k, v } => attend_rows(qv, k, v, nh, nkv, d, bs, batch),
+            LayerKv::Bf16 { k, v } => {
+                let (k, v) = (k.reinterpret_cast::<bf16>(), v.reinterpret_cast::<bf16>());
+                attend_rows(qv, k, v, nh, nkv, d, bs, batch)
             }
         })?;
         Ok(Tensor::from_vec(out, (1, t, nh * d), q.device())?.to_dtype(dt)?)

@@ -463,10 +463,12 @@ pub struct Attention {
     pub kv_bf16: bool,
 }
 
-/// `x` rounded to bf16 values (nearest even), kept in its dtype.
+/// `x` (a CPU f32 tensor: [`Attention::kv_bf16`] is only set for those)
+/// rounded to bf16 values (nearest even), kept in f32; the vectorised
+/// equivalent of `x.to_dtype(BF16)?.to_dtype(F32)`.
 fn round_bf16(x: Tensor) -> Result<Tensor> {
-    let dt = x.dtype();
-    Ok(x.to_dtype(DType::BF16)?.to_dtype(dt)?)
+    let r = with_cpu_f32(&x, arbor_ops::round_bf16)?;
+    Ok(Tensor::from_vec(r, x.shape(), x.device())?)
 }
 
 impl Attention {

@@ -106,24 +106,6 @@ pub struct PagedAttentionArgs<'a, E = f32> {
     pub tables: &'a [Vec<u32>],
 }
 
-impl<'a, E> PagedAttentionArgs<'a, E> {
-    /// The same queries and batch over another cache (of `F`).
-    pub fn over<F>(self, k_cache: &'a [F], v_cache: &'a [F]) -> PagedAttentionArgs<'a, F> {
-        PagedAttentionArgs {
-            q: self.q,
-            k_cache,
-            v_cache,
-            n_heads: self.n_heads,
-            n_kv: self.n_kv,
-            head_dim: self.head_dim,
-            block_size: self.block_size,
-            positions: self.positions,
-            token_seq: self.token_seq,
-            tables: self.tables,
-        }
-    }
-}
-
 /// Attention output `[t, n_heads * head_dim]`.
 pub fn paged_attention<E: KvElem>(a: PagedAttentionArgs<'_, E>) -> Vec<f32> {
     let t = a.positions.len();
@@ -441,11 +423,8 @@ unsafe fn attend_group<E: KvElem, const DV: usize>(
         }
         q
     };
-    // Keys: 16 rows at a time, every KV head of a row before the next rows
-    // (a row's heads are contiguous, so the cache is read in order).
-    // Shared keys for every token of the group, then each token's own.
     // Software prefetch into L2 (the cache misses of the context's rows,
-    // scattered blocks, otherwise stall the dot products: 19% of a decode
+    // scattered blocks, otherwise stall the dot products: half of a decode
     // step's attention on a 2-core Zen 4): a chunk's value rows while its
     // keys are scored, the keys [`PF_AHEAD`] rows ahead, and the next
     // group's first keys while this group weighs its values. Only the group's
@@ -460,12 +439,17 @@ unsafe fn attend_group<E: KvElem, const DV: usize>(
             }
         }
     };
-    for j0 in (0..shared).step_by(16) {
-        let rs = &srows[j0..(j0 + 16).min(shared)];
-        let ahead = &srows[(j0 + PF_AHEAD).min(shared)..(j0 + PF_AHEAD + 16).min(shared)];
-        let mut spread = Spread::new(ahead, rs, nk * g * toks.len());
+    // Keys: the 16 rows `rows[c0..]` (context positions from `j0`) for the
+    // tokens `us`, every KV head of a row before the next rows (a row's heads
+    // are contiguous, so the cache is read in order), with the chunk's
+    // prefetches spread over its calls.
+    let score_chunk = |us: std::ops::Range<usize>, rows: &[usize], c0: usize, j0: usize| {
+        let end = rows.len();
+        let rs = &rows[c0..(c0 + 16).min(end)];
+        let at = (c0 + PF_AHEAD).min(end);
+        let mut spread = Spread::new(&rows[at..(at + 16).min(end)], rs, nk * g * us.len());
         for (kk, kvh) in grp.kv.clone().enumerate() {
-            for u in 0..toks.len() {
+            for u in us.clone() {
                 for r in 0..g {
                     let (k_rows, v_rows) = spread.take();
                     pf(kp, k_rows);
@@ -474,21 +458,15 @@ unsafe fn attend_group<E: KvElem, const DV: usize>(
                 }
             }
         }
+    };
+    // Shared keys for every token of the group, then each token's own.
+    for c0 in (0..shared).step_by(16) {
+        score_chunk(0..toks.len(), &srows, c0, c0);
     }
     for u in 0..toks.len() {
         let tail = &trows[toff[u]..toff[u + 1]];
-        for (c, rs) in tail.chunks(16).enumerate() {
-            let j0 = shared + 16 * c;
-            let at = (16 * c + PF_AHEAD).min(tail.len());
-            let mut spread = Spread::new(&tail[at..(at + 16).min(tail.len())], rs, nk * g);
-            for (kk, kvh) in grp.kv.clone().enumerate() {
-                for r in 0..g {
-                    let (k_rows, v_rows) = spread.take();
-                    pf(kp, k_rows);
-                    pf(vp, v_rows);
-                    score16(&load_q(u, kvh, r), kvh, rs, srow(u, kk, r).add(j0));
-                }
-            }
+        for c0 in (0..tail.len()).step_by(16) {
+            score_chunk(u..u + 1, tail, c0, shared + c0);
         }
     }
     // Softmax over each head's `ctx` scores.
@@ -512,23 +490,29 @@ unsafe fn attend_group<E: KvElem, const DV: usize>(
             }
         }
     }
-    // o_r = sum_j p_rj v_j: heads in groups whose rows fit in registers,
-    // accumulated in `o` across runs of values; every KV head of a run of
-    // rows before the next run.
+    // o_r = sum_j p_rj v_j over the value rows `rs` (context positions from
+    // `j0`) for the tokens `us`: heads in groups whose rows fit in
+    // registers, accumulated in `o` across runs of values; every KV head of
+    // a run of rows before the next run.
     let per = (24 / DV).clamp(1, 6);
-    let weigh = |u: usize, kk: usize, rs: &[usize], j0: usize, init: bool| {
-        let vh = vp.add((grp.kv.start + kk) * d);
-        for r0 in (0..g).step_by(per) {
-            let p = srow(u, kk, r0).add(j0) as *const f32;
-            let op = ob.add(u * w + (kk * g + r0) * d);
-            let ld = padded[u];
-            match per.min(g - r0) {
-                1 => weigh_values::<E, DV, 1>(rs, vh, p, ld, op, d, init),
-                2 => weigh_values::<E, DV, 2>(rs, vh, p, ld, op, d, init),
-                3 => weigh_values::<E, DV, 3>(rs, vh, p, ld, op, d, init),
-                4 => weigh_values::<E, DV, 4>(rs, vh, p, ld, op, d, init),
-                5 => weigh_values::<E, DV, 5>(rs, vh, p, ld, op, d, init),
-                _ => weigh_values::<E, DV, 6>(rs, vh, p, ld, op, d, init),
+    let weigh = |us: std::ops::Range<usize>, rs: &[usize], j0: usize| {
+        let init = j0 == 0;
+        for kk in 0..nk {
+            let vh = vp.add((grp.kv.start + kk) * d);
+            for u in us.clone() {
+                for r0 in (0..g).step_by(per) {
+                    let p = srow(u, kk, r0).add(j0) as *const f32;
+                    let op = ob.add(u * w + (kk * g + r0) * d);
+                    let ld = padded[u];
+                    match per.min(g - r0) {
+                        1 => weigh_values::<E, DV, 1>(rs, vh, p, ld, op, d, init),
+                        2 => weigh_values::<E, DV, 2>(rs, vh, p, ld, op, d, init),
+                        3 => weigh_values::<E, DV, 3>(rs, vh, p, ld, op, d, init),
+                        4 => weigh_values::<E, DV, 4>(rs, vh, p, ld, op, d, init),
+                        5 => weigh_values::<E, DV, 5>(rs, vh, p, ld, op, d, init),
+                        _ => weigh_values::<E, DV, 6>(rs, vh, p, ld, op, d, init),
+                    }
+                }
             }
         }
     };
@@ -544,23 +528,14 @@ unsafe fn attend_group<E: KvElem, const DV: usize>(
         pf(kp, now);
         next_rows = later;
     };
-    for j0 in (0..shared).step_by(32) {
-        let rs = &srows[j0..(j0 + 32).min(shared)];
+    for (c, rs) in srows.chunks(32).enumerate() {
         pf_next(8);
-        for kk in 0..nk {
-            for u in 0..toks.len() {
-                weigh(u, kk, rs, j0, j0 == 0);
-            }
-        }
+        weigh(0..toks.len(), rs, 32 * c);
     }
     for u in 0..toks.len() {
-        let tail = &trows[toff[u]..toff[u + 1]];
-        for (c, rs) in tail.chunks(32).enumerate() {
-            let j0 = shared + 32 * c;
+        for (c, rs) in trows[toff[u]..toff[u + 1]].chunks(32).enumerate() {
             pf_next(8);
-            for kk in 0..nk {
-                weigh(u, kk, rs, j0, j0 == 0);
-            }
+            weigh(u..u + 1, rs, shared + 32 * c);
         }
     }
     pf_next(usize::MAX);
@@ -771,7 +746,7 @@ mod tests {
         let vb: Vec<bf16> = a.v_cache.iter().map(|&x| bf16::from_f32(x)).collect();
         let kr: Vec<f32> = kb.iter().map(|x| x.to_f32()).collect();
         let vr: Vec<f32> = vb.iter().map(|x| x.to_f32()).collect();
-        let (a16, a32) = (a.over(&kb[..], &vb[..]), a.over(&kr[..], &vr[..]));
+        let (a16, a32) = (over(a, &kb, &vb), over(a, &kr, &vr));
         let want = paged_attention(a32);
         assert!(same_bits(&paged_attention(a16), &want), "bf16 cache");
         let w = a.n_heads * a.head_dim;
@@ -783,6 +758,26 @@ mod tests {
                 same_bits(&o16, &o32),
                 "portable kernel, bf16 cache, token {i}"
             );
+        }
+    }
+
+    /// The batch `a` over another cache (of `F`).
+    fn over<'a, F>(
+        a: PagedAttentionArgs<'a>,
+        k_cache: &'a [F],
+        v_cache: &'a [F],
+    ) -> PagedAttentionArgs<'a, F> {
+        PagedAttentionArgs {
+            q: a.q,
+            k_cache,
+            v_cache,
+            n_heads: a.n_heads,
+            n_kv: a.n_kv,
+            head_dim: a.head_dim,
+            block_size: a.block_size,
+            positions: a.positions,
+            token_seq: a.token_seq,
+            tables: a.tables,
         }
     }
 

@@ -39,7 +39,7 @@ pub use attention::{paged_attention, KvElem, PagedAttentionArgs};
 pub use logprob::{fused_logprobs, DEFAULT_CHUNK_ELEMS};
 pub use matmul::{
     matmul_nt, matmul_nt_available, matmul_nt_bf16, matmul_nt_bf16_available, matmul_nt_into,
-    matmul_nt_multi_into, matmul_nt_op, WeightRows,
+    matmul_nt_multi_into, matmul_nt_op, round_bf16, WeightRows,
 };
 pub use paged::{cache_write, paged_attention_op, PagedMeta};
 pub use ppo::{pack_aux, ppo_loss, token_weights, value_loss, Aggregation, PpoClip};

@@ -274,6 +274,16 @@ fn to_bf16_bits(x: &[f32]) -> Vec<u16> {
     out
 }
 
+/// Every value rounded to bf16 (nearest even, as [`to_bf16_bits`]) and
+/// widened back to f32, exactly: what `x.to_dtype(BF16)?.to_dtype(F32)`
+/// gives, vectorised.
+pub fn round_bf16(x: &[f32]) -> Vec<f32> {
+    to_bf16_bits(x)
+        .into_iter()
+        .map(|b| f32::from_bits(u32::from(b) << 16))
+        .collect()
+}
+
 /// [`to_bf16_bits`] of one chunk: `bits(v) + 0x7fff + lsb >> 16` rounds to
 /// nearest even (carrying into the exponent, up to infinity, as it
 /// should); NaN becomes `bits >> 16 | 0x40`.
@@ -512,10 +522,7 @@ unsafe fn tile<const R: usize, const C: usize, const PF: usize>(
         for j in 0..C {
             let wv = _mm512_loadu_ps(w.add(j * k + kk));
             if j < PF {
-                _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(j * k + kk) as *const i8);
-                if far > 0 {
-                    _mm_prefetch::<_MM_HINT_T2>(pf.wrapping_add(far + j * k + kk) as *const i8);
-                }
+                prefetch_weights(pf.wrapping_add(j * k + kk), far);
             }
             for i in 0..R {
                 acc[i][j] = _mm512_fmadd_ps(xv[i], wv, acc[i][j]);
@@ -574,6 +581,22 @@ unsafe fn store_sums<const R: usize, const C: usize>(
     }
 }
 
+/// The line of a weight row at `p` into L1 and, unless `far` is 0, the
+/// line `far` elements on into L2 (see [`FAR_TILES`]).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_weights<W>(p: *const W, far: usize) {
+    use std::arch::x86_64::*;
+    // SAFETY: a prefetch is a hint; it never faults, whatever the address.
+    #[allow(unsafe_code)]
+    unsafe {
+        _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
+        if far > 0 {
+            _mm_prefetch::<_MM_HINT_T2>(p.wrapping_add(far) as *const i8);
+        }
+    }
+}
+
 /// The bf16 twin of [`tile`]: `R x C` dot products of bf16 rows (`u16`
 /// bits), 32 elements per `vdpbf16ps`, a masked tail for `k % 32`, then
 /// [`store_sums`].
@@ -606,10 +629,7 @@ unsafe fn tile_bf16<const R: usize, const C: usize, const PF: usize>(
         for j in 0..C {
             let wv = load(w.add(j * k + kk));
             if j < PF {
-                _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(j * k + kk) as *const i8);
-                if far > 0 {
-                    _mm_prefetch::<_MM_HINT_T2>(pf.wrapping_add(far + j * k + kk) as *const i8);
-                }
+                prefetch_weights(pf.wrapping_add(j * k + kk), far);
             }
             for i in 0..R {
                 acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
@@ -754,6 +774,11 @@ mod tests {
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
             xs.push(f32::from_bits((s >> 32) as u32));
+        }
+        let widened = round_bf16(&xs);
+        for (&r, &x) in widened.iter().zip(&xs) {
+            let want = half::bf16::from_f32(x).to_f32();
+            assert_eq!(r.to_bits(), want.to_bits(), "{:#010x}", x.to_bits());
         }
         for n in [xs.len(), 17, 16, 5] {
             let got = to_bf16_bits(&xs[..n]);
