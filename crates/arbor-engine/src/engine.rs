@@ -267,6 +267,68 @@ impl Engine {
         self.kv.invalidate()
     }
 
+    /// Checks the scheduler's state against the KV manager's (for tests
+    /// and debugging; cheap next to a step): every live sequence is queued
+    /// once, running or waiting; a sequence holds KV exactly when the
+    /// manager has its table, running ones always do, and the slots
+    /// reserved equal the tokens computed; the manager's own invariants
+    /// (reference counts, pool) hold. Between steps this always holds.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.kv.check_invariants()?;
+        let mut seen = std::collections::HashSet::new();
+        for (&id, running) in self
+            .running
+            .iter()
+            .map(|id| (id, true))
+            .chain(self.waiting.iter().map(|id| (id, false)))
+        {
+            if !seen.insert(id) {
+                return Err(format!("sequence {id} is queued twice"));
+            }
+            let s = self
+                .seqs
+                .get(&id)
+                .ok_or_else(|| format!("queued sequence {id} is not live"))?;
+            if s.has_kv != self.kv.contains(id) {
+                return Err(format!(
+                    "sequence {id}: has_kv = {} but the KV manager {} it",
+                    s.has_kv,
+                    if s.has_kv { "lacks" } else { "holds" }
+                ));
+            }
+            if running && !s.has_kv {
+                return Err(format!("running sequence {id} holds no KV"));
+            }
+            if s.computed > s.tokens.len() {
+                return Err(format!(
+                    "sequence {id}: {} of {} tokens computed",
+                    s.computed,
+                    s.tokens.len()
+                ));
+            }
+            if s.has_kv {
+                let len = self.kv.seq_len(id).map_err(|e| e.to_string())?;
+                if len != s.computed {
+                    return Err(format!(
+                        "sequence {id}: {len} KV slots for {} computed tokens",
+                        s.computed
+                    ));
+                }
+            }
+        }
+        if seen.len() != self.seqs.len() {
+            return Err(format!(
+                "{} live sequences, {} queued",
+                self.seqs.len(),
+                seen.len()
+            ));
+        }
+        if let Some(id) = self.kv.sequences().find(|id| !seen.contains(id)) {
+            return Err(format!("the KV manager holds untracked sequence {id}"));
+        }
+        Ok(())
+    }
+
     /// Sequences not finished yet.
     pub fn num_pending(&self) -> usize {
         self.waiting.len() + self.running.len()
@@ -365,13 +427,21 @@ impl Engine {
         for p in &samples {
             self.check_params(p)?;
         }
-        let parent = self
-            .seqs
-            .get(&seq)
-            .ok_or(EngineError::UnknownSequence(seq))?;
-        if !parent.fan_out.is_empty() {
+        let Some(parent) = self.seqs.get(&seq).filter(|p| p.fan_out.is_empty()) else {
+            // A sample of a multi-sample request exists once its prompt is
+            // computed (the fan-out); before that it cannot branch.
+            if self
+                .seqs
+                .values()
+                .any(|p| p.fan_out.iter().any(|(id, _)| *id == seq))
+            {
+                return Err(EngineError::InvalidRequest(format!(
+                    "sequence {seq} has not started: its prompt is still to be computed \
+                     (fork it after a step)"
+                )));
+            }
             return Err(EngineError::UnknownSequence(seq));
-        }
+        };
         let (tokens, computed, has_kv) = (parent.tokens.clone(), parent.computed, parent.has_kv);
         let is_running = self.running.contains(&seq);
         let mut ids = Vec::with_capacity(samples.len());

@@ -405,6 +405,11 @@ fn bad_requests_are_refused_and_others_keep_running() {
     };
     assert!(err(e.submit(vec![1], vec![stop_str])).contains("tokenizer"));
     assert!(err(e.fork(777, vec![SamplingParams::greedy(1)])).contains("777"));
+    // The samples of a multi-sample request branch only once they exist.
+    let pair = e
+        .submit(vec![7, 8], vec![SamplingParams::greedy(2); 2])
+        .unwrap();
+    assert!(err(e.fork(pair[0], vec![SamplingParams::greedy(1)])).contains("has not started"));
     // A prompt that can never fit the 6-block pool fails alone.
     let big = e
         .submit((0..30).collect(), vec![SamplingParams::greedy(5)])
