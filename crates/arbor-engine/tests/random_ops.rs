@@ -5,7 +5,9 @@
 //! sample finishes exactly once, every block is released at the end, and
 //! every completion equals the same request run alone on a fresh engine
 //! with a large pool, bit for bit (tokens and logprobs; a sequence that
-//! failed for lack of blocks got a prefix of them).
+//! failed for lack of blocks got a prefix of them). A quarter of the cases
+//! keep the KV as device tensors (the GPU engine's path, here on the CPU);
+//! the references use host slices.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -128,6 +130,7 @@ fn run_ops(
     block_size: usize,
     num_blocks: usize,
     max_batch_tokens: usize,
+    on_device: bool,
     ops: &[Op],
 ) -> Result<(), TestCaseError> {
     let mut e = Engine::new(
@@ -138,6 +141,7 @@ fn run_ops(
             num_blocks,
             max_batch_tokens,
             max_context: MAX_CONTEXT,
+            kv_on_device: Some(on_device),
             ..Default::default()
         },
     )
@@ -274,8 +278,9 @@ proptest! {
         block_size in prop::sample::select(vec![1usize, 2, 4]),
         num_blocks in 3usize..40,
         max_batch_tokens in prop::sample::select(vec![4usize, 16, 64]),
+        on_device in prop::bool::weighted(0.25),
         ops in prop::collection::vec(op(), 1..24),
     ) {
-        run_ops(block_size, num_blocks, max_batch_tokens, &ops)?;
+        run_ops(block_size, num_blocks, max_batch_tokens, on_device, &ops)?;
     }
 }
