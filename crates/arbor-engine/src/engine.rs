@@ -72,6 +72,8 @@ pub enum FinishReason {
     Length,
     /// The request could not be served (see `Completion::error`).
     Error,
+    /// Stopped by [`Engine::abort`].
+    Abort,
 }
 
 /// A finished sequence.
@@ -465,6 +467,43 @@ impl Engine {
         Ok(ids)
     }
 
+    /// Stop `seq` now (an agent's timeout, a branch no longer wanted): its
+    /// KV blocks are released (full ones stay in the prefix cache for
+    /// later prompts), and it finishes with [`FinishReason::Abort`] and the
+    /// tokens generated so far, collected by [`Engine::take_finished`] or
+    /// [`Engine::run`] like any other completion. A sample of a
+    /// multi-sample request whose prompt is still to be computed leaves the
+    /// request (the prompt is dropped with its last sample). Errors for an
+    /// unknown or finished sequence.
+    pub fn abort(&mut self, seq: SeqId) -> Result<(), EngineError> {
+        if self.seqs.get(&seq).is_some_and(|s| s.fan_out.is_empty()) {
+            self.finish(seq, FinishReason::Abort, None, None);
+            return Ok(());
+        }
+        let parent = self
+            .seqs
+            .iter()
+            .find(|(_, p)| p.fan_out.iter().any(|(id, _)| *id == seq))
+            .map(|(&id, _)| id)
+            .ok_or(EngineError::UnknownSequence(seq))?;
+        let p = self.seqs.get_mut(&parent).expect("found above");
+        p.fan_out.retain(|(id, _)| *id != seq);
+        let (prompt, left) = (p.tokens[..p.prompt_len].to_vec(), p.fan_out.len());
+        self.finished.push(Completion {
+            id: seq,
+            prompt,
+            tokens: Vec::new(),
+            logprobs: Vec::new(),
+            finish_reason: FinishReason::Abort,
+            stop_string: None,
+            error: None,
+        });
+        if left == 0 {
+            self.drop_seq(parent);
+        }
+        Ok(())
+    }
+
     /// Completions finished since the last call.
     pub fn take_finished(&mut self) -> Vec<Completion> {
         std::mem::take(&mut self.finished)
@@ -477,14 +516,9 @@ impl Engine {
         stop_string: Option<String>,
         error: Option<String>,
     ) {
-        let Some(s) = self.seqs.remove(&id) else {
+        let Some(s) = self.drop_seq(id) else {
             return;
         };
-        if s.has_kv {
-            let _ = self.kv.free(id);
-        }
-        self.running.retain(|&r| r != id);
-        self.waiting.retain(|&r| r != id);
         let outputs: Vec<(SeqId, SamplingParams)> = if s.fan_out.is_empty() {
             vec![(id, s.params.clone())]
         } else {
@@ -502,6 +536,17 @@ impl Engine {
                 error: error.clone(),
             });
         }
+    }
+
+    /// Forget sequence `id`: free its KV, take it off the queues.
+    fn drop_seq(&mut self, id: SeqId) -> Option<Seq> {
+        let s = self.seqs.remove(&id)?;
+        if s.has_kv {
+            let _ = self.kv.free(id);
+        }
+        self.running.retain(|&r| r != id);
+        self.waiting.retain(|&r| r != id);
+        Some(s)
     }
 
     /// Free a running sequence's KV and queue it for recomputation.

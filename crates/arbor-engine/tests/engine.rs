@@ -293,6 +293,70 @@ fn assert_fork_of_running_sequence_exact(m: &Transformer) {
     assert!(e.stats().cow_copies > 0);
 }
 
+/// `abort` stops a running sequence with what it generated so far (a
+/// prefix of its dense greedy decoding) and frees its blocks; a sample of a
+/// multi-sample request aborted before its prompt ran leaves the request,
+/// the other samples run as they would have; a request whose every sample
+/// is aborted computes nothing; finished and unknown ids are refused.
+#[test]
+fn abort_stops_sequences_and_frees_their_blocks() {
+    let m = fixture("qwen2").model;
+    let mut e = engine(&m, 64, 4);
+    let prompt: Vec<u32> = (3..21).collect();
+    let a = e
+        .submit(prompt.clone(), vec![SamplingParams::greedy(20)])
+        .unwrap()[0];
+    let sampled = |seed| SamplingParams {
+        temperature: 1.0,
+        max_tokens: 6,
+        seed,
+        ..Default::default()
+    };
+    let pair = e
+        .submit(vec![7, 8, 9], vec![sampled(1), sampled(2)])
+        .unwrap();
+    let gone = e
+        .submit(vec![4, 4, 4, 4, 4], vec![sampled(3), sampled(4)])
+        .unwrap();
+    // Before any step: one sample of `pair`, both of `gone`.
+    e.abort(pair[0]).unwrap();
+    e.abort(gone[0]).unwrap();
+    e.abort(gone[1]).unwrap();
+    for _ in 0..3 {
+        e.step().unwrap();
+    }
+    let in_use = e.pool_stats().in_use;
+    e.abort(a).unwrap();
+    assert!(e.pool_stats().in_use < in_use, "a's blocks released");
+    e.check_invariants().unwrap();
+    let out = by_id(e.run(|_| {}).unwrap());
+    assert_eq!(out.len(), 5);
+    let get = |id| out.iter().find(|c| c.id == id).unwrap();
+    let ca = get(a);
+    assert_eq!(ca.finish_reason, FinishReason::Abort);
+    assert_eq!(ca.tokens.len(), 3);
+    assert_eq!(ca.tokens, dense_greedy(&m, &prompt, 3));
+    assert_eq!(ca.logprobs.len(), 3);
+    for id in [pair[0], gone[0], gone[1]] {
+        assert_eq!(get(id).finish_reason, FinishReason::Abort);
+        assert!(get(id).tokens.is_empty());
+    }
+    let mut alone = engine(&m, 64, 4);
+    alone.submit(vec![7, 8, 9], vec![sampled(2)]).unwrap();
+    let want = alone.run(|_| {}).unwrap().remove(0);
+    assert_eq!(get(pair[1]).tokens, want.tokens);
+    assert_eq!(get(pair[1]).finish_reason, FinishReason::Length);
+    // `pair`'s prompt and `a`'s: `gone`'s prompt never ran.
+    assert_eq!(e.stats().prefill_computed, prompt.len() as u64 + 3);
+    assert_eq!(e.pool_stats().in_use, 0);
+    for id in [a, pair[1], 999] {
+        assert!(matches!(
+            e.abort(id),
+            Err(arbor_engine::EngineError::UnknownSequence(x)) if x == id
+        ));
+    }
+}
+
 #[test]
 fn prefix_cache_serves_replayed_prefixes_and_invalidates() {
     let m = fixture("llama").model;

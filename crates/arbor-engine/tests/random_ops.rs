@@ -1,11 +1,11 @@
-//! The engine under random sequences of requests, forks, invalidations and
-//! steps, on pools from tiny (constant preemption, prompts that can never
+//! The engine under random sequences of requests, forks, aborts,
+//! invalidations and steps, on pools from tiny (constant preemption, prompts that can never
 //! fit) to roomy: it never errors or panics, its state stays consistent
 //! after every operation ([`Engine::check_invariants`]), every accepted
 //! sample finishes exactly once, every block is released at the end, and
 //! every completion equals the same request run alone on a fresh engine
 //! with a large pool, bit for bit (tokens and logprobs; a sequence that
-//! failed for lack of blocks got a prefix of them). A quarter of the cases
+//! failed for lack of blocks or was aborted got a prefix of them). A quarter of the cases
 //! keep the KV as device tensors (the GPU engine's path, here on the CPU);
 //! the references use host slices.
 
@@ -69,6 +69,10 @@ enum Op {
         pick: usize,
         samples: Vec<Sample>,
     },
+    /// Abort one of the ids handed out so far (finished ones are refused).
+    Abort {
+        pick: usize,
+    },
     Invalidate,
     Step(usize),
 }
@@ -94,6 +98,7 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (0usize..45, 0u32..50, samples())
             .prop_map(|(len, salt, samples)| Op::Submit { len, salt, samples }),
         2 => (any::<usize>(), samples()).prop_map(|(pick, samples)| Op::Fork { pick, samples }),
+        1 => any::<usize>().prop_map(|pick| Op::Abort { pick }),
         1 => Just(Op::Invalidate),
         4 => (1usize..4).prop_map(Op::Step),
     ]
@@ -197,6 +202,22 @@ fn run_ops(
                     Err(other) => prop_assert!(false, "{op:?}: {other}"),
                 }
             }
+            Op::Abort { pick } => {
+                if ids.is_empty() {
+                    continue;
+                }
+                let id = ids[pick % ids.len()];
+                let finished = done.iter().any(|c| c.id == id);
+                match e.abort(id) {
+                    Ok(()) => prop_assert!(!finished, "aborted finished sample {}", id),
+                    Err(EngineError::UnknownSequence(x)) => {
+                        prop_assert_eq!(x, id);
+                        prop_assert!(finished, "sample {} pending but refused", id)
+                    }
+                    Err(other) => prop_assert!(false, "{op:?}: {other}"),
+                }
+                done.extend(e.take_finished());
+            }
             Op::Invalidate => {
                 e.invalidate();
             }
@@ -252,13 +273,14 @@ fn run_ops(
                 let msg = c.error.as_deref().unwrap_or("");
                 prop_assert!(msg.contains("pool too small"), "{}", msg);
             }
+            FinishReason::Abort => prop_assert!(c.error.is_none()),
         }
         let key = (c.prompt.clone(), format!("{p:?}"));
         let r = refs
             .entry(key)
             .or_insert_with(|| alone(&c.prompt, p))
             .clone();
-        if c.finish_reason == FinishReason::Error {
+        if matches!(c.finish_reason, FinishReason::Error | FinishReason::Abort) {
             prop_assert!(r.tokens.starts_with(&c.tokens), "sample {}", c.id);
             prop_assert_eq!(bits(&c.logprobs), bits(&r.logprobs[..c.logprobs.len()]));
         } else {
