@@ -15,21 +15,39 @@ use std::sync::OnceLock;
 
 use arbor_engine::{Completion, Engine, EngineConfig, EngineError, FinishReason, SamplingParams};
 use arbor_model::{LoadOptions, LoadedModel, Transformer};
+use candle_core::DType;
 use proptest::prelude::*;
 
 /// Context limit of every engine here (prompts of this length or more are
 /// refused).
 const MAX_CONTEXT: usize = 40;
 
+fn load(name: &str, dtype: DType) -> Transformer {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../arbor-model/tests/fixtures")
+        .join(name);
+    let opts = LoadOptions {
+        dtype,
+        ..Default::default()
+    };
+    LoadedModel::load(p.to_str().unwrap(), &opts).unwrap().model
+}
+
+/// The f32 fixture.
 fn model() -> &'static Transformer {
     static M: OnceLock<Transformer> = OnceLock::new();
+    M.get_or_init(|| load("qwen2", DType::F32))
+}
+
+/// The bf16 fixture with bf16 matrices under f32 compute and a bf16 KV
+/// cache, or `None` on a CPU without AVX-512 BF16 (bf16 throughout there).
+fn bf16_model() -> Option<&'static Transformer> {
+    static M: OnceLock<Option<Transformer>> = OnceLock::new();
     M.get_or_init(|| {
-        let p =
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../arbor-model/tests/fixtures/qwen2");
-        LoadedModel::load(p.to_str().unwrap(), &LoadOptions::default())
-            .unwrap()
-            .model
+        let m = load("qwen2-bf16", DType::BF16);
+        (m.kv_dtype() == DType::BF16 && m.dtype() == DType::F32).then_some(m)
     })
+    .as_ref()
 }
 
 /// One sample of a request.
@@ -111,9 +129,9 @@ fn prompt(len: usize, salt: u32) -> Vec<u32> {
 }
 
 /// `prompt` with `params`, alone on a fresh engine with room for it.
-fn alone(prompt: &[u32], params: &SamplingParams) -> Completion {
+fn alone(m: &Transformer, prompt: &[u32], params: &SamplingParams) -> Completion {
     let mut e = Engine::new(
-        model(),
+        m,
         None,
         EngineConfig {
             block_size: 4,
@@ -132,6 +150,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
 }
 
 fn run_ops(
+    m: &Transformer,
     block_size: usize,
     num_blocks: usize,
     max_batch_tokens: usize,
@@ -139,7 +158,7 @@ fn run_ops(
     ops: &[Op],
 ) -> Result<(), TestCaseError> {
     let mut e = Engine::new(
-        model(),
+        m,
         None,
         EngineConfig {
             block_size,
@@ -278,7 +297,7 @@ fn run_ops(
         let key = (c.prompt.clone(), format!("{p:?}"));
         let r = refs
             .entry(key)
-            .or_insert_with(|| alone(&c.prompt, p))
+            .or_insert_with(|| alone(m, &c.prompt, p))
             .clone();
         if matches!(c.finish_reason, FinishReason::Error | FinishReason::Abort) {
             prop_assert!(r.tokens.starts_with(&c.tokens), "sample {}", c.id);
@@ -296,13 +315,27 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
 
     #[test]
-    fn random_requests_forks_and_invalidations_stay_exact(
+    fn random_operations_stay_exact(
         block_size in prop::sample::select(vec![1usize, 2, 4]),
         num_blocks in 3usize..40,
         max_batch_tokens in prop::sample::select(vec![4usize, 16, 64]),
         on_device in prop::bool::weighted(0.25),
         ops in prop::collection::vec(op(), 1..24),
     ) {
-        run_ops(block_size, num_blocks, max_batch_tokens, on_device, &ops)?;
+        run_ops(model(), block_size, num_blocks, max_batch_tokens, on_device, &ops)?;
+    }
+
+    /// The same with bf16 matrices and a bf16 host KV cache (skipped on
+    /// CPUs without AVX-512 BF16).
+    #[test]
+    fn random_operations_stay_exact_with_a_bf16_cache(
+        block_size in prop::sample::select(vec![1usize, 2, 4]),
+        num_blocks in 3usize..40,
+        max_batch_tokens in prop::sample::select(vec![4usize, 16, 64]),
+        ops in prop::collection::vec(op(), 1..24),
+    ) {
+        if let Some(m) = bf16_model() {
+            run_ops(m, block_size, num_blocks, max_batch_tokens, false, &ops)?;
+        }
     }
 }
