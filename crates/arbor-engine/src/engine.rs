@@ -432,11 +432,7 @@ impl Engine {
         let Some(parent) = self.seqs.get(&seq).filter(|p| p.fan_out.is_empty()) else {
             // A sample of a multi-sample request exists once its prompt is
             // computed (the fan-out); before that it cannot branch.
-            if self
-                .seqs
-                .values()
-                .any(|p| p.fan_out.iter().any(|(id, _)| *id == seq))
-            {
+            if self.fan_out_parent(seq).is_some() {
                 return Err(EngineError::InvalidRequest(format!(
                     "sequence {seq} has not started: its prompt is still to be computed \
                      (fork it after a step)"
@@ -481,10 +477,7 @@ impl Engine {
             return Ok(());
         }
         let parent = self
-            .seqs
-            .iter()
-            .find(|(_, p)| p.fan_out.iter().any(|(id, _)| *id == seq))
-            .map(|(&id, _)| id)
+            .fan_out_parent(seq)
             .ok_or(EngineError::UnknownSequence(seq))?;
         let p = self.seqs.get_mut(&parent).expect("found above");
         p.fan_out.retain(|(id, _)| *id != seq);
@@ -502,6 +495,15 @@ impl Engine {
             self.drop_seq(parent);
         }
         Ok(())
+    }
+
+    /// The multi-sample request whose prompt is still to be computed and
+    /// whose samples include `seq`.
+    fn fan_out_parent(&self, seq: SeqId) -> Option<SeqId> {
+        self.seqs
+            .iter()
+            .find(|(_, p)| p.fan_out.iter().any(|(id, _)| *id == seq))
+            .map(|(&id, _)| id)
     }
 
     /// Completions finished since the last call.

@@ -1,13 +1,15 @@
 //! The engine under random sequences of requests, forks, aborts,
-//! invalidations and steps, on pools from tiny (constant preemption, prompts that can never
-//! fit) to roomy: it never errors or panics, its state stays consistent
-//! after every operation ([`Engine::check_invariants`]), every accepted
-//! sample finishes exactly once, every block is released at the end, and
-//! every completion equals the same request run alone on a fresh engine
-//! with a large pool, bit for bit (tokens and logprobs; a sequence that
-//! failed for lack of blocks or was aborted got a prefix of them). A quarter of the cases
-//! keep the KV as device tensors (the GPU engine's path, here on the CPU);
-//! the references use host slices.
+//! invalidations and steps, on pools from tiny (constant preemption,
+//! prompts that can never fit) to roomy: it never errors or panics, its
+//! state stays consistent after every operation
+//! ([`Engine::check_invariants`]), every accepted sample finishes exactly
+//! once, every block is released at the end, and every completion equals
+//! the same request run alone on a fresh engine with a large pool, bit for
+//! bit (tokens and logprobs; a sequence that failed for lack of blocks or
+//! was aborted got a prefix of them). A quarter of the cases keep the KV as
+//! device tensors (the GPU engine's path, here on the CPU); the references
+//! use host slices. A second property runs the bf16-matrices fixture with a
+//! bf16 host KV cache.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
