@@ -46,8 +46,8 @@ pub struct BenchModel {
     /// A real checkpoint instead (directory or HF id).
     #[arg(long, value_name = "PATH_OR_ID")]
     pub model: Option<String>,
-    /// f32, bf16, f16 or f64 (bf16 on a CPU with AVX-512 BF16: bf16 weight
-    /// matrices and KV cache, f32 activations; elsewhere bf16 throughout).
+    /// f32, bf16, f16 or f64 (bf16 on a CPU: bf16 weight matrices and KV
+    /// cache, f32 activations; on a GPU bf16 throughout).
     #[arg(long, default_value = "f32")]
     pub dtype: String,
     /// Print the result as JSON.

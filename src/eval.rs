@@ -41,8 +41,8 @@ pub struct EvalArgs {
     pub no_thinking: bool,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// f32, bf16, f16 or f64 (bf16 on a CPU with AVX-512 BF16: bf16 weight
-    /// matrices and KV cache, f32 activations; elsewhere bf16 throughout).
+    /// f32, bf16, f16 or f64 (bf16 on a CPU: bf16 weight matrices and KV
+    /// cache, f32 activations; on a GPU bf16 throughout).
     #[arg(long, default_value = "f32")]
     pub dtype: String,
     /// Write every sample (problem id, text, extracted answer, correct) as JSONL.

@@ -56,8 +56,8 @@ pub struct GenerateArgs {
     /// Print one JSON object per prompt and sample.
     #[arg(long)]
     pub json: bool,
-    /// f32, bf16, f16 or f64 (bf16 on a CPU with AVX-512 BF16: bf16 weight
-    /// matrices and KV cache, f32 activations; elsewhere bf16 throughout).
+    /// f32, bf16, f16 or f64 (bf16 on a CPU: bf16 weight matrices and KV
+    /// cache, f32 activations; on a GPU bf16 throughout).
     #[arg(long, default_value = "f32")]
     pub dtype: String,
     /// KV-cache memory budget.

@@ -49,13 +49,22 @@ fn dense_greedy(m: &Transformer, prompt: &[u32], n: usize) -> Vec<u32> {
 /// The engine's sampling logprobs equal the dense forward's scores of the
 /// finished sequence.
 fn assert_logprobs_match_scores(m: &Transformer, prompt: &[u32], c: &Completion) {
+    for (i, (lp, want)) in logprobs_and_scores(m, prompt, c).into_iter().enumerate() {
+        assert!((lp - want).abs() < 1e-4, "token {i}: {lp} vs {want}");
+    }
+}
+
+/// The engine's sampling logprobs and the dense forward's scores of the
+/// same tokens.
+fn logprobs_and_scores(m: &Transformer, prompt: &[u32], c: &Completion) -> Vec<(f32, f32)> {
     let mut full = prompt.to_vec();
     full.extend(&c.tokens);
     let s = arbor_model::score(m, &full).unwrap();
-    for (i, lp) in c.logprobs.iter().enumerate() {
-        let want = s.logprobs[prompt.len() - 1 + i];
-        assert!((lp - want).abs() < 1e-4, "token {i}: {lp} vs {want}");
-    }
+    c.logprobs
+        .iter()
+        .enumerate()
+        .map(|(i, &lp)| (lp, s.logprobs[prompt.len() - 1 + i]))
+        .collect()
 }
 
 fn prompts() -> Vec<Vec<u32>> {
@@ -107,9 +116,8 @@ fn greedy_matches_dense_recompute_for_mixed_batches() {
     }
 }
 
-/// The bf16 fixture with bf16 matrices under f32 compute, or `None` (with
-/// a SKIP line) on a CPU without AVX-512 BF16, where bf16 is bf16
-/// throughout.
+/// The bf16 fixture with bf16 matrices under f32 compute (every CPU), or
+/// `None` (with a SKIP line) where bf16 is bf16 throughout.
 fn bf16_matrices_fixture() -> Option<Transformer> {
     let p =
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../arbor-model/tests/fixtures/qwen2-bf16");
@@ -119,7 +127,7 @@ fn bf16_matrices_fixture() -> Option<Transformer> {
     };
     let m = LoadedModel::load(p.to_str().unwrap(), &opts).unwrap().model;
     if m.dtype() != candle_core::DType::F32 {
-        eprintln!("SKIP: no AVX-512 BF16, so bf16 is bf16 throughout here");
+        eprintln!("SKIP: bf16 is bf16 throughout here");
         return None;
     }
     assert_eq!(m.lm_head.dtype(), candle_core::DType::BF16);
@@ -127,10 +135,15 @@ fn bf16_matrices_fixture() -> Option<Transformer> {
     Some(m)
 }
 
-/// bf16 on a CPU with AVX-512 BF16 (bf16 matrices, f32 activations, K/V
-/// rounded to bf16 and cached in bf16): the engine's fused row path and the
-/// dense forward run the same bf16 matmul and the same K/V rounding, so
-/// greedy tokens and logprobs agree exactly as in f32.
+/// bf16 on the CPU (bf16 matrices, f32 activations, K/V rounded to bf16
+/// and cached in bf16): the engine's fused row path and the dense forward
+/// run the same bf16 matmul and the same K/V rounding, so greedy tokens
+/// agree exactly and logprobs as in f32, but for the rare value that lies
+/// within an f32 ulp of a bf16 rounding boundary: the two paths' f32 sums
+/// (RMSNorm, attention) differ in order, such a value rounds to
+/// neighbouring bf16 values in each (2^-8 apart, relative), and the
+/// logprobs after it differ by up to a few 1e-3 (seen on a Zen 2: 3 of 50
+/// tokens, all in one sequence). A wrong kernel would move most of them.
 #[test]
 fn bf16_matrices_greedy_matches_dense_recompute() {
     let Some(m) = bf16_matrices_fixture() else {
@@ -144,10 +157,22 @@ fn bf16_matrices_greedy_matches_dense_recompute() {
         e.submit(p, vec![SamplingParams::greedy(n)]).unwrap();
     }
     let out = e.run(|_| {}).unwrap();
+    let (mut close, mut all) = (0, 0);
     for (p, c) in prompts().iter().zip(&out) {
         assert_eq!(c.tokens, dense_greedy(&m, p, n), "prompt {p:?}");
-        assert_logprobs_match_scores(&m, p, c);
+        for (i, (lp, want)) in logprobs_and_scores(&m, p, c).into_iter().enumerate() {
+            assert!(
+                (lp - want).abs() < 1e-2,
+                "prompt {p:?} token {i}: {lp} vs {want}"
+            );
+            close += usize::from((lp - want).abs() < 1e-4);
+            all += 1;
+        }
     }
+    assert!(
+        close * 10 >= all * 8,
+        "only {close} of {all} logprobs within 1e-4"
+    );
 }
 
 /// The bf16 cache through preemption (blocks freed and recomputed) and a

@@ -42,7 +42,7 @@ fn model() -> &'static Transformer {
 }
 
 /// The bf16 fixture with bf16 matrices under f32 compute and a bf16 KV
-/// cache, or `None` on a CPU without AVX-512 BF16 (bf16 throughout there).
+/// cache (every CPU), or `None` where bf16 is bf16 throughout.
 fn bf16_model() -> Option<&'static Transformer> {
     static M: OnceLock<Option<Transformer>> = OnceLock::new();
     M.get_or_init(|| {
@@ -327,8 +327,7 @@ proptest! {
         run_ops(model(), block_size, num_blocks, max_batch_tokens, on_device, &ops)?;
     }
 
-    /// The same with bf16 matrices and a bf16 host KV cache (skipped on
-    /// CPUs without AVX-512 BF16).
+    /// The same with bf16 matrices and a bf16 host KV cache.
     #[test]
     fn random_operations_stay_exact_with_a_bf16_cache(
         block_size in prop::sample::select(vec![1usize, 2, 4]),

@@ -176,26 +176,21 @@ impl Module for Linear {
     }
 }
 
-/// `x [n, in] @ w[out, in]^T`. On a CPU with AVX-512, for f32, Arbor's
+/// `x [n, in] @ w[out, in]^T`. On the CPU, for f32 `x`, Arbor's
 /// row-invariant kernel ([`arbor_ops::matmul_nt_op`]: a row's result never
 /// depends on the other rows of the call, so a sequence's logits are the
 /// same whatever batch it decodes in, prefilled or cached); otherwise
 /// candle's matmul.
 ///
 /// f32 `x` with bf16 `w` (bf16 matrices under f32 compute,
-/// [`ParamLoader::bf16_matrices`], only on CPUs with AVX-512 BF16) computes
-/// `bf16(x) w^T` with f32 sums through [`arbor_ops::matmul_nt_op`]; the
-/// pair anywhere else gets the same exact products through candle in f32
-/// (a per-call f32 copy of `w`; only the summation order differs).
+/// [`ParamLoader::bf16_matrices`]) computes `bf16(x) w^T` with f32 sums
+/// through [`arbor_ops::matmul_nt_op`] on the CPU; the pair on another
+/// device gets the same exact products through candle in f32 (a per-call
+/// f32 copy of `w`; only the summation order differs).
 pub fn matmul_nt(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     let cpu = x.device().is_cpu();
     match (x.dtype(), w.dtype()) {
-        (DType::F32, DType::F32) if cpu && arbor_ops::matmul_nt_available() => {
-            arbor_ops::matmul_nt_op(x, w)
-        }
-        (DType::F32, DType::BF16) if cpu && arbor_ops::matmul_nt_bf16_available() => {
-            arbor_ops::matmul_nt_op(x, w)
-        }
+        (DType::F32, DType::F32 | DType::BF16) if cpu => arbor_ops::matmul_nt_op(x, w),
         (DType::F32, DType::BF16) => x
             .to_dtype(DType::BF16)?
             .to_dtype(DType::F32)?
@@ -209,17 +204,13 @@ pub fn matmul_nt(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
 /// hand-off, each product computed exactly as [`matmul_nt`] computes it
 /// alone). Generation forward only (no autograd graph). Falls back to one
 /// [`Linear::forward`] each when a layer has an adapter, a weight is not a
-/// contiguous f32 or bf16 CPU tensor, or the CPU lacks the kernels.
+/// contiguous f32 or bf16 CPU tensor.
 fn linear_rows_group(x: &Tensor, lins: &[&Linear]) -> Result<Vec<Tensor>> {
     let separate = || -> Result<Vec<Tensor>> { lins.iter().map(|l| Ok(l.forward(x)?)).collect() };
     let dims = x.dims().to_vec();
     let k = dims[dims.len() - 1];
     let m = x.elem_count() / k.max(1);
-    let usable = |w: &Tensor| match w.dtype() {
-        DType::F32 => arbor_ops::matmul_nt_available(),
-        DType::BF16 => arbor_ops::matmul_nt_bf16_available(),
-        _ => false,
-    };
+    let usable = |w: &Tensor| matches!(w.dtype(), DType::F32 | DType::BF16);
     if x.dtype() != DType::F32
         || !x.device().is_cpu()
         || lins.iter().any(|l| {

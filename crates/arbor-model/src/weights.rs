@@ -436,21 +436,21 @@ impl<'a> ParamLoader<'a> {
     }
 
     /// Whether this loader keeps bf16 matrices under f32 compute: frozen
-    /// bf16 parameters on a CPU with AVX-512 BF16, unless
-    /// [`all_in_dtype`](Self::all_in_dtype). Such a CPU has no fast bf16
-    /// arithmetic besides dot products, so the projections and embeddings
-    /// stay bf16 (half the bytes; the matmuls round their inputs to bf16 and
-    /// sum in f32, see [`crate::model::matmul_nt`]) while norms, biases and
-    /// activations are f32; K and V are rounded to bf16 values, as a bf16
-    /// model's are, so the KV cache holds them in bf16
-    /// ([`crate::Transformer::kv_dtype`]). Elsewhere bf16 means bf16
-    /// throughout (candle's bf16 arithmetic).
+    /// bf16 parameters on the CPU, unless
+    /// [`all_in_dtype`](Self::all_in_dtype). A CPU has no fast bf16
+    /// arithmetic besides dot products (AVX-512 BF16, or bf16 widened to
+    /// f32 in registers), so the projections and embeddings stay bf16 (half
+    /// the bytes; the matmuls round their inputs to bf16 and sum in f32, see
+    /// [`crate::model::matmul_nt`]) while norms, biases and activations are
+    /// f32; K and V are rounded to bf16 values, as a bf16 model's are, so
+    /// the KV cache holds them in bf16 ([`crate::Transformer::kv_dtype`]).
+    /// Elsewhere (a GPU, trainable or `all_in_dtype` parameters) bf16 means
+    /// bf16 throughout.
     pub fn bf16_matrices(&self) -> bool {
         !self.all_in_dtype
             && self.vars.is_none()
             && self.dtype == DType::BF16
             && self.device.is_cpu()
-            && arbor_ops::matmul_nt_bf16_available()
     }
 
     /// The dtype activations are computed in: `dtype`, except f32 for

@@ -1,21 +1,20 @@
 //! Times `matmul_nt` against candle's matmul on SmolLM2-135M's layer shapes
 //! (k x n = 576 x 1536 / 1536 x 576 / 576 x 576 / 576 x 192 / 576 x 49152)
 //! at decode (m = 1, 8, 32) and prefill (m = 512, 2048) sizes, weights
-//! cold (read from memory, as in a decode step). With AVX-512 BF16, also
-//! the bf16-weight kernel (`matmul_nt_op` on bf16 weights) on the same
-//! weights.
+//! cold (read from memory, as in a decode step); also the bf16-weight
+//! kernel (`matmul_nt_op` on bf16 weights) on the same weights. The kernels
+//! are this CPU's fastest instruction set (`MatmulIsa::detect`, printed).
 //! `cargo run --release -p arbor-ops --example matmul_bench [-- --quick]`
 use candle_core::{Device, Tensor};
 use std::time::Instant;
 
 fn main() -> candle_core::Result<()> {
-    if !arbor_ops::matmul_nt_available() {
-        println!("no AVX-512F: nothing to compare");
-        return Ok(());
-    }
+    println!(
+        "matmul_nt kernels: {}",
+        arbor_ops::MatmulIsa::detect().name()
+    );
     let quick = std::env::args().any(|a| a == "--quick");
     let dev = Device::Cpu;
-    let bf16 = arbor_ops::matmul_nt_bf16_available();
     println!("| m | k x n | candle ms | matmul_nt ms | speedup | matmul_nt GFLOP/s | bf16 ms | bf16 GFLOP/s |");
     println!("|---|---|---|---|---|---|---|---|");
     let shapes: &[(usize, usize)] = &[
@@ -33,13 +32,10 @@ fn main() -> candle_core::Result<()> {
         let ws: Vec<Tensor> = (0..copies)
             .map(|_| Tensor::randn(0f32, 1.0, (n, k), &dev))
             .collect::<candle_core::Result<_>>()?;
-        let wb: Vec<Tensor> = if bf16 {
-            ws.iter()
-                .map(|w| w.to_dtype(candle_core::DType::BF16))
-                .collect::<candle_core::Result<_>>()?
-        } else {
-            Vec::new()
-        };
+        let wb: Vec<Tensor> = ws
+            .iter()
+            .map(|w| w.to_dtype(candle_core::DType::BF16))
+            .collect::<candle_core::Result<_>>()?;
         let next = std::cell::Cell::new(0usize);
         let w = || {
             next.set((next.get() + 1) % copies);
@@ -71,12 +67,8 @@ fn main() -> candle_core::Result<()> {
             };
             let a = time(&|| x.matmul(&w().t()?))?;
             let b = time(&|| arbor_ops::matmul_nt_op(&x, w()))?;
-            let c = if bf16 {
-                let c = time(&|| arbor_ops::matmul_nt_op(&x, w16()))?;
-                format!("{c:.3} | {:.1}", flop / (c * 1e-3) / 1e9)
-            } else {
-                "- | -".into()
-            };
+            let c = time(&|| arbor_ops::matmul_nt_op(&x, w16()))?;
+            let c = format!("{c:.3} | {:.1}", flop / (c * 1e-3) / 1e9);
             println!(
                 "| {m} | {k} x {n} | {a:.3} | {b:.3} | {:.2}x | {:.1} | {c} |",
                 a / b,

@@ -16,10 +16,11 @@
 //!   block tables and KV writes into the paged cache;
 //! - [`rows`]: fused row-wise f32 kernels of the generation forward
 //!   (RMSNorm, head split + q/k-norm + RoPE, `silu(g) * u`);
-//! - [`matmul_nt_op`]: the CPU `x w^T` of every `Linear` (AVX-512; f32
-//!   weights, or bf16 weights with AVX-512 BF16), row-invariant: a row's
-//!   result never depends on the rest of the batch; grouped calls for
-//!   several weights of one input ([`matmul_nt_multi_into`]).
+//! - [`matmul_nt_op`]: the CPU `x w^T` of every `Linear` (f32 or bf16
+//!   weights; AVX-512, AVX2 or portable kernels, [`MatmulIsa`]),
+//!   row-invariant: a row's result never depends on the rest of the batch;
+//!   grouped calls for several weights of one input
+//!   ([`matmul_nt_multi_into`]).
 //!
 //! The slice-level [`paged_attention`] is the engine's CPU kernel, compiled
 //! for several x86 feature levels and picked at run time (`multiversion`).
@@ -38,8 +39,8 @@ mod simd;
 pub use attention::{paged_attention, KvElem, PagedAttentionArgs};
 pub use logprob::{fused_logprobs, DEFAULT_CHUNK_ELEMS};
 pub use matmul::{
-    matmul_nt, matmul_nt_available, matmul_nt_bf16, matmul_nt_bf16_available, matmul_nt_into,
-    matmul_nt_multi_into, matmul_nt_op, round_bf16, WeightRows,
+    matmul_nt, matmul_nt_bf16, matmul_nt_into, matmul_nt_multi_into, matmul_nt_multi_into_isa,
+    matmul_nt_op, round_bf16, MatmulIsa, WeightRows,
 };
 pub use paged::{cache_write, paged_attention_op, PagedMeta};
 pub use ppo::{pack_aux, ppo_loss, token_weights, value_loss, Aggregation, PpoClip};

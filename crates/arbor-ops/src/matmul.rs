@@ -1,13 +1,19 @@
-//! Row-invariant CPU matmul: `y[m, n] = x[m, k] w[n, k]^T` in f32 with
-//! AVX-512, for every row count (a decode step of 1 row, a batch of 32, a
+//! Row-invariant CPU matmul: `y[m, n] = x[m, k] w[n, k]^T` in f32, for
+//! every row count (a decode step of 1 row, a batch of 32, a
 //! prefill of thousands); and its bf16-weight twin (`x` rounded to bf16,
 //! `vdpbf16ps`, f32 sums: [`matmul_nt_bf16`]), with grouped calls
 //! ([`matmul_nt_multi_into`]) for several weights of one input.
 //!
 //! Each output is a dot product computed the same way whatever the tile it
-//! falls in: 16 lane-wise FMA chains over `k` in order (a masked tail for
-//! `k % 16`), then the fixed pairwise tree `lane i + lane i+8`, `i + i+4`,
-//! `i + i+2`, `i + i+1` (`store_sums`). So a row's result depends only on that
+//! falls in: with AVX-512, 16 lane-wise FMA chains over `k` in order (a
+//! masked tail for `k % 16`), then the fixed pairwise tree `lane i + lane
+//! i+8`, `i + i+4`, `i + i+2`, `i + i+1` (`store_sums`). CPUs without
+//! AVX-512 run the same scheme on 8 lanes ([`MatmulIsa`]): AVX2 with FMA
+//! (most laptops and desktops), or portable Rust (8 lanes of separate
+//! multiplies and adds, which the compiler vectorises; any architecture).
+//! The lane count and the fused or separate rounding differ between
+//! kernels, so results differ across CPUs in the last bits; on one CPU they
+//! never depend on the batch. So a row's result depends only on that
 //! row and the weights, never on how many other rows share the call or where
 //! it sits among them. The engine relies on this: a sequence's logits (and
 //! therefore its sampled tokens) must not depend on the batch it decodes in,
@@ -36,9 +42,9 @@
 //! memory once per call.
 //!
 //! [`matmul_nt_op`] is a candle op (f32 `x`; f32 or bf16 `w`; CPU) with the
-//! usual matmul backward. Callers check [`matmul_nt_available`] (f32
-//! weights) or [`matmul_nt_bf16_available`] (bf16 weights) and otherwise use
-//! candle's matmul (then, on that CPU, candle's GEMM provides the rows).
+//! usual matmul backward. Every CPU runs it: candle's GEMM is not
+//! row-invariant (on a Zen 2, the same row's logprobs moved by an ulp with
+//! the batch around it).
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -63,15 +69,78 @@ const FAR_TILES: usize = 2;
 /// Multiply-adds below which a call runs on one thread (~10 us of work).
 const SERIAL_MACS: usize = 1 << 20;
 
-/// Whether this CPU runs the kernel (AVX-512F).
-pub fn matmul_nt_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx512f")
+/// The instruction set the kernels use. Every CPU has one
+/// ([`MatmulIsa::detect`]); a row's result depends on the set, never on
+/// the batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatmulIsa {
+    /// AVX-512F: 16-lane chains, 4 x 6 register tiles; bf16 weights by
+    /// `vdpbf16ps` where the CPU has AVX-512 BF16 (else widened, as AVX2).
+    Avx512,
+    /// AVX2 and FMA: 8-lane chains, tiles of 2 x 6 accumulators; bf16
+    /// weights widened to f32 (exact) in registers.
+    Avx2,
+    /// Plain Rust: 8-lane chains of separate multiplies and adds, one row
+    /// of `x` against 6 weight rows at a time.
+    Portable,
+}
+
+impl MatmulIsa {
+    /// The fastest set this CPU runs.
+    pub fn detect() -> Self {
+        [Self::Avx512, Self::Avx2]
+            .into_iter()
+            .find(|isa| isa.supported())
+            .unwrap_or(Self::Portable)
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+
+    /// Whether this CPU runs kernels of this set.
+    pub fn supported(self) -> bool {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => std::is_x86_feature_detected!("avx512f"),
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => {
+                std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Self::Avx512 | Self::Avx2 => false,
+            Self::Portable => true,
+        }
+    }
+
+    /// Every set this CPU runs, fastest first.
+    pub fn all_supported() -> Vec<Self> {
+        [Self::Avx512, Self::Avx2, Self::Portable]
+            .into_iter()
+            .filter(|isa| isa.supported())
+            .collect()
+    }
+
+    /// `"avx512"` (`"avx512-bf16"` with bf16 dot products), `"avx2"` or
+    /// `"portable"`, for benchmark records.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Avx512 if self.bf16_dot() => "avx512-bf16",
+            Self::Avx512 => "avx512",
+            Self::Avx2 => "avx2",
+            Self::Portable => "portable",
+        }
+    }
+
+    /// Whether bf16 weights meet `x` in `vdpbf16ps` (AVX-512 BF16) rather
+    /// than widened to f32.
+    fn bf16_dot(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            self == Self::Avx512
+                && std::is_x86_feature_detected!("avx512bw")
+                && std::is_x86_feature_detected!("avx512bf16")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
     }
 }
 
@@ -86,8 +155,7 @@ unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 /// `x: [m, k]`, `w: [n, k]` (both row-major, contiguous) -> `y: [m, n]`.
-/// Panics if the CPU lacks AVX-512F (check [`matmul_nt_available`]) or the
-/// slices are shorter than the shapes.
+/// Panics if the slices are shorter than the shapes.
 pub fn matmul_nt(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
     single(x, WeightRows::F32(w), m, k, n)
 }
@@ -114,28 +182,15 @@ fn single(x: &[f32], w: WeightRows<'_>, m: usize, k: usize, n: usize) -> Vec<f32
     y
 }
 
-/// Whether this CPU runs the bf16 kernel (AVX-512F, BW and BF16).
-pub fn matmul_nt_bf16_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx512f")
-            && std::is_x86_feature_detected!("avx512bw")
-            && std::is_x86_feature_detected!("avx512bf16")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
 /// `y[m, n] = bf16(x)[m, k] w[n, k]^T` for bf16 weights: `x` is rounded to
 /// bf16 (nearest even), every product of two bf16 values is exact in f32,
-/// and the products are summed in f32 by `vdpbf16ps`, 32 per instruction
-/// (pairs `2i, 2i+1` into lane `i`), then by the same lane tree as the f32
-/// kernel. Rows are as batch-invariant as [`matmul_nt`]'s. Twice the
-/// multiply-adds per instruction and half the weight bytes of the f32
-/// kernel. Panics if the CPU lacks the features
-/// ([`matmul_nt_bf16_available`]) or the slices are shorter than the shapes.
+/// and the products are summed in f32: by `vdpbf16ps` with AVX-512 BF16, 32
+/// per instruction (pairs `2i, 2i+1` into lane `i`), then by the same lane
+/// tree as the f32 kernel (twice the multiply-adds per instruction); on
+/// other CPUs the weights are widened to f32 (exactly) and meet the rounded
+/// `x` in the f32 kernel's chains. Rows are as batch-invariant as
+/// [`matmul_nt`]'s, with half the weight bytes. Panics if the slices are
+/// shorter than the shapes.
 pub fn matmul_nt_bf16(x: &[f32], w: &[half::bf16], m: usize, k: usize, n: usize) -> Vec<f32> {
     single(x, WeightRows::Bf16(w), m, k, n)
 }
@@ -182,6 +237,20 @@ pub fn matmul_nt_multi_into(
     k: usize,
     ys: &mut [&mut [f32]],
 ) {
+    matmul_nt_multi_into_isa(MatmulIsa::detect(), x, ws, m, k, ys)
+}
+
+/// [`matmul_nt_multi_into`] with the kernels of `isa` rather than this
+/// CPU's fastest (tests and benchmarks compare the sets). Panics as it
+/// does, and if the CPU lacks `isa`.
+pub fn matmul_nt_multi_into_isa(
+    isa: MatmulIsa,
+    x: &[f32],
+    ws: &[WeightRows<'_>],
+    m: usize,
+    k: usize,
+    ys: &mut [&mut [f32]],
+) {
     assert_eq!(
         ws.len(),
         ys.len(),
@@ -189,6 +258,7 @@ pub fn matmul_nt_multi_into(
         ws.len(),
         ys.len()
     );
+    assert!(isa.supported(), "matmul_nt: this CPU lacks {isa:?}");
     if k == 0 {
         // Empty dot products: every output is 0 (the weights have no
         // elements, so their row counts are unknown; fill what is given).
@@ -203,13 +273,16 @@ pub fn matmul_nt_multi_into(
         );
     }
     let any_bf16 = ws.iter().any(|w| matches!(w, WeightRows::Bf16(_)));
-    assert!(matmul_nt_available(), "matmul_nt needs AVX-512F");
-    assert!(
-        !any_bf16 || matmul_nt_bf16_available(),
-        "matmul_nt_bf16 needs AVX-512F, BW and BF16"
-    );
-    let xb: Vec<u16> = if any_bf16 {
+    // bf16 weights meet `bf16(x)`: as bits for `vdpbf16ps`, or widened back
+    // to f32 for the 8-lane kernels.
+    let dot = any_bf16 && isa.bf16_dot();
+    let xb: Vec<u16> = if dot {
         to_bf16_bits(&x[..m * k])
+    } else {
+        Vec::new()
+    };
+    let xr: Vec<f32> = if any_bf16 && !dot {
+        round_bf16(&x[..m * k])
     } else {
         Vec::new()
     };
@@ -220,30 +293,77 @@ pub fn matmul_nt_multi_into(
     let far = if m <= MB { FAR_TILES * NR * k } else { 0 };
     drive(m, k, &ns, |g, i, mr, j, nr, pf| {
         let (out, n) = (outs[g], ns[g]);
-        // SAFETY: the CPU features were checked above; rows i..i+mr of x
+        let at = Tile {
+            i,
+            mr,
+            j,
+            nr,
+            k,
+            // The rows of the next weight tile this tile prefetches.
+            pf_at: (j + NR + pf.start) * k,
+            npf: pf.len(),
+            far,
+        };
+        // SAFETY: the CPU runs `isa` (asserted above); rows i..i+mr of x
         // and j..j+nr of ws[g] lie inside the slices (asserted), and the
         // outputs ys[g][i.., j..j+nr] belong to the calling task alone.
         #[allow(unsafe_code)]
-        #[cfg(target_arch = "x86_64")]
         unsafe {
             let y = out.0.add(i * n + j);
-            // The rows of the next weight tile this tile prefetches.
-            let (pf_at, npf) = ((j + NR + pf.start) * k, pf.len());
-            match ws[g] {
-                WeightRows::F32(w) => {
-                    let pf = (w.as_ptr().wrapping_add(pf_at), npf);
-                    let (x, w) = (x.as_ptr().add(i * k), w.as_ptr().add(j * k));
-                    dispatch::<F32Tiles>(mr, nr, x, w, k, y, n, pf, far)
+            match (isa, ws[g]) {
+                #[cfg(target_arch = "x86_64")]
+                (MatmulIsa::Avx512, WeightRows::F32(w)) => {
+                    at.run::<F32Avx512>(x.as_ptr(), w.as_ptr(), y, n)
                 }
-                WeightRows::Bf16(w) => {
-                    let pf = (w.as_ptr().wrapping_add(pf_at) as *const u16, npf);
-                    let x = xb.as_ptr().add(i * k);
-                    let w = w.as_ptr().add(j * k) as *const u16;
-                    dispatch::<Bf16Tiles>(mr, nr, x, w, k, y, n, pf, far)
+                #[cfg(target_arch = "x86_64")]
+                (MatmulIsa::Avx512, WeightRows::Bf16(w)) if dot => {
+                    at.run::<Bf16Avx512>(xb.as_ptr(), w.as_ptr() as *const u16, y, n)
+                }
+                #[cfg(target_arch = "x86_64")]
+                (MatmulIsa::Avx512 | MatmulIsa::Avx2, WeightRows::Bf16(w)) => {
+                    at.run::<Bf16Avx2>(xr.as_ptr(), w.as_ptr() as *const u16, y, n)
+                }
+                #[cfg(target_arch = "x86_64")]
+                (MatmulIsa::Avx2, WeightRows::F32(w)) => {
+                    at.run::<F32Avx2>(x.as_ptr(), w.as_ptr(), y, n)
+                }
+                (_, WeightRows::F32(w)) => at.run::<F32Portable>(x.as_ptr(), w.as_ptr(), y, n),
+                (_, WeightRows::Bf16(w)) => {
+                    at.run::<Bf16Portable>(xr.as_ptr(), w.as_ptr() as *const u16, y, n)
                 }
             }
         }
     });
+}
+
+/// Where one output tile lies: rows `i..i + mr` of `x`, weight rows `j..j +
+/// nr`, and the weight rows it prefetches (`npf` from element `pf_at`,
+/// `far` elements on into L2).
+#[derive(Clone, Copy)]
+struct Tile {
+    i: usize,
+    mr: usize,
+    j: usize,
+    nr: usize,
+    k: usize,
+    pf_at: usize,
+    npf: usize,
+    far: usize,
+}
+
+impl Tile {
+    /// The tile by kernel `T`, from the starts of `x` and `w`, into `y`
+    /// (the tile's first output; row stride `ldy`).
+    ///
+    /// # Safety
+    /// As [`Tiles::tile`], for the rows this tile names.
+    #[allow(unsafe_code)]
+    #[inline]
+    unsafe fn run<T: Tiles>(self, x: *const T::X, w: *const T::W, y: *mut f32, ldy: usize) {
+        let pf = (w.wrapping_add(self.pf_at), self.npf);
+        let (x, w) = (x.add(self.i * self.k), w.add(self.j * self.k));
+        dispatch::<T>(self.mr, self.nr, x, w, self.k, y, ldy, pf, self.far)
+    }
 }
 
 /// The bits of `bf16(x)` for every value: exactly `half::bf16::from_f32`
@@ -399,9 +519,10 @@ fn task_shape(m: usize, n: usize) -> (usize, usize) {
     }
 }
 
-/// A register-tile kernel over weights of element type `W`.
-#[cfg(target_arch = "x86_64")]
+/// A register-tile kernel over inputs of element type `X` and weights of
+/// type `W`.
 trait Tiles {
+    type X;
     type W;
     /// `R x C` dot products of rows `k` apart into `y` (row stride `ldy`),
     /// prefetching the `PF` weight rows (`k` apart) from `pf` into L1 and,
@@ -411,8 +532,9 @@ trait Tiles {
     /// The CPU has the kernel's features; the `R` rows of `x`, the `C` rows
     /// of `w` and the outputs lie inside live allocations.
     #[allow(unsafe_code)]
+    #[allow(clippy::too_many_arguments)]
     unsafe fn tile<const R: usize, const C: usize, const PF: usize>(
-        x: *const Self::W,
+        x: *const Self::X,
         w: *const Self::W,
         k: usize,
         y: *mut f32,
@@ -422,23 +544,19 @@ trait Tiles {
     );
 }
 
-/// f32 weights and inputs: [`tile`].
-#[cfg(target_arch = "x86_64")]
-struct F32Tiles;
-/// bf16 weights and inputs (bits as `u16`): [`tile_bf16`].
-#[cfg(target_arch = "x86_64")]
-struct Bf16Tiles;
-
-/// `impl Tiles for $kernel` over elements `$w`, calling the tile function
-/// `$tile`.
+/// `impl Tiles for $kernel` over inputs `$x` and weights `$w`, calling the
+/// tile function `$tile` (with the trait's `R`, `C`, `PF`).
 macro_rules! impl_tiles {
-    ($kernel:ident, $w:ty, $tile:ident) => {
-        #[cfg(target_arch = "x86_64")]
+    ($(#[$attr:meta])* $kernel:ident, $x:ty, $w:ty, $($tile:tt)*) => {
+        $(#[$attr])*
+        struct $kernel;
+        $(#[$attr])*
         #[allow(unsafe_code)]
         impl Tiles for $kernel {
+            type X = $x;
             type W = $w;
             unsafe fn tile<const R: usize, const C: usize, const PF: usize>(
-                x: *const $w,
+                x: *const $x,
                 w: *const $w,
                 k: usize,
                 y: *mut f32,
@@ -446,23 +564,48 @@ macro_rules! impl_tiles {
                 pf: *const $w,
                 far: usize,
             ) {
-                $tile::<R, C, PF>(x, w, k, y, ldy, pf, far)
+                $($tile)*(x, w, k, y, ldy, pf, far)
             }
         }
     };
 }
-impl_tiles!(F32Tiles, f32, tile);
-impl_tiles!(Bf16Tiles, u16, tile_bf16);
+impl_tiles!(
+    /// f32 with AVX-512F: [`tile`].
+    #[cfg(target_arch = "x86_64")]
+    F32Avx512, f32, f32, tile::<R, C, PF>
+);
+impl_tiles!(
+    /// bf16 bits (`u16`) with AVX-512 BF16: [`tile_bf16`].
+    #[cfg(target_arch = "x86_64")]
+    Bf16Avx512, u16, u16, tile_bf16::<R, C, PF>
+);
+impl_tiles!(
+    /// f32 with AVX2 and FMA: [`tile_avx2`].
+    #[cfg(target_arch = "x86_64")]
+    F32Avx2, f32, f32, tile_avx2::<f32, R, C, PF>
+);
+impl_tiles!(
+    /// bf16-rounded f32 `x`, bf16 weights widened, AVX2 and FMA.
+    #[cfg(target_arch = "x86_64")]
+    Bf16Avx2, f32, u16, tile_avx2::<u16, R, C, PF>
+);
+impl_tiles!(
+    /// f32 in plain Rust: [`tile_portable`].
+    F32Portable, f32, f32, tile_portable::<f32, R, C>
+);
+impl_tiles!(
+    /// bf16-rounded f32 `x`, bf16 weights widened, plain Rust.
+    Bf16Portable, f32, u16, tile_portable::<u16, R, C>
+);
 
 /// The `mr x nr` tile (`mr <= MR`, `nr <= NR`) of kernel `T`.
-#[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 #[inline]
 #[allow(clippy::too_many_arguments)]
 unsafe fn dispatch<T: Tiles>(
     mr: usize,
     nr: usize,
-    x: *const T::W,
+    x: *const T::X,
     w: *const T::W,
     k: usize,
     y: *mut f32,
@@ -655,9 +798,212 @@ unsafe fn tile_bf16<const R: usize, const C: usize, const PF: usize>(
     store_sums(&acc, y, ldy);
 }
 
+/// Weight elements of the 8-lane kernels: f32, or bf16 bits (`u16`),
+/// widened to f32 exactly (`bits << 16`).
+trait Lanes8: Copy {
+    /// Whether the elements are bf16 bits.
+    const BF16: bool;
+}
+impl Lanes8 for f32 {
+    const BF16: bool = false;
+}
+impl Lanes8 for u16 {
+    const BF16: bool = true;
+}
+
+/// The first `n <= 8` elements at `p` as f32 lanes, the rest zero.
+///
+/// # Safety
+/// `p` points at `n` readable elements.
+#[allow(unsafe_code)]
+#[inline(always)]
+unsafe fn lanes8<W: Lanes8>(p: *const W, n: usize) -> [f32; 8] {
+    let mut v = [0f32; 8];
+    for (l, o) in v.iter_mut().enumerate().take(n) {
+        *o = if W::BF16 {
+            f32::from_bits(u32::from(*(p as *const u16).add(l)) << 16)
+        } else {
+            *(p as *const f32).add(l)
+        };
+    }
+    v
+}
+
+/// The fixed tree over 8 lanes: `(l + l+4)`, then `+2`, then `+1`.
+#[inline(always)]
+fn tree8(a: &[f32; 8]) -> f32 {
+    let s4 = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+    let s2 = [s4[0] + s4[2], s4[1] + s4[3]];
+    s2[0] + s2[1]
+}
+
+/// The AVX2 tile: `R x C` dot products as 8 lane-wise FMA chains over `k`
+/// in order (a zero-padded last step for `k % 8`), then [`hsum8`]'s tree.
+/// Two rows of `x` at a time: `2 x C <= 12` accumulators, two `x` vectors
+/// and a weight vector fit the 16 registers AVX2 can name; the `C` weight
+/// rows stay in L1 between the passes. Weights are f32 or bf16 (widened
+/// exactly; `x` then holds bf16-rounded values, so every product is exact
+/// and only the sums round).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; the rows lie inside live allocations.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_avx2<W: Lanes8, const R: usize, const C: usize, const PF: usize>(
+    x: *const f32,
+    w: *const W,
+    k: usize,
+    y: *mut f32,
+    ldy: usize,
+    pf: *const W,
+    far: usize,
+) {
+    // Rows 2.. of x come after the first pair, which did the prefetching
+    // (wrapping: for R < 3 these lie past the rows and are never read).
+    let (x2, y2) = (x.wrapping_add(2 * k), y.wrapping_add(2 * ldy));
+    match R {
+        1 => rows_avx2::<W, 1, C, PF>(x, w, k, y, ldy, pf, far),
+        2 => rows_avx2::<W, 2, C, PF>(x, w, k, y, ldy, pf, far),
+        3 => {
+            rows_avx2::<W, 2, C, PF>(x, w, k, y, ldy, pf, far);
+            rows_avx2::<W, 1, C, 0>(x2, w, k, y2, ldy, pf, far)
+        }
+        _ => {
+            rows_avx2::<W, 2, C, PF>(x, w, k, y, ldy, pf, far);
+            rows_avx2::<W, 2, C, 0>(x2, w, k, y2, ldy, pf, far)
+        }
+    }
+}
+
+/// `R <= 2` rows of [`tile_avx2`].
+///
+/// # Safety
+/// As [`tile_avx2`].
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::needless_range_loop)]
+unsafe fn rows_avx2<W: Lanes8, const R: usize, const C: usize, const PF: usize>(
+    x: *const f32,
+    w: *const W,
+    k: usize,
+    y: *mut f32,
+    ldy: usize,
+    pf: *const W,
+    far: usize,
+) {
+    use std::arch::x86_64::*;
+    let load_w = |p: *const W| -> __m256 {
+        if W::BF16 {
+            let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
+        } else {
+            _mm256_loadu_ps(p as *const f32)
+        }
+    };
+    // One prefetch per 64-byte line of a weight row.
+    let line = 64 / std::mem::size_of::<W>();
+    let full = k / 8 * 8;
+    let mut acc = [[_mm256_setzero_ps(); C]; R];
+    let mut kk = 0;
+    while kk < full {
+        let mut xv = [_mm256_setzero_ps(); R];
+        for i in 0..R {
+            xv[i] = _mm256_loadu_ps(x.add(i * k + kk));
+        }
+        for j in 0..C {
+            let wv = load_w(w.add(j * k + kk));
+            if j < PF && kk % line == 0 {
+                prefetch_weights(pf.wrapping_add(j * k + kk), far);
+            }
+            for i in 0..R {
+                acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+            }
+        }
+        kk += 8;
+    }
+    if full < k {
+        // The last, partial step, zero-padded.
+        let t = k - full;
+        let mut xv = [_mm256_setzero_ps(); R];
+        for i in 0..R {
+            xv[i] = _mm256_loadu_ps(lanes8(x.add(i * k + full), t).as_ptr());
+        }
+        for j in 0..C {
+            let wv = _mm256_loadu_ps(lanes8(w.add(j * k + full), t).as_ptr());
+            for i in 0..R {
+                acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+            }
+        }
+    }
+    for i in 0..R {
+        for j in 0..C {
+            *y.add(i * ldy + j) = hsum8(acc[i][j]);
+        }
+    }
+}
+
+/// The sum of 8 lanes in [`tree8`]'s order.
+///
+/// # Safety
+/// The CPU has AVX.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn hsum8(v: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    // Lanes l + (l+4).
+    let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    // Lanes l + (l+2).
+    let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    // Lane 0 + lane 1.
+    _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)))
+}
+
+/// The portable tile: for each of the `R` rows of `x`, `C` dot products as
+/// 8 lane-wise chains of separate multiplies and adds over `k` in order
+/// (Rust never fuses them, so the rounding is fixed; the compiler
+/// vectorises the lanes), a zero-padded last step, then [`tree8`].
+///
+/// # Safety
+/// The rows lie inside live allocations.
+#[allow(unsafe_code)]
+#[allow(clippy::needless_range_loop)]
+unsafe fn tile_portable<W: Lanes8, const R: usize, const C: usize>(
+    x: *const f32,
+    w: *const W,
+    k: usize,
+    y: *mut f32,
+    ldy: usize,
+    _pf: *const W,
+    _far: usize,
+) {
+    let full = k / 8 * 8;
+    for i in 0..R {
+        let xr = x.add(i * k);
+        let mut acc = [[0f32; 8]; C];
+        let mut kk = 0;
+        while kk < k {
+            let t = if kk < full { 8 } else { k - full };
+            let xv = lanes8(xr.add(kk), t);
+            for j in 0..C {
+                let wv = lanes8(w.add(j * k + kk), t);
+                for l in 0..8 {
+                    acc[j][l] += xv[l] * wv[l];
+                }
+            }
+            kk += 8;
+        }
+        for j in 0..C {
+            *y.add(i * ldy + j) = tree8(&acc[j]);
+        }
+    }
+}
+
 /// `x [m, k] @ w[n, k]^T` as a candle op on the CPU: `x` f32, `w` f32
-/// ([`matmul_nt`], AVX-512F) or bf16 ([`matmul_nt_bf16`], AVX-512
-/// BF16), output f32; with the matmul backward (`dx = g w`, `dw = g^T x`
+/// ([`matmul_nt`]) or bf16 ([`matmul_nt_bf16`]), output f32; with the matmul backward (`dx = g w`, `dw = g^T x`
 /// in `w`'s dtype, both detached; for bf16 weights the rounding of `x` is
 /// taken as the identity, straight through).
 pub fn matmul_nt_op(x: &Tensor, w: &Tensor) -> Result<Tensor> {
@@ -694,10 +1040,10 @@ impl CustomOp2 for MatmulNt {
         let n = wl.shape().dims()[0];
         let (w0, w1) = (wl.start_offset(), wl.start_offset() + n * k);
         let w = match ws {
-            CpuStorage::F32(w) if matmul_nt_available() => WeightRows::F32(&w[w0..w1]),
-            CpuStorage::BF16(w) if matmul_nt_bf16_available() => WeightRows::Bf16(&w[w0..w1]),
+            CpuStorage::F32(w) => WeightRows::F32(&w[w0..w1]),
+            CpuStorage::BF16(w) => WeightRows::Bf16(&w[w0..w1]),
             _ => candle_core::bail!(
-                "matmul_nt: {:?} weights need AVX-512F (f32) or AVX-512 BF16 (bf16) on this CPU",
+                "matmul_nt: {:?} weights (want f32 or bf16)",
                 candle_core::backend::BackendStorage::dtype(ws)
             ),
         };
@@ -793,36 +1139,45 @@ mod tests {
         }
     }
 
-    /// A kernel under test: `run(x, w, m, k, n)` with `w` as f32 values
-    /// (bf16-exact for the bf16 kernel); `round` is what the kernel does to
-    /// each input before multiplying.
+    /// A kernel under test: `run(x, w, m, k, n)` by instruction set `isa`,
+    /// with `w` as f32 values (bf16-exact for bf16 weights); `round` is
+    /// what the kernel does to each input before multiplying.
     struct Kernel {
-        available: bool,
-        round: fn(f32) -> f64,
-        run: Run,
+        isa: MatmulIsa,
+        bf16: bool,
     }
 
-    /// `(x, w, m, k, n) -> y`.
-    type Run = fn(&[f32], &[f32], usize, usize, usize) -> Vec<f32>;
+    impl Kernel {
+        fn round(&self, v: f32) -> f64 {
+            if self.bf16 {
+                // f32 -> bf16, nearest even.
+                half::bf16::from_f32(v).to_f64()
+            } else {
+                v as f64
+            }
+        }
 
-    fn f32_kernel() -> Kernel {
-        Kernel {
-            available: matmul_nt_available(),
-            round: |v| v as f64,
-            run: matmul_nt,
+        fn run(&self, x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+            let wb: Vec<half::bf16>;
+            let rows = if self.bf16 {
+                wb = w.iter().map(|&v| half::bf16::from_f32(v)).collect();
+                WeightRows::Bf16(&wb)
+            } else {
+                WeightRows::F32(w)
+            };
+            let mut y = vec![0f32; m * n];
+            matmul_nt_multi_into_isa(self.isa, x, &[rows], m, k, &mut [&mut y]);
+            y
         }
     }
 
-    /// Inputs rounded as `vdpbf16ps` takes them: f32 -> bf16 (nearest even).
-    fn bf16_kernel() -> Kernel {
-        Kernel {
-            available: matmul_nt_bf16_available(),
-            round: |v| half::bf16::from_f32(v).to_f64(),
-            run: |x, w, m, k, n| {
-                let w: Vec<half::bf16> = w.iter().map(|&v| half::bf16::from_f32(v)).collect();
-                matmul_nt_bf16(x, &w, m, k, n)
-            },
-        }
+    /// Every kernel this CPU runs: f32 and bf16 weights on each set.
+    fn kernels() -> Vec<Kernel> {
+        let isas = MatmulIsa::all_supported();
+        eprintln!("instruction sets here: {isas:?}");
+        isas.into_iter()
+            .flat_map(|isa| [false, true].map(|bf16| Kernel { isa, bf16 }))
+            .collect()
     }
 
     fn same(a: &[f32], b: &[f32]) -> bool {
@@ -832,17 +1187,13 @@ mod tests {
     /// Uniform in [-1, 1), as the kernel's weights can hold them.
     fn values(kn: &Kernel, rng: &mut StdRng, len: usize) -> Vec<f32> {
         (0..len)
-            .map(|_| (kn.round)(rng.random_range(-1.0..1.0)) as f32)
+            .map(|_| kn.round(rng.random_range(-1.0..1.0)) as f32)
             .collect()
     }
 
     /// Every output against the f64 sum of the rounded inputs' products,
     /// over every tile shape, tail and cache-block remainder.
     fn check_reference(kn: &Kernel, seed: u64) {
-        if !kn.available {
-            eprintln!("SKIP: this CPU lacks the kernel");
-            return;
-        }
         let mut rng = StdRng::seed_from_u64(seed);
         for &(k, n) in &[
             (576usize, 200usize),
@@ -855,18 +1206,20 @@ mod tests {
             for m in (1..=13).chain([64, 67, 130]) {
                 let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
                 let w = values(kn, &mut rng, n * k);
-                let y = (kn.run)(&x, &w, m, k, n);
+                let y = kn.run(&x, &w, m, k, n);
                 for i in 0..m {
                     for j in 0..n {
                         // Products of the rounded inputs are exact in f32
                         // for both kernels; only the f32 sums round.
                         let want: f64 = (0..k)
-                            .map(|t| (kn.round)(x[i * k + t]) * w[j * k + t] as f64)
+                            .map(|t| kn.round(x[i * k + t]) * w[j * k + t] as f64)
                             .sum();
                         let got = y[i * n + j] as f64;
                         assert!(
                             (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
-                            "m {m} k {k} n {n} [{i},{j}]: {got} vs {want}"
+                            "{:?} bf16 {}: m {m} k {k} n {n} [{i},{j}]: {got} vs {want}",
+                            kn.isa,
+                            kn.bf16
                         );
                     }
                 }
@@ -878,36 +1231,35 @@ mod tests {
     /// at every position of batches of every size (all tile remainders and
     /// cache blocks), and for every slice of the weight rows.
     fn check_rows_bit_identical(kn: &Kernel, seed: u64) {
-        if !kn.available {
-            return;
-        }
         let mut rng = StdRng::seed_from_u64(seed);
         let (k, n) = (77usize, 53usize);
         let big = 150;
         let x: Vec<f32> = (0..big * k).map(|_| rng.random_range(-1.0..1.0)).collect();
         let w = values(kn, &mut rng, n * k);
         let alone: Vec<Vec<f32>> = (0..big)
-            .map(|r| (kn.run)(&x[r * k..(r + 1) * k], &w, 1, k, n))
+            .map(|r| kn.run(&x[r * k..(r + 1) * k], &w, 1, k, n))
             .collect();
         for m in [2usize, 3, 5, 8, 32, 65, 150] {
             for start in [0usize, 1, 3] {
                 if start + m > big {
                     continue;
                 }
-                let y = (kn.run)(&x[start * k..(start + m) * k], &w, m, k, n);
+                let y = kn.run(&x[start * k..(start + m) * k], &w, m, k, n);
                 for i in 0..m {
                     assert!(
                         same(&y[i * n..(i + 1) * n], &alone[start + i]),
-                        "row {} in a batch of {m} from {start} differs",
+                        "{:?} bf16 {}: row {} in a batch of {m} from {start} differs",
+                        kn.isa,
+                        kn.bf16,
                         start + i
                     );
                 }
             }
         }
         // Any window of weight rows gives the same columns.
-        let full = (kn.run)(&x[..5 * k], &w, 5, k, n);
+        let full = kn.run(&x[..5 * k], &w, 5, k, n);
         for (j0, j1) in [(0usize, 1usize), (7, 20), (13, 53)] {
-            let part = (kn.run)(&x[..5 * k], &w[j0 * k..j1 * k], 5, k, j1 - j0);
+            let part = kn.run(&x[..5 * k], &w[j0 * k..j1 * k], 5, k, j1 - j0);
             for i in 0..5 {
                 let cols = &full[i * n + j0..i * n + j1];
                 assert!(same(&part[i * (j1 - j0)..(i + 1) * (j1 - j0)], cols));
@@ -917,21 +1269,39 @@ mod tests {
 
     #[test]
     fn matches_f64_reference_for_every_tile_shape_and_tail() {
-        check_reference(&f32_kernel(), 1);
-        check_reference(&bf16_kernel(), 3);
+        for (s, kn) in kernels().iter().enumerate() {
+            check_reference(kn, 1 + s as u64);
+        }
     }
 
     #[test]
     fn rows_are_bit_identical_whatever_the_batch() {
-        check_rows_bit_identical(&f32_kernel(), 2);
-        check_rows_bit_identical(&bf16_kernel(), 4);
+        for (s, kn) in kernels().iter().enumerate() {
+            check_rows_bit_identical(kn, 20 + s as u64);
+        }
+    }
+
+    /// The detected set is what the public functions use.
+    #[test]
+    fn public_functions_use_the_detected_set() {
+        let mut rng = StdRng::seed_from_u64(9);
+        let (m, k, n) = (5, 37, 11);
+        let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let isa = MatmulIsa::detect();
+        assert!(isa.supported());
+        let kn = Kernel { isa, bf16: false };
+        assert!(same(&matmul_nt(&x, &w, m, k, n), &kn.run(&x, &w, m, k, n)));
+        let wb: Vec<half::bf16> = w.iter().map(|&v| half::bf16::from_f32(v)).collect();
+        let kn = Kernel { isa, bf16: true };
+        assert!(same(
+            &matmul_nt_bf16(&x, &wb, m, k, n),
+            &kn.run(&x, &w, m, k, n)
+        ));
     }
 
     #[test]
     fn op_gradients_equal_candle_matmul() -> Result<()> {
-        if !matmul_nt_available() {
-            return Ok(());
-        }
         let dev = Device::Cpu;
         let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (5, 40), &dev)?)?;
         let w = Var::from_tensor(&Tensor::randn(0f32, 1.0, (9, 40), &dev)?)?;
@@ -958,9 +1328,6 @@ mod tests {
 
     #[test]
     fn bf16_op_gradients_are_the_straight_through_matmul() -> Result<()> {
-        if !matmul_nt_bf16_available() {
-            return Ok(());
-        }
         let dev = Device::Cpu;
         let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (5, 40), &dev)?)?;
         let w = Tensor::randn(0f32, 1.0, (9, 40), &dev)?.to_dtype(DType::BF16)?;
@@ -976,14 +1343,16 @@ mod tests {
     }
 
     /// One grouped call gives bit for bit what separate calls give, for
-    /// f32 and (where the CPU has them) bf16 weights side by side, at decode
-    /// and prefill sizes.
+    /// f32 and bf16 weights side by side, at decode and prefill sizes, on
+    /// every instruction set.
     #[test]
     fn grouped_products_equal_separate_calls() {
-        if !matmul_nt_available() {
-            return;
+        for isa in MatmulIsa::all_supported() {
+            grouped_equal_separate(isa);
         }
-        let bf16 = matmul_nt_bf16_available();
+    }
+
+    fn grouped_equal_separate(isa: MatmulIsa) {
         let mut rng = StdRng::seed_from_u64(5);
         let k = 96;
         let w1: Vec<f32> = (0..200 * k).map(|_| rng.random_range(-1.0..1.0)).collect();
@@ -995,38 +1364,34 @@ mod tests {
             let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
             let (mut y1, mut y2, mut y3) =
                 (vec![0f32; m * 200], vec![0f32; m * 64], vec![0f32; m * 7]);
-            if bf16 {
-                matmul_nt_multi_into(
-                    &x,
-                    &[
-                        WeightRows::F32(&w1),
-                        WeightRows::Bf16(&w2),
-                        WeightRows::F32(&w3),
-                    ],
-                    m,
-                    k,
-                    &mut [&mut y1, &mut y2, &mut y3],
-                );
-                assert!(
-                    same(&y2, &matmul_nt_bf16(&x, &w2, m, k, 64)),
-                    "m {m}: bf16 group"
-                );
-            } else {
-                matmul_nt_multi_into(
-                    &x,
-                    &[WeightRows::F32(&w1), WeightRows::F32(&w3)],
-                    m,
-                    k,
-                    &mut [&mut y1, &mut y3],
-                );
-            }
+            matmul_nt_multi_into_isa(
+                isa,
+                &x,
+                &[
+                    WeightRows::F32(&w1),
+                    WeightRows::Bf16(&w2),
+                    WeightRows::F32(&w3),
+                ],
+                m,
+                k,
+                &mut [&mut y1, &mut y2, &mut y3],
+            );
+            let alone = |w: WeightRows<'_>, n: usize| {
+                let mut y = vec![0f32; m * n];
+                matmul_nt_multi_into_isa(isa, &x, &[w], m, k, &mut [&mut y]);
+                y
+            };
             assert!(
-                same(&y1, &matmul_nt(&x, &w1, m, k, 200)),
-                "m {m}: f32 group"
+                same(&y1, &alone(WeightRows::F32(&w1), 200)),
+                "{isa:?} m {m}: f32 group"
             );
             assert!(
-                same(&y3, &matmul_nt(&x, &w3, m, k, 7)),
-                "m {m}: small group"
+                same(&y2, &alone(WeightRows::Bf16(&w2), 64)),
+                "{isa:?} m {m}: bf16 group"
+            );
+            assert!(
+                same(&y3, &alone(WeightRows::F32(&w3), 7)),
+                "{isa:?} m {m}: small group"
             );
         }
     }
@@ -1035,9 +1400,6 @@ mod tests {
     /// inner dimension gives zeros, as an empty sum should.
     #[test]
     fn empty_shapes() {
-        if !matmul_nt_available() {
-            return;
-        }
         assert!(matmul_nt(&[], &[1.0; 8], 0, 4, 2).is_empty());
         assert!(matmul_nt(&[1.0; 8], &[], 2, 4, 0).is_empty());
         let mut y = vec![7f32; 6];
