@@ -20,8 +20,9 @@
 //! read in address order, and the rows ahead are prefetched into L2 a few
 //! at a time (the decode step's context is scattered blocks far larger than
 //! the caches; without the prefetches, misses took half its attention
-//! time). Elsewhere the portable
-//! kernel runs (`multiversion`), a token at a time. Either way a token's
+//! time). CPUs with AVX2 and FMA (no AVX-512) run the same plan on 8-lane
+//! vectors (`attend_group8`). Elsewhere the portable kernel runs
+//! (`multiversion`), a token at a time. Either way a token's
 //! output depends only on its own query and context, never on the other
 //! tokens of the batch or on how they are grouped (tested bit for bit).
 
@@ -48,6 +49,15 @@ pub trait KvElem: Copy + Send + Sync + std::fmt::Debug + sealed::Sealed + 'stati
     #[doc(hidden)]
     #[allow(unsafe_code)]
     unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+
+    /// 8 consecutive values from `p` as f32 lanes, for the AVX2 kernel.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2; `p..p + 8` is readable.
+    #[cfg(target_arch = "x86_64")]
+    #[doc(hidden)]
+    #[allow(unsafe_code)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
 }
 
 mod sealed {
@@ -67,6 +77,13 @@ impl KvElem for f32 {
     unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
         std::arch::x86_64::_mm512_loadu_ps(p)
     }
+
+    #[cfg(target_arch = "x86_64")]
+    #[allow(unsafe_code)]
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        std::arch::x86_64::_mm256_loadu_ps(p)
+    }
 }
 
 impl KvElem for half::bf16 {
@@ -82,6 +99,15 @@ impl KvElem for half::bf16 {
         use std::arch::x86_64::*;
         let h = _mm256_loadu_si256(p as *const __m256i);
         _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[allow(unsafe_code)]
+    #[inline(always)]
+    unsafe fn load8(p: *const half::bf16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        let h = _mm_loadu_si128(p as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
     }
 }
 
@@ -113,7 +139,12 @@ pub fn paged_attention<E: KvElem>(a: PagedAttentionArgs<'_, E>) -> Vec<f32> {
     let mut out = vec![0f32; t * a.n_heads * d];
     #[cfg(target_arch = "x86_64")]
     if avx512_head_dim(d) {
-        attend_shared(&a, &mut out);
+        attend_shared(&a, &mut out, true);
+        return out;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if avx2_head_dim(d) {
+        attend_shared(&a, &mut out, false);
         return out;
     }
     out.par_chunks_mut(a.n_heads * d)
@@ -126,6 +157,14 @@ pub fn paged_attention<E: KvElem>(a: PagedAttentionArgs<'_, E>) -> Vec<f32> {
 #[cfg(target_arch = "x86_64")]
 fn avx512_head_dim(d: usize) -> bool {
     matches!(d, 16 | 32 | 64 | 128 | 256) && std::is_x86_feature_detected!("avx512f")
+}
+
+/// Whether the AVX2 path serves head size `d` on this CPU.
+#[cfg(target_arch = "x86_64")]
+fn avx2_head_dim(d: usize) -> bool {
+    matches!(d, 16 | 32 | 64 | 128 | 256)
+        && std::is_x86_feature_detected!("avx2")
+        && std::is_x86_feature_detected!("fma")
 }
 
 /// Token `i`'s context length (`position + 1`), with the offset of every
@@ -234,10 +273,11 @@ fn plan_groups<E>(a: &PagedAttentionArgs<'_, E>) -> Vec<Group> {
     groups
 }
 
-/// The AVX-512 path: [`plan_groups`], each group attended by
-/// [`attend_group`] in parallel, outputs scattered into `out`.
+/// The vector paths: [`plan_groups`], each group attended by
+/// [`attend_group`] (`avx512`) or [`attend_group8`] (AVX2) in parallel,
+/// outputs scattered into `out`.
 #[cfg(target_arch = "x86_64")]
-fn attend_shared<E: KvElem>(a: &PagedAttentionArgs<'_, E>, out: &mut [f32]) {
+fn attend_shared<E: KvElem>(a: &PagedAttentionArgs<'_, E>, out: &mut [f32], avx512: bool) {
     let groups = plan_groups(a);
     let (hd, g) = (a.n_heads * a.head_dim, a.n_heads / a.n_kv);
     let parts: Vec<Vec<f32>> = (0..groups.len())
@@ -246,11 +286,16 @@ fn attend_shared<E: KvElem>(a: &PagedAttentionArgs<'_, E>, out: &mut [f32]) {
             let grp = &groups[x];
             let w = grp.kv.len() * g * a.head_dim;
             let mut o = vec![0f32; grp.tokens.len() * w];
-            // SAFETY: AVX-512F and the head size were checked by
-            // `avx512_head_dim`; `o` holds `w` floats per token.
+            // SAFETY: the CPU features and the head size were checked by
+            // `avx512_head_dim` or `avx2_head_dim`; `o` holds `w` floats
+            // per token.
             #[allow(unsafe_code)]
             unsafe {
-                attend_group_avx512(a, grp, groups.get(x + 1), &mut o)
+                if avx512 {
+                    attend_group_avx512(a, grp, groups.get(x + 1), &mut o)
+                } else {
+                    attend_group_avx2(a, grp, groups.get(x + 1), &mut o)
+                }
             };
             o
         })
@@ -302,6 +347,109 @@ thread_local! {
     /// rows, scores.
     static SCRATCH: std::cell::RefCell<(Vec<usize>, Vec<usize>, Vec<f32>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+}
+
+/// Where a group's rows and scores lie, for kernels of `lanes`-wide
+/// vectors: per token, its context length, its score stride (padded to
+/// `lanes`), the range `toff[u]..toff[u + 1]` of its own (tail) rows and
+/// the offset of its scores.
+#[cfg(target_arch = "x86_64")]
+struct GroupLayout {
+    ctx: Vec<usize>,
+    padded: Vec<usize>,
+    toff: Vec<usize>,
+    soff: Vec<usize>,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl GroupLayout {
+    /// Fills `srows` with the shared rows' cache offsets and `trows` with
+    /// every token's tail rows, zeroes `scores` to the layout's size, and
+    /// checks every row lies inside the caches (the kernels' unchecked
+    /// loads rely on it).
+    fn new<E>(
+        a: &PagedAttentionArgs<'_, E>,
+        grp: &Group,
+        lanes: usize,
+        srows: &mut Vec<usize>,
+        trows: &mut Vec<usize>,
+        scores: &mut Vec<f32>,
+    ) -> Self {
+        let (toks, shared) = (&grp.tokens, grp.shared);
+        let g = a.n_heads / a.n_kv;
+        srows.clear();
+        push_rows(a, toks[0], 0..shared, srows);
+        let ctx: Vec<usize> = toks.iter().map(|&i| a.positions[i] as usize + 1).collect();
+        let padded: Vec<usize> = ctx.iter().map(|c| c.div_ceil(lanes) * lanes).collect();
+        trows.clear();
+        let mut toff = Vec::with_capacity(toks.len() + 1);
+        let mut soff = Vec::with_capacity(toks.len());
+        let mut stot = 0;
+        for (u, &i) in toks.iter().enumerate() {
+            toff.push(trows.len());
+            push_rows(a, i, shared..ctx[u], trows);
+            soff.push(stot);
+            stot += grp.kv.len() * g * padded[u];
+        }
+        toff.push(trows.len());
+        let row = a.n_kv * a.head_dim;
+        let last = srows.iter().chain(trows.iter()).copied().max().unwrap_or(0) + row;
+        assert!(
+            last <= a.k_cache.len() && last <= a.v_cache.len(),
+            "paged attention: slot outside the cache"
+        );
+        assert!(a.q.len() >= a.n_heads * a.positions.len() * a.head_dim);
+        assert!(ctx.iter().all(|&c| c >= shared));
+        scores.clear();
+        scores.resize(stot, 0.0);
+        GroupLayout {
+            ctx,
+            padded,
+            toff,
+            soff,
+        }
+    }
+}
+
+/// `weigh(tokens, rows, j0)` over a group's value rows in runs of 32 (the
+/// shared rows for every token, then each token's own; `j0` the run's first
+/// context position), prefetching the next group's first keys (its first
+/// token's) through `pf`, a few rows per run.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn weigh_in_runs<E>(
+    a: &PagedAttentionArgs<'_, E>,
+    grp: &Group,
+    next: Option<&Group>,
+    srows: &[usize],
+    trows: &[usize],
+    toff: &[usize],
+    pf: impl Fn(&[usize]),
+    weigh: impl Fn(std::ops::Range<usize>, &[usize], usize),
+) {
+    let mut next_rows = Vec::new();
+    if let Some(nx) = next {
+        let n = (a.positions[nx.tokens[0]] as usize + 1).min(PF_AHEAD + 16);
+        push_rows(a, nx.tokens[0], 0..n, &mut next_rows);
+    }
+    let mut next_rows = &next_rows[..];
+    let mut pf_next = |n: usize| {
+        let (now, later) = next_rows.split_at(n.min(next_rows.len()));
+        pf(now);
+        next_rows = later;
+    };
+    let n_toks = grp.tokens.len();
+    for (c, rs) in srows.chunks(32).enumerate() {
+        pf_next(8);
+        weigh(0..n_toks, rs, 32 * c);
+    }
+    for u in 0..n_toks {
+        for (c, rs) in trows[toff[u]..toff[u + 1]].chunks(32).enumerate() {
+            pf_next(8);
+            weigh(u..u + 1, rs, grp.shared + 32 * c);
+        }
+    }
+    pf_next(usize::MAX);
 }
 
 /// # Safety
@@ -356,39 +504,18 @@ unsafe fn attend_group<E: KvElem, const DV: usize>(
     let (d, nkv) = (a.head_dim, a.n_kv);
     let t = a.positions.len();
     let g = a.n_heads / nkv;
-    let row = nkv * d;
     let toks = &grp.tokens;
     let shared = grp.shared;
     let w = grp.kv.len() * g * d;
     let scale = _mm512_set1_ps(1.0 / (d as f32).sqrt());
     let (mut srows, mut trows, mut scores) = SCRATCH.with(|sc| sc.take());
-    srows.clear();
-    push_rows(a, toks[0], 0..shared, &mut srows);
-    // Per token: context length, padded score stride, offsets of its tail
-    // rows and of its scores.
-    let ctx: Vec<usize> = toks.iter().map(|&i| a.positions[i] as usize + 1).collect();
-    let padded: Vec<usize> = ctx.iter().map(|c| c.div_ceil(16) * 16).collect();
-    trows.clear();
-    let mut toff = Vec::with_capacity(toks.len() + 1);
-    let mut soff = Vec::with_capacity(toks.len());
-    let mut stot = 0;
-    for (u, &i) in toks.iter().enumerate() {
-        toff.push(trows.len());
-        push_rows(a, i, shared..ctx[u], &mut trows);
-        soff.push(stot);
-        stot += grp.kv.len() * g * padded[u];
-    }
-    toff.push(trows.len());
-    // Every row offset inside the caches: the unchecked loads below rely on it.
-    let last = srows.iter().chain(&trows).copied().max().unwrap_or(0) + row;
-    assert!(
-        last <= a.k_cache.len() && last <= a.v_cache.len(),
-        "paged attention: slot outside the cache"
-    );
-    assert!(a.q.len() >= a.n_heads * t * d && o.len() >= toks.len() * w);
-    assert!(ctx.iter().all(|&c| c >= shared));
-    scores.clear();
-    scores.resize(stot, 0.0);
+    let GroupLayout {
+        ctx,
+        padded,
+        toff,
+        soff,
+    } = GroupLayout::new(a, grp, 16, &mut srows, &mut trows, &mut scores);
+    assert!(o.len() >= toks.len() * w);
     let kp = a.k_cache.as_ptr();
     let vp = a.v_cache.as_ptr();
     let sp = scores.as_mut_ptr();
@@ -516,29 +643,7 @@ unsafe fn attend_group<E: KvElem, const DV: usize>(
             }
         }
     };
-    // The next group's first keys (its first token's), a few rows per run.
-    let mut next_rows = Vec::new();
-    if let Some(nx) = next {
-        let n = (a.positions[nx.tokens[0]] as usize + 1).min(PF_AHEAD + 16);
-        push_rows(a, nx.tokens[0], 0..n, &mut next_rows);
-    }
-    let mut next_rows = &next_rows[..];
-    let mut pf_next = |n: usize| {
-        let (now, later) = next_rows.split_at(n.min(next_rows.len()));
-        pf(kp, now);
-        next_rows = later;
-    };
-    for (c, rs) in srows.chunks(32).enumerate() {
-        pf_next(8);
-        weigh(0..toks.len(), rs, 32 * c);
-    }
-    for u in 0..toks.len() {
-        for (c, rs) in trows[toff[u]..toff[u + 1]].chunks(32).enumerate() {
-            pf_next(8);
-            weigh(u..u + 1, rs, shared + 32 * c);
-        }
-    }
-    pf_next(usize::MAX);
+    weigh_in_runs(a, grp, next, &srows, &trows, &toff, |rs| pf(kp, rs), weigh);
     SCRATCH.with(|sc| sc.replace((srows, trows, scores)));
 }
 
@@ -582,6 +687,226 @@ unsafe fn weigh_values<E: KvElem, const DV: usize, const G: usize>(
     for (r, acc) in acc.iter().enumerate() {
         for (c, x) in acc.iter().enumerate() {
             _mm512_storeu_ps(o.add(r * d + 16 * c), *x);
+        }
+    }
+}
+
+/// # Safety
+/// The CPU must support AVX2 and FMA; `a.head_dim` must be 16, 32, 64, 128
+/// or 256; `o` must hold `grp.kv.len() * g * head_dim` floats per token.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_group_avx2<E: KvElem>(
+    a: &PagedAttentionArgs<'_, E>,
+    grp: &Group,
+    next: Option<&Group>,
+    o: &mut [f32],
+) {
+    match a.head_dim / 8 {
+        2 => attend_group8::<E, 2>(a, grp, next, o),
+        4 => attend_group8::<E, 4>(a, grp, next, o),
+        8 => attend_group8::<E, 8>(a, grp, next, o),
+        16 => attend_group8::<E, 16>(a, grp, next, o),
+        32 => attend_group8::<E, 32>(a, grp, next, o),
+        _ => unreachable!("head_dim checked by avx2_head_dim"),
+    }
+}
+
+/// [`attend_group`] on AVX2 (`DV = head_dim / 8` vectors a row): the same
+/// plan (shared rows read once per group, every KV head of a chunk of rows
+/// before the next chunk, prefetches into L2), with 8 keys' dot products at
+/// a time (each `q_0 k_0`, then FMAs over the row's vectors in order; the
+/// query's vectors are read from L1, as AVX2's 16 registers cannot hold
+/// them), summed by `hsum8x8`'s fixed tree; softmax with `exp256`, partial
+/// sums in 8 lanes from position 0; values weighed in ascending `j`, 4
+/// vectors of up to 2 heads' output rows at a time in registers. A token's
+/// arithmetic is that of the token alone, whatever its group.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_group8<E: KvElem, const DV: usize>(
+    a: &PagedAttentionArgs<'_, E>,
+    grp: &Group,
+    next: Option<&Group>,
+    o: &mut [f32],
+) {
+    use crate::simd::{exp256, hsum8, hsum8x8};
+    use std::arch::x86_64::*;
+    let (d, nkv) = (a.head_dim, a.n_kv);
+    let t = a.positions.len();
+    let g = a.n_heads / nkv;
+    let toks = &grp.tokens;
+    let shared = grp.shared;
+    let w = grp.kv.len() * g * d;
+    let scale = _mm256_set1_ps(1.0 / (d as f32).sqrt());
+    let (mut srows, mut trows, mut scores) = SCRATCH.with(|sc| sc.take());
+    let GroupLayout {
+        ctx,
+        padded,
+        toff,
+        soff,
+    } = GroupLayout::new(a, grp, 8, &mut srows, &mut trows, &mut scores);
+    assert!(o.len() >= toks.len() * w);
+    let kp = a.k_cache.as_ptr();
+    let vp = a.v_cache.as_ptr();
+    let sp = scores.as_mut_ptr();
+    let ob = o.as_mut_ptr();
+    let nk = grp.kv.len();
+    let srow = |u: usize, kk: usize, r: usize| sp.add(soff[u] + (kk * g + r) * padded[u]);
+    // Scores q . k * scale of up to 8 keys at rows `rs` (KV head `kvh`) for
+    // the query at `qp`, stored from `dst`.
+    let score8 = |qp: *const f32, kvh: usize, rs: &[usize], dst: *mut f32| {
+        // Always 8 dot products (a short chunk repeats its first row; only
+        // `n` are stored).
+        let n = rs.len();
+        let kr: [*const E; 8] =
+            std::array::from_fn(|l| kp.add(*rs.get_unchecked(if l < n { l } else { 0 }) + kvh * d));
+        let mut dots = [_mm256_setzero_ps(); 8];
+        let q0 = _mm256_loadu_ps(qp);
+        for (l, dot) in dots.iter_mut().enumerate() {
+            *dot = _mm256_mul_ps(q0, E::load8(kr[l]));
+        }
+        for c in 1..DV {
+            let qv = _mm256_loadu_ps(qp.add(8 * c));
+            for (l, dot) in dots.iter_mut().enumerate() {
+                *dot = _mm256_fmadd_ps(qv, E::load8(kr[l].add(8 * c)), *dot);
+            }
+        }
+        let s = _mm256_mul_ps(hsum8x8(&dots), scale);
+        if n == 8 {
+            _mm256_storeu_ps(dst, s);
+        } else {
+            let mut lanes = [0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), s);
+            std::ptr::copy_nonoverlapping(lanes.as_ptr(), dst, n);
+        }
+    };
+    let q_at = |u: usize, kvh: usize, r: usize| a.q.as_ptr().add(((kvh * g + r) * t + toks[u]) * d);
+    let bytes = grp.kv.len() * d * std::mem::size_of::<E>();
+    let (pf_off, pf_lines) = (grp.kv.start * d, bytes.div_ceil(64));
+    let pf = |base: *const E, rs: &[usize]| {
+        for &r in rs {
+            let p = base.wrapping_add(r + pf_off) as *const i8;
+            for c in 0..pf_lines {
+                _mm_prefetch::<_MM_HINT_T2>(p.wrapping_add(64 * c));
+            }
+        }
+    };
+    let score_chunk = |us: std::ops::Range<usize>, rows: &[usize], c0: usize, j0: usize| {
+        let end = rows.len();
+        let rs = &rows[c0..(c0 + 8).min(end)];
+        let at = (c0 + PF_AHEAD).min(end);
+        let mut spread = Spread::new(&rows[at..(at + 8).min(end)], rs, nk * g * us.len());
+        for (kk, kvh) in grp.kv.clone().enumerate() {
+            for u in us.clone() {
+                for r in 0..g {
+                    let (k_rows, v_rows) = spread.take();
+                    pf(kp, k_rows);
+                    pf(vp, v_rows);
+                    score8(q_at(u, kvh, r), kvh, rs, srow(u, kk, r).add(j0));
+                }
+            }
+        }
+    };
+    for c0 in (0..shared).step_by(8) {
+        score_chunk(0..toks.len(), &srows, c0, c0);
+    }
+    for u in 0..toks.len() {
+        let tail = &trows[toff[u]..toff[u + 1]];
+        for c0 in (0..tail.len()).step_by(8) {
+            score_chunk(u..u + 1, tail, c0, shared + c0);
+        }
+    }
+    // Softmax over each head's `ctx` scores.
+    for (u, &n) in ctx.iter().enumerate() {
+        for kr in 0..nk * g {
+            let s = std::slice::from_raw_parts_mut(srow(u, kr / g, kr % g), n);
+            let mv = _mm256_set1_ps(s.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+            let mut z = _mm256_setzero_ps();
+            for c in s.chunks_mut(8) {
+                let mut lanes = [0f32; 8];
+                lanes[..c.len()].copy_from_slice(c);
+                _mm256_storeu_ps(
+                    lanes.as_mut_ptr(),
+                    exp256(_mm256_sub_ps(_mm256_loadu_ps(lanes.as_ptr()), mv)),
+                );
+                // Lanes past the context add nothing.
+                lanes[c.len()..].fill(0.0);
+                z = _mm256_add_ps(z, _mm256_loadu_ps(lanes.as_ptr()));
+                let len = c.len();
+                c.copy_from_slice(&lanes[..len]);
+            }
+            let inv = 1.0 / hsum8(z);
+            for x in s.iter_mut() {
+                *x *= inv;
+            }
+        }
+    }
+    let weigh = |us: std::ops::Range<usize>, rs: &[usize], j0: usize| {
+        let init = j0 == 0;
+        for kk in 0..nk {
+            let vh = vp.add((grp.kv.start + kk) * d);
+            for u in us.clone() {
+                for r0 in (0..g).step_by(2) {
+                    let p = srow(u, kk, r0).add(j0) as *const f32;
+                    let op = ob.add(u * w + (kk * g + r0) * d);
+                    let ld = padded[u];
+                    match (DV >= 4, g - r0 >= 2) {
+                        (true, true) => weigh_values8::<E, DV, 4, 2>(rs, vh, p, ld, op, d, init),
+                        (true, false) => weigh_values8::<E, DV, 4, 1>(rs, vh, p, ld, op, d, init),
+                        (false, true) => weigh_values8::<E, DV, 2, 2>(rs, vh, p, ld, op, d, init),
+                        (false, false) => weigh_values8::<E, DV, 2, 1>(rs, vh, p, ld, op, d, init),
+                    }
+                }
+            }
+        }
+    };
+    weigh_in_runs(a, grp, next, &srows, &trows, &toff, |rs| pf(kp, rs), weigh);
+    SCRATCH.with(|sc| sc.replace((srows, trows, scores)));
+}
+
+/// `o[r] = (init ? 0 : o[r]) + sum_j p[r * ld + j] v_j` for `G` heads
+/// sharing the value rows `v + rows[j]` (`8 * DV` floats each), `j`
+/// ascending, `CB` vectors of each output row at a time; `o[r]` is `d`
+/// floats apart.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn weigh_values8<E: KvElem, const DV: usize, const CB: usize, const G: usize>(
+    rows: &[usize],
+    v: *const E,
+    p: *const f32,
+    ld: usize,
+    o: *mut f32,
+    d: usize,
+    init: bool,
+) {
+    use std::arch::x86_64::*;
+    for c0 in (0..DV).step_by(CB) {
+        let mut acc = [[_mm256_setzero_ps(); CB]; G];
+        if !init {
+            for (r, acc) in acc.iter_mut().enumerate() {
+                for (c, x) in acc.iter_mut().enumerate() {
+                    *x = _mm256_loadu_ps(o.add(r * d + 8 * (c0 + c)));
+                }
+            }
+        }
+        for (j, &base) in rows.iter().enumerate() {
+            let vr = v.add(base + 8 * c0);
+            let ws: [__m256; G] = std::array::from_fn(|r| _mm256_set1_ps(*p.add(r * ld + j)));
+            for c in 0..CB {
+                let vv = E::load8(vr.add(8 * c));
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    acc[c] = _mm256_fmadd_ps(ws[r], vv, acc[c]);
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (c, x) in acc.iter().enumerate() {
+                _mm256_storeu_ps(o.add(r * d + 8 * (c0 + c)), *x);
+            }
         }
     }
 }

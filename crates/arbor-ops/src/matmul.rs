@@ -50,7 +50,7 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
-use crate::simd::hsum16;
+use crate::simd::{hsum16, hsum8};
 
 /// Rows of `x` per register tile.
 const MR: usize = 4;
@@ -838,7 +838,7 @@ fn tree8(a: &[f32; 8]) -> f32 {
 }
 
 /// The AVX2 tile: `R x C` dot products as 8 lane-wise FMA chains over `k`
-/// in order (a zero-padded last step for `k % 8`), then [`hsum8`]'s tree.
+/// in order (a zero-padded last step for `k % 8`), then `hsum8`'s tree.
 /// Two rows of `x` at a time: `2 x C <= 12` accumulators, two `x` vectors
 /// and a weight vector fit the 16 registers AVX2 can name; the `C` weight
 /// rows stay in L1 between the passes. Weights are f32 or bf16 (widened
@@ -942,24 +942,6 @@ unsafe fn rows_avx2<W: Lanes8, const R: usize, const C: usize, const PF: usize>(
             *y.add(i * ldy + j) = hsum8(acc[i][j]);
         }
     }
-}
-
-/// The sum of 8 lanes in [`tree8`]'s order.
-///
-/// # Safety
-/// The CPU has AVX.
-#[cfg(target_arch = "x86_64")]
-#[allow(unsafe_code)]
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn hsum8(v: std::arch::x86_64::__m256) -> f32 {
-    use std::arch::x86_64::*;
-    // Lanes l + (l+4).
-    let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    // Lanes l + (l+2).
-    let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    // Lane 0 + lane 1.
-    _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)))
 }
 
 /// The portable tile: for each of the `R` rows of `x`, `C` dot products as

@@ -1,5 +1,5 @@
-//! AVX-512 building blocks shared by the CPU kernels: a 16-way transposing
-//! lane sum and a polynomial `exp`.
+//! SIMD building blocks shared by the CPU kernels: transposing lane sums
+//! and a polynomial `exp`, for AVX-512 (16 lanes) and AVX2 (8 lanes).
 #![cfg(target_arch = "x86_64")]
 #![allow(unsafe_code)]
 
@@ -46,6 +46,18 @@ pub(crate) unsafe fn hsum16(v: &[std::arch::x86_64::__m512; 16]) -> std::arch::x
     _mm512_permutexvar_ps(idx, r)
 }
 
+/// The degree-7 Taylor coefficients of `exp(r)`, highest first (Horner).
+const EXP_POLY: [f32; 8] = [
+    1.0 / 5040.0,
+    1.0 / 720.0,
+    1.0 / 120.0,
+    1.0 / 24.0,
+    1.0 / 6.0,
+    0.5,
+    1.0,
+    1.0,
+];
+
 /// `exp(x)` lane-wise for `x <= 0` (arguments below -87.3, `-inf`
 /// included, give about 1e-38 instead of a subnormal or 0; NaN stays NaN):
 /// `x = n ln 2 + r`, `|r| <= ln2 / 2`, a degree-7 Taylor polynomial in `r`,
@@ -62,17 +74,9 @@ pub(crate) unsafe fn exp512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::
         _mm512_roundscale_ps::<0x08>(_mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)));
     let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_145_75), x);
     let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428_606_8e-6), r);
-    let mut p = _mm512_set1_ps(1.0 / 5040.0);
-    for c in [
-        1.0 / 720.0,
-        1.0 / 120.0,
-        1.0 / 24.0,
-        1.0 / 6.0,
-        0.5,
-        1.0,
-        1.0,
-    ] {
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    let mut p = _mm512_set1_ps(EXP_POLY[0]);
+    for c in &EXP_POLY[1..] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
     }
     _mm512_scalef_ps(p, n)
 }
@@ -103,9 +107,79 @@ pub(crate) unsafe fn max_f32(x: &[f32]) -> f32 {
     _mm512_reduce_max_ps(m)
 }
 
+/// The sum of `v`'s 8 lanes by the fixed tree `l + (l+4)`, `+2`, `+1`.
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(crate) unsafe fn hsum8(v: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    // Lanes l + (l+4).
+    let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    // Lanes l + (l+2).
+    let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    // Lane 0 + lane 1.
+    _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)))
+}
+
+/// `out[l] = sum of the 8 lanes of v[l]`, every one by the tree `((0+1) +
+/// (2+3)) + ((4+5) + (6+7))` (three rounds of pairwise adds, then the two
+/// halves).
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(crate) unsafe fn hsum8x8(v: &[std::arch::x86_64::__m256; 8]) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7].
+    let t = [
+        _mm256_hadd_ps(v[0], v[1]),
+        _mm256_hadd_ps(v[2], v[3]),
+        _mm256_hadd_ps(v[4], v[5]),
+        _mm256_hadd_ps(v[6], v[7]),
+    ];
+    // Lane l of each half: v[l]'s ((0+1)+(2+3)) (low) or ((4+5)+(6+7)) (high).
+    let u0 = _mm256_hadd_ps(t[0], t[1]);
+    let u1 = _mm256_hadd_ps(t[2], t[3]);
+    let lo = _mm256_permute2f128_ps::<0x20>(u0, u1);
+    let hi = _mm256_permute2f128_ps::<0x31>(u0, u1);
+    _mm256_add_ps(lo, hi)
+}
+
+/// [`exp512`] on 8 lanes: the same reduction and polynomial, scaled by
+/// `2^n` built in the exponent bits (`n >= -126` after the clamp).
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(crate) unsafe fn exp256(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    // `max(c, x)` returns `x` when it is NaN, so NaN propagates.
+    let x = _mm256_max_ps(_mm256_set1_ps(-87.3), x);
+    let n = _mm256_round_ps::<0x08>(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)));
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_145_75), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428_606_8e-6), r);
+    let mut p = _mm256_set1_ps(EXP_POLY[0]);
+    for c in &EXP_POLY[1..] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
+    }
+    let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n),
+        _mm256_set1_epi32(127),
+    ));
+    _mm256_mul_ps(p, _mm256_castsi256_ps(bits))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Pseudo-random values of magnitudes 1e-3 to 1e3, both signs.
+    fn noise(mut s: u64) -> impl FnMut() -> f32 {
+        move || {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) as f32 / (1u64 << 31) as f32 - 0.5) * 10f32.powi((s % 7) as i32 - 3)
+        }
+    }
 
     /// Lane `l` of `hsum16(v)` is the tree `(i + i+8)`, `+4`, `+2`, `+1` over
     /// `v[l]`'s lanes, bit for bit (the matmul's dot products rely on it).
@@ -114,13 +188,7 @@ mod tests {
         if !std::is_x86_feature_detected!("avx512f") {
             return;
         }
-        let mut s = 99u64;
-        let mut r = || {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) as f32 / (1u64 << 31) as f32 - 0.5) * 10f32.powi((s % 7) as i32 - 3)
-        };
+        let mut r = noise(99u64);
         for _ in 0..50 {
             let lanes: Vec<[f32; 16]> = (0..16).map(|_| std::array::from_fn(|_| r())).collect();
             let tree = |x: &[f32; 16]| {
@@ -155,38 +223,100 @@ mod tests {
         }
     }
 
-    #[test]
-    fn exp512_is_accurate() {
-        if !std::is_x86_feature_detected!("avx512f") {
-            return;
-        }
+    /// `exp` at one argument through a vector kernel (`x` in every lane,
+    /// lane 0 returned).
+    fn check_exp(exp: impl Fn(f32) -> f32) {
         let mut worst = 0f64;
         let mut x = -90.0f32;
         while x <= 0.0 {
-            let xs = [x; 16];
-            let mut out = [0f32; 16];
-            // SAFETY: AVX-512F detected above.
-            #[allow(unsafe_code)]
-            unsafe {
-                use std::arch::x86_64::*;
-                _mm512_storeu_ps(out.as_mut_ptr(), exp512(_mm512_loadu_ps(xs.as_ptr())));
-            }
+            let got = exp(x) as f64;
             let want = (x as f64).exp();
             if x > -87.0 {
-                worst = worst.max(((out[0] as f64 - want) / want).abs());
+                worst = worst.max(((got - want) / want).abs());
             } else {
-                assert!(out[0] >= 0.0 && out[0] < 1e-37);
+                assert!((0.0..1e-37).contains(&got));
             }
             x += 0.0137;
         }
         assert!(worst < 3e-7, "max relative error {worst}");
         // NaN stays visible.
-        let mut out = [0f32; 16];
-        // SAFETY: AVX-512F detected above.
-        unsafe {
-            use std::arch::x86_64::*;
-            _mm512_storeu_ps(out.as_mut_ptr(), exp512(_mm512_set1_ps(f32::NAN)));
+        assert!(exp(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn exp512_is_accurate() {
+        if !std::is_x86_feature_detected!("avx512f") {
+            return;
         }
-        assert!(out.iter().all(|v| v.is_nan()));
+        check_exp(|x| {
+            let mut out = [0f32; 16];
+            // SAFETY: AVX-512F detected above.
+            unsafe {
+                use std::arch::x86_64::*;
+                _mm512_storeu_ps(out.as_mut_ptr(), exp512(_mm512_set1_ps(x)));
+            }
+            assert!(out.iter().all(|v| v.to_bits() == out[0].to_bits()));
+            out[0]
+        });
+    }
+
+    fn avx2() -> bool {
+        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+    }
+
+    /// `hsum8x8` and `hsum8` are the fixed trees, bit for bit.
+    #[test]
+    fn hsum8_trees_are_fixed() {
+        if !avx2() {
+            return;
+        }
+        let mut r = noise(7u64);
+        for _ in 0..50 {
+            let lanes: Vec<[f32; 8]> = (0..8).map(|_| std::array::from_fn(|_| r())).collect();
+            let pairs =
+                |x: &[f32; 8]| ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+            let tree = |x: &[f32; 8]| {
+                let s4: Vec<f32> = (0..4).map(|i| x[i] + x[i + 4]).collect();
+                (s4[0] + s4[2]) + (s4[1] + s4[3])
+            };
+            let mut out = [0f32; 8];
+            // SAFETY: AVX2 and FMA detected above.
+            unsafe {
+                use std::arch::x86_64::*;
+                let v: [__m256; 8] = std::array::from_fn(|l| _mm256_loadu_ps(lanes[l].as_ptr()));
+                _mm256_storeu_ps(out.as_mut_ptr(), hsum8x8(&v));
+                for l in 0..8 {
+                    assert_eq!(
+                        hsum8(v[l]).to_bits(),
+                        tree(&lanes[l]).to_bits(),
+                        "hsum8 {l}"
+                    );
+                }
+            }
+            for l in 0..8 {
+                assert_eq!(
+                    out[l].to_bits(),
+                    pairs(&lanes[l]).to_bits(),
+                    "hsum8x8 lane {l}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn exp256_is_accurate() {
+        if !avx2() {
+            return;
+        }
+        check_exp(|x| {
+            let mut out = [0f32; 8];
+            // SAFETY: AVX2 and FMA detected above.
+            unsafe {
+                use std::arch::x86_64::*;
+                _mm256_storeu_ps(out.as_mut_ptr(), exp256(_mm256_set1_ps(x)));
+            }
+            assert!(out.iter().all(|v| v.to_bits() == out[0].to_bits()));
+            out[0]
+        });
     }
 }
