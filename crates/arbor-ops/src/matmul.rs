@@ -839,11 +839,13 @@ fn tree8(a: &[f32; 8]) -> f32 {
 
 /// The AVX2 tile: `R x C` dot products as 8 lane-wise FMA chains over `k`
 /// in order (a zero-padded last step for `k % 8`), then `hsum8`'s tree.
-/// Two rows of `x` at a time: `2 x C <= 12` accumulators, two `x` vectors
-/// and a weight vector fit the 16 registers AVX2 can name; the `C` weight
-/// rows stay in L1 between the passes. Weights are f32 or bf16 (widened
-/// exactly; `x` then holds bf16-rounded values, so every product is exact
-/// and only the sums round).
+/// At most three weight rows at a time: `R x 3 <= 12` accumulators and
+/// three weight vectors fit the 16 registers AVX2 can name (the rows of `x`
+/// are FMA memory operands), each weight vector is loaded (and, for bf16,
+/// widened) once per step for all `R` rows, and the rows of `x` stay in L1
+/// between the passes. Weights are f32 or bf16 (widened exactly; `x` then
+/// holds bf16-rounded values, so every product is exact and only the sums
+/// round).
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA; the rows lie inside live allocations.
@@ -859,24 +861,31 @@ unsafe fn tile_avx2<W: Lanes8, const R: usize, const C: usize, const PF: usize>(
     pf: *const W,
     far: usize,
 ) {
-    // Rows 2.. of x come after the first pair, which did the prefetching
-    // (wrapping: for R < 3 these lie past the rows and are never read).
-    let (x2, y2) = (x.wrapping_add(2 * k), y.wrapping_add(2 * ldy));
-    match R {
-        1 => rows_avx2::<W, 1, C, PF>(x, w, k, y, ldy, pf, far),
-        2 => rows_avx2::<W, 2, C, PF>(x, w, k, y, ldy, pf, far),
-        3 => {
-            rows_avx2::<W, 2, C, PF>(x, w, k, y, ldy, pf, far);
-            rows_avx2::<W, 1, C, 0>(x2, w, k, y2, ldy, pf, far)
+    // Weight rows 2.. or 3.. (wrapping: past the tile when C is small, and
+    // then never read).
+    let (w2, y2) = (w.wrapping_add(2 * k), y.wrapping_add(2));
+    let (w3, y3) = (w.wrapping_add(3 * k), y.wrapping_add(3));
+    match C {
+        1 => cols_avx2::<W, R, 1, 0, PF>(x, w, k, y, ldy, pf, far),
+        2 => cols_avx2::<W, R, 2, 0, PF>(x, w, k, y, ldy, pf, far),
+        3 => cols_avx2::<W, R, 3, 0, PF>(x, w, k, y, ldy, pf, far),
+        4 => {
+            cols_avx2::<W, R, 2, 0, PF>(x, w, k, y, ldy, pf, far);
+            cols_avx2::<W, R, 2, 2, PF>(x, w2, k, y2, ldy, pf, far)
+        }
+        5 => {
+            cols_avx2::<W, R, 3, 0, PF>(x, w, k, y, ldy, pf, far);
+            cols_avx2::<W, R, 2, 3, PF>(x, w3, k, y3, ldy, pf, far)
         }
         _ => {
-            rows_avx2::<W, 2, C, PF>(x, w, k, y, ldy, pf, far);
-            rows_avx2::<W, 2, C, 0>(x2, w, k, y2, ldy, pf, far)
+            cols_avx2::<W, R, 3, 0, PF>(x, w, k, y, ldy, pf, far);
+            cols_avx2::<W, R, 3, 3, PF>(x, w3, k, y3, ldy, pf, far)
         }
     }
 }
 
-/// `R <= 2` rows of [`tile_avx2`].
+/// Weight rows `J0..J0 + C` (`C <= 3`, `w` and `y` already at row `J0`) of
+/// [`tile_avx2`]; they prefetch the next tile's rows below `PF`.
 ///
 /// # Safety
 /// As [`tile_avx2`].
@@ -884,7 +893,7 @@ unsafe fn tile_avx2<W: Lanes8, const R: usize, const C: usize, const PF: usize>(
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::needless_range_loop)]
-unsafe fn rows_avx2<W: Lanes8, const R: usize, const C: usize, const PF: usize>(
+unsafe fn cols_avx2<W: Lanes8, const R: usize, const C: usize, const J0: usize, const PF: usize>(
     x: *const f32,
     w: *const W,
     k: usize,
@@ -908,17 +917,17 @@ unsafe fn rows_avx2<W: Lanes8, const R: usize, const C: usize, const PF: usize>(
     let mut acc = [[_mm256_setzero_ps(); C]; R];
     let mut kk = 0;
     while kk < full {
-        let mut xv = [_mm256_setzero_ps(); R];
-        for i in 0..R {
-            xv[i] = _mm256_loadu_ps(x.add(i * k + kk));
-        }
+        let mut wv = [_mm256_setzero_ps(); C];
         for j in 0..C {
-            let wv = load_w(w.add(j * k + kk));
-            if j < PF && kk % line == 0 {
-                prefetch_weights(pf.wrapping_add(j * k + kk), far);
+            wv[j] = load_w(w.add(j * k + kk));
+            if J0 + j < PF && kk % line == 0 {
+                prefetch_weights(pf.wrapping_add((J0 + j) * k + kk), far);
             }
-            for i in 0..R {
-                acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+        }
+        for i in 0..R {
+            let xv = _mm256_loadu_ps(x.add(i * k + kk));
+            for j in 0..C {
+                acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
             }
         }
         kk += 8;
@@ -926,14 +935,14 @@ unsafe fn rows_avx2<W: Lanes8, const R: usize, const C: usize, const PF: usize>(
     if full < k {
         // The last, partial step, zero-padded.
         let t = k - full;
-        let mut xv = [_mm256_setzero_ps(); R];
-        for i in 0..R {
-            xv[i] = _mm256_loadu_ps(lanes8(x.add(i * k + full), t).as_ptr());
-        }
+        let mut wv = [_mm256_setzero_ps(); C];
         for j in 0..C {
-            let wv = _mm256_loadu_ps(lanes8(w.add(j * k + full), t).as_ptr());
-            for i in 0..R {
-                acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+            wv[j] = _mm256_loadu_ps(lanes8(w.add(j * k + full), t).as_ptr());
+        }
+        for i in 0..R {
+            let xv = _mm256_loadu_ps(lanes8(x.add(i * k + full), t).as_ptr());
+            for j in 0..C {
+                acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
             }
         }
     }
