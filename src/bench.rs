@@ -92,6 +92,8 @@ struct GenBenchResult {
     prompt_len: usize,
     new_tokens: usize,
     threads: usize,
+    /// The CPU matmul kernels (`avx512`, `avx512-bf16`, `avx2`, `portable`).
+    cpu_kernels: &'static str,
     seconds: f64,
     generated_tokens: u64,
     generated_tokens_per_s: f64,
@@ -181,6 +183,7 @@ fn run_engine_bench(
         threads: std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1),
+        cpu_kernels: arbor_ops::MatmulIsa::detect().name(),
         seconds,
         generated_tokens: st.generated,
         generated_tokens_per_s: st.generated as f64 / seconds,
@@ -289,6 +292,8 @@ struct ModelBenchResult {
     seq: usize,
     steps: usize,
     threads: usize,
+    /// The CPU matmul kernels (`avx512`, `avx512-bf16`, `avx2`, `portable`).
+    cpu_kernels: &'static str,
     forward_tokens_per_s: f64,
     forward_backward_tokens_per_s: f64,
     forward_backward_s_per_step: f64,
@@ -399,6 +404,7 @@ fn model_bench(a: ModelBenchArgs) -> Result<()> {
         threads: std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1),
+        cpu_kernels: arbor_ops::MatmulIsa::detect().name(),
         forward_tokens_per_s: tokens / fwd,
         forward_backward_tokens_per_s: tokens / fwd_bwd,
         forward_backward_s_per_step: fwd_bwd,
