@@ -159,6 +159,15 @@ pub fn silu_mul(g: &[f32], u: &[f32]) -> Vec<f32> {
             };
             return;
         }
+        #[cfg(target_arch = "x86_64")]
+        if avx2() {
+            // SAFETY: AVX2 and FMA detected; `g`, `u` and `o` have one length.
+            #[allow(unsafe_code)]
+            unsafe {
+                silu_mul_avx2(g, u, o)
+            };
+            return;
+        }
         for ((o, &a), &b) in o.iter_mut().zip(g).zip(u) {
             *o = a / (1.0 + (-a).exp()) * b;
         }
@@ -185,6 +194,71 @@ unsafe fn silu_mul_avx512(g: &[f32], u: &[f32], o: &mut [f32]) {
         let e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), a));
         let y = _mm512_mul_ps(_mm512_div_ps(a, _mm512_add_ps(one, e)), b);
         _mm512_mask_storeu_ps(o.as_mut_ptr().add(i), mask, y);
+    }
+}
+
+/// [`silu_mul_avx512`] on 8 lanes with `exp256`.
+///
+/// # Safety
+/// The CPU supports AVX2 and FMA; `g` and `u` hold at least `o.len()`
+/// values.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn silu_mul_avx2(g: &[f32], u: &[f32], o: &mut [f32]) {
+    use crate::simd::exp256;
+    use std::arch::x86_64::*;
+    assert!(g.len() >= o.len() && u.len() >= o.len());
+    let one = _mm256_set1_ps(1.0);
+    for (i, o) in o.chunks_mut(8).enumerate() {
+        let (a, b) = (lanes8(&g[8 * i..]), lanes8(&u[8 * i..]));
+        let e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), a));
+        store8(_mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(one, e)), b), o);
+    }
+}
+
+/// Whether this CPU has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+fn avx2() -> bool {
+    std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+}
+
+/// The first (up to) 8 values of `x` as lanes, the rest zero.
+///
+/// # Safety
+/// The CPU supports AVX.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn lanes8(x: &[f32]) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    if x.len() >= 8 {
+        _mm256_loadu_ps(x.as_ptr())
+    } else {
+        let mut l = [0f32; 8];
+        l[..x.len()].copy_from_slice(x);
+        _mm256_loadu_ps(l.as_ptr())
+    }
+}
+
+/// The first `o.len() <= 8` lanes of `v` into `o`.
+///
+/// # Safety
+/// The CPU supports AVX.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn store8(v: std::arch::x86_64::__m256, o: &mut [f32]) {
+    use std::arch::x86_64::*;
+    if o.len() == 8 {
+        _mm256_storeu_ps(o.as_mut_ptr(), v);
+    } else {
+        let mut l = [0f32; 8];
+        _mm256_storeu_ps(l.as_mut_ptr(), v);
+        let n = o.len();
+        o.copy_from_slice(&l[..n]);
     }
 }
 
@@ -225,9 +299,11 @@ pub fn max(x: &[f32]) -> f32 {
 /// On CPUs with AVX-512F each `e_i` comes from the f32 polynomial `exp`
 /// (relative error below 3e-7; arguments below -87.3 give about 1e-38
 /// instead of a subnormal) and the sum from eight f64 lanes per half of
-/// each 16-lane vector, then a fixed reduction; elsewhere `e_i` is the f64
-/// `exp` of the f32 argument, rounded to f32, summed in order. Either way the
-/// result depends on the row alone.
+/// each 16-lane vector, then a fixed reduction; with AVX2 and FMA the same
+/// `exp` on 8 lanes, summed in four f64 lanes per half of each vector, then
+/// a fixed reduction; elsewhere `e_i` is the f64 `exp` of the f32 argument,
+/// rounded to f32, summed in order. Either way the result depends on the
+/// row alone.
 pub fn exp_shifted(x: &[f32], shift: f32, scale: f32, out: Option<&mut [f32]>) -> f64 {
     if let Some(o) = &out {
         assert_eq!(o.len(), x.len(), "exp_shifted: output length");
@@ -237,6 +313,13 @@ pub fn exp_shifted(x: &[f32], shift: f32, scale: f32, out: Option<&mut [f32]>) -
         // SAFETY: AVX-512F detected; `out`, when given, has `x.len()` elements.
         #[allow(unsafe_code)]
         return unsafe { exp_shifted_avx512(x, shift, scale, out) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if avx2() {
+        // SAFETY: AVX2 and FMA detected; `out`, when given, has `x.len()`
+        // elements.
+        #[allow(unsafe_code)]
+        return unsafe { exp_shifted_avx2(x, shift, scale, out) };
     }
     // The sum is of the rounded values, so it is exactly the sum of `out`.
     let e = |v: f32| (((v - shift) * scale) as f64).exp() as f32;
@@ -286,6 +369,34 @@ unsafe fn exp_shifted_avx512(
         );
     }
     _mm512_reduce_add_pd(_mm512_add_pd(lo, hi))
+}
+
+/// [`exp_shifted_avx512`] on 8 lanes.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_shifted_avx2(x: &[f32], shift: f32, scale: f32, mut out: Option<&mut [f32]>) -> f64 {
+    use crate::simd::exp256;
+    use std::arch::x86_64::*;
+    let (s, c) = (_mm256_set1_ps(shift), _mm256_set1_ps(scale));
+    let (mut lo, mut hi) = (_mm256_setzero_pd(), _mm256_setzero_pd());
+    for (i, xc) in x.chunks(8).enumerate() {
+        let mut e = exp256(_mm256_mul_ps(_mm256_sub_ps(lanes8(xc), s), c));
+        if xc.len() < 8 {
+            // Lanes past the row add nothing.
+            let mut l = [0f32; 8];
+            store8(e, &mut l[..xc.len()]);
+            e = _mm256_loadu_ps(l.as_ptr());
+        }
+        if let Some(o) = out.as_deref_mut() {
+            store8(e, &mut o[8 * i..8 * i + xc.len()]);
+        }
+        lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+        hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(e)));
+    }
+    let mut l = [0f64; 4];
+    _mm256_storeu_pd(l.as_mut_ptr(), _mm256_add_pd(lo, hi));
+    (l[0] + l[2]) + (l[1] + l[3])
 }
 
 #[cfg(test)]

@@ -145,14 +145,19 @@ pub(crate) unsafe fn hsum8x8(v: &[std::arch::x86_64::__m256; 8]) -> std::arch::x
 }
 
 /// [`exp512`] on 8 lanes: the same reduction and polynomial, scaled by
-/// `2^n` built in the exponent bits (`n >= -126` after the clamp).
+/// `2^n` built in the exponent bits (arguments clamped to `[-87.3, 88]`,
+/// so `-126 <= n <= 127`; above 88 it gives `exp(88)`).
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 pub(crate) unsafe fn exp256(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
     use std::arch::x86_64::*;
-    // `max(c, x)` returns `x` when it is NaN, so NaN propagates.
-    let x = _mm256_max_ps(_mm256_set1_ps(-87.3), x);
+    // `max(c, x)` and `min(c, x)` return `x` when it is NaN, so NaN
+    // propagates.
+    let x = _mm256_min_ps(
+        _mm256_set1_ps(88.0),
+        _mm256_max_ps(_mm256_set1_ps(-87.3), x),
+    );
     let n = _mm256_round_ps::<0x08>(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)));
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_145_75), x);
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428_606_8e-6), r);
