@@ -1184,8 +1184,8 @@ mod tests {
         check(6, 2, 12, 3, &[7, 2, 4, 0], 12345);
     }
 
-    /// Head sizes the AVX-512 path serves (where the CPU has it; the
-    /// portable kernel otherwise), contexts across 16-key blocks, 1 to 7
+    /// Head sizes the vector paths serve (AVX-512 or AVX2, whichever the
+    /// CPU has; the portable kernel otherwise), contexts across 16-key blocks, 1 to 7
     /// query heads per KV head.
     #[test]
     fn vector_path_matches_f64_reference() {

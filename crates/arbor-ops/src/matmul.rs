@@ -12,9 +12,8 @@
 //! (most laptops and desktops), or portable Rust (8 lanes of separate
 //! multiplies and adds, which the compiler vectorises; any architecture).
 //! The lane count and the fused or separate rounding differ between
-//! kernels, so results differ across CPUs in the last bits; on one CPU they
-//! never depend on the batch. So a row's result depends only on that
-//! row and the weights, never on how many other rows share the call or where
+//! kernels, so results differ across CPUs in the last bits. On one CPU a
+//! row's result depends only on that row and the weights, never on how many other rows share the call or where
 //! it sits among them. The engine relies on this: a sequence's logits (and
 //! therefore its sampled tokens) must not depend on the batch it decodes in,
 //! on whether its prefix was prefilled or served from the cache, or on
@@ -22,7 +21,8 @@
 //!
 //! Both operands are read in their natural layouts (`w` is a `Linear`
 //! weight, `[out, in]`), so there is no packing: a register tile of
-//! `MR x NR` (4 x 6) dot products loads `MR + NR` vectors per `MR * NR`
+//! `MR x NR` (4 x 6) dot products (on AVX2, in passes of up to 3 weight
+//! rows: `tile_avx2`) loads `MR + NR` vectors per `MR * NR`
 //! FMAs; a weight tile of 6 rows stays in L1 while a 64-row block of `x`
 //! streams past it from L2, and the next weight tile is prefetched while
 //! the block's rows meet the current one, its rows shared out among the
@@ -32,8 +32,8 @@
 //! from the first row tile stalled it and left weight streaming and compute
 //! in series: cold weights at 32 rows ran 35% below hot ones); calls of up
 //! to 64 rows also prefetch the tile [`FAR_TILES`] further on into L2, so
-//! the weight stream is not bound by the L1 miss queues. The tile's
-//! 24 accumulators stay in registers through the loop: their lane sums are
+//! the weight stream is not bound by the L1 miss queues. With AVX-512 the
+//! tile's 24 accumulators stay in registers through the loop: their lane sums are
 //! taken 16 at a time by one transposing tree of 512-bit instructions (a
 //! 128-bit reduction per sum would confine them to the 16 registers such
 //! instructions can name, and the compiler then spilled a third of them
@@ -77,8 +77,8 @@ pub enum MatmulIsa {
     /// AVX-512F: 16-lane chains, 4 x 6 register tiles; bf16 weights by
     /// `vdpbf16ps` where the CPU has AVX-512 BF16 (else widened, as AVX2).
     Avx512,
-    /// AVX2 and FMA: 8-lane chains, tiles of 2 x 6 accumulators; bf16
-    /// weights widened to f32 (exact) in registers.
+    /// AVX2 and FMA: 8-lane chains, tiles in passes of 4 x 3 accumulators;
+    /// bf16 weights widened to f32 (exact) in registers.
     Avx2,
     /// Plain Rust: 8-lane chains of separate multiplies and adds, one row
     /// of `x` against 6 weight rows at a time.
@@ -994,9 +994,10 @@ unsafe fn tile_portable<W: Lanes8, const R: usize, const C: usize>(
 }
 
 /// `x [m, k] @ w[n, k]^T` as a candle op on the CPU: `x` f32, `w` f32
-/// ([`matmul_nt`]) or bf16 ([`matmul_nt_bf16`]), output f32; with the matmul backward (`dx = g w`, `dw = g^T x`
-/// in `w`'s dtype, both detached; for bf16 weights the rounding of `x` is
-/// taken as the identity, straight through).
+/// ([`matmul_nt`]) or bf16 ([`matmul_nt_bf16`]), output f32; with the
+/// matmul backward (`dx = g w`, `dw = g^T x` in `w`'s dtype, both
+/// detached; for bf16 weights the rounding of `x` is taken as the
+/// identity, straight through).
 pub fn matmul_nt_op(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (_, k) = x.dims2()?;
     let (_, k2) = w.dims2()?;
@@ -1132,7 +1133,8 @@ mod tests {
 
     /// A kernel under test: `run(x, w, m, k, n)` by instruction set `isa`,
     /// with `w` as f32 values (bf16-exact for bf16 weights); `round` is
-    /// what the kernel does to each input before multiplying.
+    /// what the kernel does to each input before multiplying (bf16 weights:
+    /// rounds `x` to bf16).
     struct Kernel {
         isa: MatmulIsa,
         bf16: bool,

@@ -6,7 +6,7 @@
 //! its own allocation and pass over memory) by one pass. They use the same
 //! f32 operations in the same order as the training forward's candle ops,
 //! except the RMSNorm sum of squares, whose order is this kernel's own, and
-//! SiLU's `exp`, a vectorised polynomial on AVX-512 CPUs; every
+//! SiLU's `exp`, a vectorised polynomial on AVX-512 and AVX2 CPUs; every
 //! row is computed on its own, so results never depend on the batch. Rows
 //! are split across threads only when there are enough of them to pay for it.
 
@@ -145,9 +145,10 @@ pub fn add(a: &[f32], b: &[f32]) -> Vec<f32> {
 }
 
 /// SwiGLU's gate: `silu(g) * u = g / (1 + exp(-g)) * u`, elementwise.
-/// On CPUs with AVX-512F `exp` is the f32 polynomial (relative error below
-/// 3e-7; the rest is the same f32 operations in the same order), 16 values
-/// at a time; elsewhere it is `f32::exp`, as in candle's `silu`.
+/// On CPUs with AVX-512F or AVX2 `exp` is the f32 polynomial (relative
+/// error below 3e-7; the rest is the same f32 operations in the same
+/// order), 16 or 8 values at a time; elsewhere it is `f32::exp`, as in
+/// candle's `silu`.
 pub fn silu_mul(g: &[f32], u: &[f32]) -> Vec<f32> {
     zip_chunks(g, u, |g, u, o| {
         #[cfg(target_arch = "x86_64")]
