@@ -74,6 +74,9 @@ pub struct Bench {
 #[derive(Debug, Serialize)]
 struct Report {
     device: String,
+    /// The CPU matmul kernels of this machine (`avx512`, `avx512-bf16`,
+    /// `avx2`, `portable`): the CPU side of every check.
+    cpu_kernels: &'static str,
     seed: u64,
     quick: bool,
     date_unix: u64,
@@ -111,8 +114,9 @@ pub fn run(a: CheckDeviceArgs) -> Result<()> {
             .unwrap_or(1)
     });
     let quick = a.quick || dev.is_cpu();
+    let cpu_kernels = arbor_ops::MatmulIsa::detect().name();
     eprintln!(
-        "check-device: {want} (seed {seed}{})",
+        "check-device: {want} (seed {seed}{}; CPU kernels {cpu_kernels})",
         if quick { ", quick sizes" } else { "" }
     );
     arbor_ops::set_poison(true);
@@ -133,6 +137,7 @@ pub fn run(a: CheckDeviceArgs) -> Result<()> {
     let all_pass = checks.iter().all(|c| c.pass);
     let report = Report {
         device: format!("{dev:?}"),
+        cpu_kernels,
         seed,
         quick,
         date_unix: std::time::SystemTime::now()
