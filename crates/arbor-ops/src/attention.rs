@@ -731,7 +731,7 @@ unsafe fn attend_group8<E: KvElem, const DV: usize>(
     next: Option<&Group>,
     o: &mut [f32],
 ) {
-    use crate::simd::{exp256, hsum8, hsum8x8};
+    use crate::simd::{exp256, first8, hsum8, hsum8x8, lanes8, store8};
     use std::arch::x86_64::*;
     let (d, nkv) = (a.head_dim, a.n_kv);
     let t = a.positions.len();
@@ -825,17 +825,10 @@ unsafe fn attend_group8<E: KvElem, const DV: usize>(
             let mv = _mm256_set1_ps(s.iter().copied().fold(f32::NEG_INFINITY, f32::max));
             let mut z = _mm256_setzero_ps();
             for c in s.chunks_mut(8) {
-                let mut lanes = [0f32; 8];
-                lanes[..c.len()].copy_from_slice(c);
-                _mm256_storeu_ps(
-                    lanes.as_mut_ptr(),
-                    exp256(_mm256_sub_ps(_mm256_loadu_ps(lanes.as_ptr()), mv)),
-                );
                 // Lanes past the context add nothing.
-                lanes[c.len()..].fill(0.0);
-                z = _mm256_add_ps(z, _mm256_loadu_ps(lanes.as_ptr()));
-                let len = c.len();
-                c.copy_from_slice(&lanes[..len]);
+                let e = first8(exp256(_mm256_sub_ps(lanes8(c), mv)), c.len());
+                z = _mm256_add_ps(z, e);
+                store8(e, c);
             }
             let inv = 1.0 / hsum8(z);
             for x in s.iter_mut() {

@@ -207,7 +207,7 @@ unsafe fn silu_mul_avx512(g: &[f32], u: &[f32], o: &mut [f32]) {
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn silu_mul_avx2(g: &[f32], u: &[f32], o: &mut [f32]) {
-    use crate::simd::exp256;
+    use crate::simd::{exp256, lanes8, store8};
     use std::arch::x86_64::*;
     assert!(g.len() >= o.len() && u.len() >= o.len());
     let one = _mm256_set1_ps(1.0);
@@ -222,45 +222,6 @@ unsafe fn silu_mul_avx2(g: &[f32], u: &[f32], o: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 fn avx2() -> bool {
     std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
-}
-
-/// The first (up to) 8 values of `x` as lanes, the rest zero.
-///
-/// # Safety
-/// The CPU supports AVX.
-#[cfg(target_arch = "x86_64")]
-#[allow(unsafe_code)]
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn lanes8(x: &[f32]) -> std::arch::x86_64::__m256 {
-    use std::arch::x86_64::*;
-    if x.len() >= 8 {
-        _mm256_loadu_ps(x.as_ptr())
-    } else {
-        let mut l = [0f32; 8];
-        l[..x.len()].copy_from_slice(x);
-        _mm256_loadu_ps(l.as_ptr())
-    }
-}
-
-/// The first `o.len() <= 8` lanes of `v` into `o`.
-///
-/// # Safety
-/// The CPU supports AVX.
-#[cfg(target_arch = "x86_64")]
-#[allow(unsafe_code)]
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn store8(v: std::arch::x86_64::__m256, o: &mut [f32]) {
-    use std::arch::x86_64::*;
-    if o.len() == 8 {
-        _mm256_storeu_ps(o.as_mut_ptr(), v);
-    } else {
-        let mut l = [0f32; 8];
-        _mm256_storeu_ps(l.as_mut_ptr(), v);
-        let n = o.len();
-        o.copy_from_slice(&l[..n]);
-    }
 }
 
 /// An elementwise kernel of two inputs: `f(a, b, out)` over matching
@@ -377,18 +338,16 @@ unsafe fn exp_shifted_avx512(
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn exp_shifted_avx2(x: &[f32], shift: f32, scale: f32, mut out: Option<&mut [f32]>) -> f64 {
-    use crate::simd::exp256;
+    use crate::simd::{exp256, first8, lanes8, store8};
     use std::arch::x86_64::*;
     let (s, c) = (_mm256_set1_ps(shift), _mm256_set1_ps(scale));
     let (mut lo, mut hi) = (_mm256_setzero_pd(), _mm256_setzero_pd());
     for (i, xc) in x.chunks(8).enumerate() {
-        let mut e = exp256(_mm256_mul_ps(_mm256_sub_ps(lanes8(xc), s), c));
-        if xc.len() < 8 {
-            // Lanes past the row add nothing.
-            let mut l = [0f32; 8];
-            store8(e, &mut l[..xc.len()]);
-            e = _mm256_loadu_ps(l.as_ptr());
-        }
+        // Lanes past the row add nothing.
+        let e = first8(
+            exp256(_mm256_mul_ps(_mm256_sub_ps(lanes8(xc), s), c)),
+            xc.len(),
+        );
         if let Some(o) = out.as_deref_mut() {
             store8(e, &mut o[8 * i..8 * i + xc.len()]);
         }

@@ -172,6 +172,60 @@ pub(crate) unsafe fn exp256(x: std::arch::x86_64::__m256) -> std::arch::x86_64::
     _mm256_mul_ps(p, _mm256_castsi256_ps(bits))
 }
 
+/// The first (up to) 8 values of `x` as lanes, the rest zero.
+///
+/// # Safety
+/// The CPU supports AVX.
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(crate) unsafe fn lanes8(x: &[f32]) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    if x.len() >= 8 {
+        _mm256_loadu_ps(x.as_ptr())
+    } else {
+        let mut l = [0f32; 8];
+        l[..x.len()].copy_from_slice(x);
+        _mm256_loadu_ps(l.as_ptr())
+    }
+}
+
+/// The first `o.len() <= 8` lanes of `v` into `o`.
+///
+/// # Safety
+/// The CPU supports AVX.
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(crate) unsafe fn store8(v: std::arch::x86_64::__m256, o: &mut [f32]) {
+    use std::arch::x86_64::*;
+    if o.len() == 8 {
+        _mm256_storeu_ps(o.as_mut_ptr(), v);
+    } else {
+        let mut l = [0f32; 8];
+        _mm256_storeu_ps(l.as_mut_ptr(), v);
+        let n = o.len();
+        o.copy_from_slice(&l[..n]);
+    }
+}
+
+/// `v` with the lanes from `n` on zeroed (`n >= 8`: `v` itself).
+///
+/// # Safety
+/// The CPU supports AVX.
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(crate) unsafe fn first8(v: std::arch::x86_64::__m256, n: usize) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    if n >= 8 {
+        return v;
+    }
+    let mut l = [0f32; 8];
+    store8(v, &mut l[..n]);
+    _mm256_loadu_ps(l.as_ptr())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
