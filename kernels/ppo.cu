@@ -75,14 +75,16 @@ __device__ __forceinline__ void value_token(float v, const float* a, float clip,
   const float du = v - R;
   const float lu = 0.5f * du * du;
   if (clip <= 0.f) { *loss = lu; *clipped = 0.f; *dv = du; return; }
+  // Inside the clip range the clipped prediction is v itself: decide that
+  // from d alone, because vold + (v - vold) need not round back to v, and
+  // an ulp above lu would count the token as clipped.
   const float d = v - vold;
-  const float dcl = fminf(fmaxf(d, -clip), clip);
-  const float dc = vold + dcl - R;
+  const float dc = d > clip ? vold + clip - R : (d < -clip ? vold - clip - R : du);
   const float lc = 0.5f * dc * dc;
   if (lc > lu) {
     *loss = lc;
     *clipped = 1.f;
-    *dv = (d > -clip && d < clip) ? dc : 0.f;
+    *dv = 0.f;
   } else {
     *loss = lu;
     *clipped = 0.f;

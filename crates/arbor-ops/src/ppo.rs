@@ -157,11 +157,20 @@ fn value_token(v: f64, a: &[f64], clip: f64) -> (f64, f64, f64) {
     if clip <= 0.0 {
         return (lu, 0.0, du);
     }
+    // Inside the clip range the clipped prediction is `v` itself (decided
+    // from `d`, since `vold + (v - vold)` need not round back to `v`); a
+    // clipped token's gradient is zero (the prediction is pinned).
     let d = v - vold;
-    let dc = vold + d.clamp(-clip, clip) - ret;
+    let dc = if d > clip {
+        vold + clip - ret
+    } else if d < -clip {
+        vold - clip - ret
+    } else {
+        du
+    };
     let lc = 0.5 * dc * dc;
     if lc > lu {
-        (lc, 1.0, if d > -clip && d < clip { dc } else { 0.0 })
+        (lc, 1.0, 0.0)
     } else {
         (lu, 0.0, du)
     }
@@ -510,6 +519,25 @@ mod tests {
             let out = value_loss(x.as_tensor(), &aux64(&ret, &old, &w)?, c)?;
             let got = out.to_vec1::<f64>()?;
             assert!((got[0] - reference(&v, c as f64)).abs() < 1e-12);
+            // Clip fraction: weight of tokens whose prediction left the
+            // trust region and whose clipped loss is the larger one.
+            let c64 = c as f64;
+            let frac: f64 = (0..n)
+                .filter(|&i| {
+                    let d = v[i] - old[i];
+                    let vc = old[i] + d.clamp(-c64, c64);
+                    c > 0.0 && d.abs() > c64 && (vc - ret[i]).abs() > (v[i] - ret[i]).abs()
+                })
+                .map(|i| w[i])
+                .sum();
+            assert!(
+                (got[1] - frac).abs() < 1e-12,
+                "clip {c}: {} vs {frac}",
+                got[1]
+            );
+            if c > 0.0 {
+                assert!(frac > 0.0, "the test should clip some tokens");
+            }
             let g = out
                 .get(0)?
                 .backward()?
