@@ -376,6 +376,8 @@ pub struct ParamLoader<'a> {
     lora: Option<crate::model::LoraConfig>,
     /// Set by [`all_in_dtype`](Self::all_in_dtype).
     all_in_dtype: bool,
+    /// Set by [`rounded_through`](Self::rounded_through).
+    round_through: Option<DType>,
 }
 
 impl std::fmt::Debug for ParamLoader<'_> {
@@ -400,6 +402,7 @@ impl<'a> ParamLoader<'a> {
             vars: None,
             lora: None,
             all_in_dtype: false,
+            round_through: None,
         }
     }
 
@@ -407,6 +410,16 @@ impl<'a> ParamLoader<'a> {
     /// (candle's bf16 arithmetic, as on a GPU; slow on a CPU).
     pub fn all_in_dtype(mut self) -> Self {
         self.all_in_dtype = true;
+        self
+    }
+
+    /// Random weights (drawn in f32) are rounded to `dt` before they are
+    /// cast to the loader's dtype: an f64 model built so holds exactly the
+    /// weights of the `dt` model of the same seed, the reference that
+    /// measures a bf16 model's arithmetic error apart from its weights'
+    /// rounding. Checkpoint tensors are not affected.
+    pub fn rounded_through(mut self, dt: DType) -> Self {
+        self.round_through = Some(dt);
         self
     }
 
@@ -419,6 +432,7 @@ impl<'a> ParamLoader<'a> {
             vars: Some(vars),
             lora: None,
             all_in_dtype: false,
+            round_through: None,
         }
     }
 
@@ -496,6 +510,7 @@ impl<'a> ParamLoader<'a> {
                 *seed,
                 shape,
                 init,
+                self.round_through,
                 self.param_dtype(shape),
                 &self.device,
             )?,
@@ -518,6 +533,7 @@ impl<'a> ParamLoader<'a> {
                 seed,
                 shape,
                 init,
+                self.round_through,
                 self.param_dtype(shape),
                 &self.device,
             )?;
@@ -551,6 +567,7 @@ fn init_tensor(
     seed: u64,
     shape: &[usize],
     init: Init,
+    round: Option<DType>,
     dtype: DType,
     device: &Device,
 ) -> Result<Tensor> {
@@ -575,7 +592,11 @@ fn init_tensor(
                 v.push((r * th.sin()) as f32);
             }
             v.truncate(n);
-            Tensor::from_vec(v, shape, device)?.to_dtype(dtype)?
+            let t = Tensor::from_vec(v, shape, device)?;
+            match round {
+                Some(r) => t.to_dtype(r)?.to_dtype(dtype)?,
+                None => t.to_dtype(dtype)?,
+            }
         }
         Init::Ones => Tensor::ones(shape, dtype, device)?,
         Init::Zeros => Tensor::zeros(shape, dtype, device)?,
@@ -643,4 +664,32 @@ pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Res
         .and_then(|f| f.sync_all())
         .map_err(|e| ModelError::io(&tmp, e))?;
     std::fs::rename(&tmp, path).map_err(|e| ModelError::io(path, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounded_through_holds_the_bf16_weights_exactly() -> Result<()> {
+        let dev = Device::Cpu;
+        let src = || ParamSource::Random { seed: 11 };
+        let init = Init::Normal(0.02);
+        let bf = ParamLoader::frozen(src(), DType::BF16, &dev)
+            .all_in_dtype()
+            .get("w", &[64, 48], init)?;
+        let plain = ParamLoader::frozen(src(), DType::F64, &dev).get("w", &[64, 48], init)?;
+        let rounded = ParamLoader::frozen(src(), DType::F64, &dev)
+            .rounded_through(DType::BF16)
+            .get("w", &[64, 48], init)?;
+        let (bf, plain, rounded) = (
+            bf.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?,
+            plain.flatten_all()?.to_vec1::<f64>()?,
+            rounded.flatten_all()?.to_vec1::<f64>()?,
+        );
+        assert_eq!(rounded, bf);
+        // The f32 draws themselves are not bf16 values.
+        assert!(plain.iter().zip(&bf).filter(|(a, b)| a != b).count() > 3000);
+        Ok(())
+    }
 }
