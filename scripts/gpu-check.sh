@@ -8,8 +8,8 @@
 #   scripts/gpu-check.sh run     (on the GPU machine) unpacks that binary,
 #       finds the CUDA libraries there (pip's nvidia-* packages of the
 #       machine's Python, or a CUDA toolkit, or the driver's folder), runs
-#       a few RL steps of `arbor train configs/gpu-smoke.toml` on the GPU, then
-#       `arbor check-device`, and writes everything under $OUT (default
+#       `arbor check-device`, then a few RL steps of `arbor train
+#       configs/gpu-smoke.toml` on the GPU, and writes everything under $OUT (default
 #       ./gpu-check-out): check-device.json/.txt, gpu-smoke.txt and the run
 #       directory gpu-smoke/, nvidia-smi.txt.
 #
@@ -32,8 +32,10 @@ build)
   cargo build --release --features cuda
   mkdir -p dist
   strip -o dist/arbor-cuda target/release/arbor
-  xz -T0 -6 -f -k dist/arbor-cuda
-  ls -l dist/arbor-cuda dist/arbor-cuda.xz >&2
+  # Only the .xz stays: the device tool carries at most 64 MiB with the
+  # working tree, and the stripped binary alone is about that size.
+  xz -T0 -6 -f dist/arbor-cuda
+  ls -l dist/arbor-cuda.xz >&2
   echo "built dist/arbor-cuda.xz; on the GPU machine: scripts/gpu-check.sh run" >&2
   ;;
 run)
@@ -79,14 +81,16 @@ run)
     exit 1
   fi
   set +e
+  # The kernel, model, training-step and benchmark checks (table last; the
+  # JSON is rewritten after every section, so a run cut short keeps what it
+  # measured).
+  "$bin" check-device --json "$OUT/check-device.json" "$@" 2>&1 | tee "$OUT/check-device.txt"
+  rc=${PIPESTATUS[0]}
   # A few RL steps of the real trainer with everything on the GPU.
   "$bin" train configs/gpu-smoke.toml --out "$OUT/gpu-smoke" > "$OUT/gpu-smoke.txt" 2>&1
   rc_train=$?
   echo "gpu-check: arbor train configs/gpu-smoke.toml exit $rc_train (log: $OUT/gpu-smoke.txt)"
   tail -12 "$OUT/gpu-smoke.txt"
-  # The kernel, model, training-step and benchmark checks; table last.
-  "$bin" check-device --json "$OUT/check-device.json" "$@" 2>&1 | tee "$OUT/check-device.txt"
-  rc=${PIPESTATUS[0]}
   set -e
   [ "$rc" = 0 ] && rc=$rc_train
   echo "gpu-check: exit $rc; results in $OUT" >&2

@@ -29,6 +29,7 @@ fn check_device_on_cpu_passes_and_writes_json() {
     let r: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(r["all_pass"], true);
+    assert_eq!(r["complete"], true);
     let names: Vec<&str> = r["checks"]
         .as_array()
         .unwrap()
