@@ -455,34 +455,94 @@ pub struct LogprobMemArgs {
     /// Also run the naive path's backward (needs roughly 5 N*V floats).
     #[arg(long)]
     pub naive_backward: bool,
+    /// `cpu` (heap allocation accounting) or `cuda` (the CUDA memory pool's
+    /// high-water mark; needs a build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
 }
 
-/// Peak heap bytes above the inputs for token logprobs by the fused op
-/// (forward + backward) and by the naive path (full logits, log_softmax,
-/// gather), by allocation accounting (f32, CPU).
+/// Peak memory meter: heap allocation accounting on the CPU, the default
+/// CUDA memory pool's high-water mark on a GPU.
+enum Meter {
+    Heap,
+    #[cfg(feature = "cuda")]
+    Pool(candle_core::CudaDevice),
+}
+
+impl Meter {
+    fn for_device(dev: &Device) -> Result<Meter> {
+        match dev {
+            Device::Cpu => Ok(Meter::Heap),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => Ok(Meter::Pool(d.clone())),
+            #[allow(unreachable_patterns)]
+            other => anyhow::bail!("no memory meter for {other:?}"),
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Meter::Heap => "peak heap above inputs (allocation accounting)",
+            #[cfg(feature = "cuda")]
+            Meter::Pool(_) => "peak device memory above inputs (CUDA pool high-water mark)",
+        }
+    }
+
+    /// Peak bytes above what was live before `f`, and `f`'s seconds.
+    fn measure(&self, dev: &Device, f: &dyn Fn() -> Result<()>) -> Result<(usize, f64)> {
+        use crate::alloc_count;
+        dev.synchronize()?;
+        let base = match self {
+            Meter::Heap => {
+                let b = alloc_count::live();
+                alloc_count::reset_peak();
+                b
+            }
+            #[cfg(feature = "cuda")]
+            Meter::Pool(d) => {
+                arbor_ops::cuda::reset_pool_peak(d)?;
+                arbor_ops::cuda::pool_used_bytes(d)?.0 as usize
+            }
+        };
+        let t0 = std::time::Instant::now();
+        f()?;
+        dev.synchronize()?;
+        let secs = t0.elapsed().as_secs_f64();
+        let peak = match self {
+            Meter::Heap => alloc_count::peak(),
+            #[cfg(feature = "cuda")]
+            Meter::Pool(d) => arbor_ops::cuda::pool_used_bytes(d)?.1 as usize,
+        };
+        Ok((peak.saturating_sub(base), secs))
+    }
+}
+
+/// Peak bytes above the inputs for token logprobs by the fused op (forward,
+/// then forward and backward) and by the naive path (full logits,
+/// log_softmax, gather), in f32: by allocation accounting on the CPU, by the
+/// CUDA memory pool's high-water mark on a GPU.
 pub fn logprob_memory(a: LogprobMemArgs) -> Result<()> {
-    use crate::alloc_count;
     let (n, v, h) = (a.tokens, a.vocab, a.hidden);
-    let dev = Device::Cpu;
+    let dev = match a.device.as_str() {
+        "cpu" => Device::Cpu,
+        "cuda" if cfg!(feature = "cuda") => arbor_train::run::parse_device("cuda:0")
+            .map_err(|e| anyhow::anyhow!("no usable CUDA device: {e}"))?,
+        "cuda" => {
+            anyhow::bail!("this arbor was built without CUDA; rebuild with `--features cuda`")
+        }
+        other => anyhow::bail!("--device must be cpu or cuda, not `{other}`"),
+    };
+    let meter = Meter::for_device(&dev)?;
     let hid = candle_core::Var::from_tensor(&Tensor::randn(0f32, 1.0, (n, h), &dev)?)?;
     let w = candle_core::Var::from_tensor(&(Tensor::randn(0f32, 1.0, (v, h), &dev)? * 0.05)?)?;
     let y: Vec<u32> = (0..n as u64)
         .map(|i| (i.wrapping_mul(2654435761) % v as u64) as u32)
         .collect();
     let y = Tensor::from_vec(y, n, &dev)?;
-    let measure = |f: &dyn Fn() -> Result<()>| -> Result<(usize, f64)> {
-        let base = alloc_count::live();
-        alloc_count::reset_peak();
-        let t0 = std::time::Instant::now();
-        f()?;
-        Ok((
-            alloc_count::peak().saturating_sub(base),
-            t0.elapsed().as_secs_f64(),
-        ))
-    };
+    let measure = |f: &dyn Fn() -> Result<()>| meter.measure(&dev, f);
     let (fused_fwd, t_ff) = measure(&|| {
         let _o = arbor_ops::fused_logprobs(
             &hid.as_tensor().detach(),
@@ -524,6 +584,7 @@ pub fn logprob_memory(a: LogprobMemArgs) -> Result<()> {
             "{}",
             serde_json::json!({
                 "tokens": n, "vocab": v, "hidden": h,
+                "device": a.device, "meter": meter.name(),
                 "fused_forward_bytes": fused_fwd, "fused_forward_backward_bytes": fused_all,
                 "naive_forward_bytes": naive_fwd,
                 "naive_forward_backward_bytes": naive_all.map(|x| x.0),
@@ -531,7 +592,11 @@ pub fn logprob_memory(a: LogprobMemArgs) -> Result<()> {
             })
         );
     } else {
-        println!("token logprobs, N={n} V={v} H={h}, f32, peak heap above inputs (allocation accounting):");
+        println!(
+            "token logprobs, N={n} V={v} H={h}, f32, {}, {}:",
+            a.device,
+            meter.name()
+        );
         println!("| path | peak GiB | time s |");
         println!("|---|---|---|");
         println!("| fused forward | {:.3} | {t_ff:.1} |", gib(fused_fwd));

@@ -103,3 +103,58 @@ pub fn alloc_out<T: Poison>(dev: &CudaDevice, n: usize) -> Result<CudaSlice<T>> 
         dev.alloc_zeros::<T>(n)
     }
 }
+
+/// The device's default memory pool, where candle's stream-ordered
+/// allocations (`cuMemAllocAsync`) come from.
+fn default_pool(
+    dev: &CudaDevice,
+) -> Result<candle_core::cuda_backend::cudarc::driver::sys::CUmemoryPool> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let stream = dev.cuda_stream();
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `pool` is a valid out-pointer; the device handle is live.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, stream.context().cu_device()) }
+        .result()
+        .w()?;
+    Ok(pool)
+}
+
+/// Bytes of the default memory pool in use now, and its high-water mark
+/// since the last [`reset_pool_peak`] (the pool's own accounting, so it
+/// counts every tensor candle allocates, not cuBLAS' fixed workspace).
+pub fn pool_used_bytes(dev: &CudaDevice) -> Result<(u64, u64)> {
+    use candle_core::cuda_backend::cudarc::driver::sys::{
+        cuMemPoolGetAttribute, CUmemPool_attribute as A,
+    };
+    let pool = default_pool(dev)?;
+    let (mut now, mut high) = (0u64, 0u64);
+    for (attr, out) in [
+        (A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &mut now),
+        (A::CU_MEMPOOL_ATTR_USED_MEM_HIGH, &mut high),
+    ] {
+        // SAFETY: both attributes are cuuint64_t values.
+        unsafe { cuMemPoolGetAttribute(pool, attr, out as *mut u64 as *mut std::ffi::c_void) }
+            .result()
+            .w()?;
+    }
+    Ok((now, high))
+}
+
+/// Resets the default pool's high-water mark to the bytes in use now.
+pub fn reset_pool_peak(dev: &CudaDevice) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys::{
+        cuMemPoolSetAttribute, CUmemPool_attribute as A,
+    };
+    let pool = default_pool(dev)?;
+    let mut zero = 0u64;
+    // SAFETY: the attribute is a cuuint64_t; 0 is the only value allowed.
+    unsafe {
+        cuMemPoolSetAttribute(
+            pool,
+            A::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            &mut zero as *mut u64 as *mut std::ffi::c_void,
+        )
+    }
+    .result()
+    .w()
+}
