@@ -50,9 +50,29 @@ pub struct BenchModel {
     /// cache, f32 activations; on a GPU bf16 throughout).
     #[arg(long, default_value = "f32")]
     pub dtype: String,
+    /// `cpu`, or `cuda` / `cuda:N` (a build with `--features cuda`): the
+    /// model and the engine's KV cache on that GPU.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
+}
+
+/// The device a benchmark's `--device` names.
+fn bench_device(name: &str) -> Result<Device> {
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        d if d.starts_with("cuda") => {
+            if !cfg!(feature = "cuda") {
+                bail!("this arbor was built without CUDA; rebuild with `--features cuda` (see scripts/gpu-check.sh)");
+            }
+            let d = if d == "cuda" { "cuda:0" } else { d };
+            arbor_train::run::parse_device(d)
+                .map_err(|e| anyhow::anyhow!("no usable CUDA device `{d}`: {e}"))
+        }
+        other => bail!("--device must be cpu, cuda or cuda:N, not `{other}`"),
+    }
 }
 
 #[derive(Debug, Args)]
@@ -88,6 +108,8 @@ struct GenBenchResult {
     bench: &'static str,
     model: String,
     dtype: String,
+    /// `cpu`, or `cuda:N`: where the model and the KV cache were.
+    device: String,
     sequences: usize,
     prompt_len: usize,
     new_tokens: usize,
@@ -103,12 +125,15 @@ struct GenBenchResult {
     preemptions: u64,
     kv_pool_mib: f64,
     peak_rss_mib: f64,
+    /// On a GPU: the CUDA memory pool's high-water mark during the run
+    /// (KV pool, activations, logits; the weights were loaded before).
+    peak_device_mib: Option<f64>,
 }
 
 fn load_for_bench(m: &BenchModel) -> Result<(arbor_model::Transformer, String)> {
     let (preset, model, dtype) = (&m.preset, &m.model, &m.dtype);
     let dtype = parse_dtype(dtype)?;
-    let dev = Device::Cpu;
+    let dev = bench_device(&m.device)?;
     match model {
         Some(m) => {
             let lm = arbor_model::LoadedModel::load(
@@ -159,6 +184,9 @@ fn run_engine_bench(
         max_batch_tokens: 4096,
         ..Default::default()
     };
+    let dev = model.device().clone();
+    let meter = Meter::for_device(&dev)?;
+    let device_base = meter.device_reset(&dev)?;
     let mut engine = arbor_engine::Engine::new(model, None, cfg)?;
     let sequences: usize = jobs.iter().map(|j| j.1.len()).sum();
     let prompt_len = jobs[0].0.len();
@@ -168,7 +196,11 @@ fn run_engine_bench(
         engine.submit(p, s)?;
     }
     let done = engine.run(|_| {})?;
+    dev.synchronize()?;
     let seconds = start.elapsed().as_secs_f64();
+    let peak_device_mib = meter
+        .device_peak(device_base)?
+        .map(|b| b as f64 / (1 << 20) as f64);
     if let Some(c) = done.iter().find(|c| c.error.is_some()) {
         bail!("sequence {} failed: {:?}", c.id, c.error);
     }
@@ -177,6 +209,11 @@ fn run_engine_bench(
         bench,
         model: name,
         dtype: dtype.to_string(),
+        device: match dev.location() {
+            candle_core::DeviceLocation::Cpu => "cpu".into(),
+            candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+            other => format!("{other:?}"),
+        },
         sequences,
         prompt_len,
         new_tokens,
@@ -193,6 +230,7 @@ fn run_engine_bench(
         preemptions: st.preemptions,
         kv_pool_mib: engine.kv_bytes() as f64 / (1 << 20) as f64,
         peak_rss_mib: rss_mib().1,
+        peak_device_mib,
     };
     if json {
         println!("{}", serde_json::to_string_pretty(&r)?);
@@ -215,6 +253,9 @@ fn run_engine_bench(
         println!("preemptions            {}", r.preemptions);
         println!("KV pool                {:.0} MiB", r.kv_pool_mib);
         println!("peak RSS               {:.0} MiB", r.peak_rss_mib);
+        if let Some(m) = r.peak_device_mib {
+            println!("peak device memory     {m:.0} MiB (CUDA pool, KV pool included)");
+        }
     }
     Ok(())
 }
@@ -491,32 +532,57 @@ impl Meter {
         }
     }
 
+    /// Synchronises; on a GPU also resets the pool's high-water mark and
+    /// returns the bytes in use now (the base for
+    /// [`device_peak`](Self::device_peak)); 0 on the CPU.
+    fn device_reset(&self, dev: &Device) -> Result<usize> {
+        dev.synchronize()?;
+        match self {
+            Meter::Heap => Ok(0),
+            #[cfg(feature = "cuda")]
+            Meter::Pool(d) => {
+                arbor_ops::cuda::reset_pool_peak(d)?;
+                Ok(arbor_ops::cuda::pool_used_bytes(d)?.0 as usize)
+            }
+        }
+    }
+
+    /// On a GPU: the pool's high-water mark above `base`; `None` on the CPU.
+    fn device_peak(&self, base: usize) -> Result<Option<usize>> {
+        match self {
+            Meter::Heap => {
+                let _ = base;
+                Ok(None)
+            }
+            #[cfg(feature = "cuda")]
+            Meter::Pool(d) => Ok(Some(
+                (arbor_ops::cuda::pool_used_bytes(d)?.1 as usize).saturating_sub(base),
+            )),
+        }
+    }
+
     /// Peak bytes above what was live before `f`, and `f`'s seconds.
     fn measure(&self, dev: &Device, f: &dyn Fn() -> Result<()>) -> Result<(usize, f64)> {
         use crate::alloc_count;
-        dev.synchronize()?;
         let base = match self {
             Meter::Heap => {
+                dev.synchronize()?;
                 let b = alloc_count::live();
                 alloc_count::reset_peak();
                 b
             }
             #[cfg(feature = "cuda")]
-            Meter::Pool(d) => {
-                arbor_ops::cuda::reset_pool_peak(d)?;
-                arbor_ops::cuda::pool_used_bytes(d)?.0 as usize
-            }
+            Meter::Pool(_) => self.device_reset(dev)?,
         };
         let t0 = std::time::Instant::now();
         f()?;
         dev.synchronize()?;
         let secs = t0.elapsed().as_secs_f64();
-        let peak = match self {
-            Meter::Heap => alloc_count::peak(),
-            #[cfg(feature = "cuda")]
-            Meter::Pool(d) => arbor_ops::cuda::pool_used_bytes(d)?.1 as usize,
+        let above = match self.device_peak(base)? {
+            Some(b) => b,
+            None => alloc_count::peak().saturating_sub(base),
         };
-        Ok((peak.saturating_sub(base), secs))
+        Ok((above, secs))
     }
 }
 
@@ -526,15 +592,7 @@ impl Meter {
 /// CUDA memory pool's high-water mark on a GPU.
 pub fn logprob_memory(a: LogprobMemArgs) -> Result<()> {
     let (n, v, h) = (a.tokens, a.vocab, a.hidden);
-    let dev = match a.device.as_str() {
-        "cpu" => Device::Cpu,
-        "cuda" if cfg!(feature = "cuda") => arbor_train::run::parse_device("cuda:0")
-            .map_err(|e| anyhow::anyhow!("no usable CUDA device: {e}"))?,
-        "cuda" => {
-            anyhow::bail!("this arbor was built without CUDA; rebuild with `--features cuda`")
-        }
-        other => anyhow::bail!("--device must be cpu or cuda, not `{other}`"),
-    };
+    let dev = bench_device(&a.device)?;
     let meter = Meter::for_device(&dev)?;
     let hid = candle_core::Var::from_tensor(&Tensor::randn(0f32, 1.0, (n, h), &dev)?)?;
     let w = candle_core::Var::from_tensor(&(Tensor::randn(0f32, 1.0, (v, h), &dev)? * 0.05)?)?;

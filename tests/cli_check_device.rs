@@ -77,3 +77,45 @@ fn check_device_refuses_cuda_without_the_feature() {
     assert!(err.contains("built without CUDA"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+#[test]
+fn benches_name_the_device_and_refuse_cuda_without_the_feature() {
+    let out = arbor(&[
+        "bench",
+        "generate",
+        "--batch",
+        "2",
+        "--prompt-len",
+        "4",
+        "--max-tokens",
+        "2",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["device"], "cpu");
+    assert!(r["peak_device_mib"].is_null());
+    for args in [
+        &["bench", "fork", "--device", "tpu"][..],
+        &["bench", "logprob-memory", "--device", "tpu"][..],
+    ] {
+        let out = arbor(args);
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("--device must be cpu, cuda or cuda:N"),
+            "{err}"
+        );
+    }
+    if !cfg!(feature = "cuda") {
+        let out = arbor(&["bench", "generate", "--device", "cuda"]);
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("built without CUDA"), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
