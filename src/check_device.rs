@@ -203,8 +203,9 @@ impl Report {
 }
 
 /// Runs one section of the check. An error or a panic is recorded as a
-/// failed check `<section>: did not finish` carrying the message (NaN error),
-/// and `None` is returned; the caller goes on with the next section.
+/// failed check of that section named `did not finish: <message>` (error
+/// NaN, written as null in the JSON) and `None` is returned; the caller goes
+/// on with the next section.
 fn guarded<T>(
     section: &str,
     out: &mut Vec<Check>,
@@ -656,8 +657,11 @@ fn model_cfg(quick: bool) -> ModelConfig {
     cfg
 }
 
+/// Seed of the random weights of the model checks and decode benchmarks.
+const MODEL_SEED: u64 = 7;
+
 fn model_on(cfg: &ModelConfig, dt: DType, dev: &Device) -> Result<Transformer> {
-    let p = ParamLoader::frozen(ParamSource::Random { seed: 7 }, dt, dev);
+    let p = ParamLoader::frozen(ParamSource::Random { seed: MODEL_SEED }, dt, dev);
     Ok(Transformer::load(cfg, &p)?)
 }
 
@@ -676,8 +680,12 @@ fn model_checks(dev: &Device, quick: bool, out: &mut Vec<Check>) -> Result<()> {
         // device model's arithmetic, not its weights' rounding.
         let cpu_model = Transformer::load(
             &cfg,
-            &ParamLoader::frozen(ParamSource::Random { seed: 7 }, DType::F64, &Device::Cpu)
-                .rounded_through(dt),
+            &ParamLoader::frozen(
+                ParamSource::Random { seed: MODEL_SEED },
+                DType::F64,
+                &Device::Cpu,
+            )
+            .rounded_through(dt),
         )?;
         let want = cpu_model.logits(&cpu_model.forward_hidden(&x)?)?;
         drop(cpu_model);
@@ -692,7 +700,7 @@ fn model_checks(dev: &Device, quick: bool, out: &mut Vec<Check>) -> Result<()> {
         } else {
             let emu = Transformer::load(
                 &cfg,
-                &ParamLoader::frozen(ParamSource::Random { seed: 7 }, dt, &Device::Cpu)
+                &ParamLoader::frozen(ParamSource::Random { seed: MODEL_SEED }, dt, &Device::Cpu)
                     .all_in_dtype(),
             )?;
             let e = rel_err(&emu.logits(&emu.forward_hidden(&x)?)?, &want)?;
