@@ -162,9 +162,7 @@ fn avx512_head_dim(d: usize) -> bool {
 /// Whether the AVX2 path serves head size `d` on this CPU.
 #[cfg(target_arch = "x86_64")]
 fn avx2_head_dim(d: usize) -> bool {
-    matches!(d, 16 | 32 | 64 | 128 | 256)
-        && std::is_x86_feature_detected!("avx2")
-        && std::is_x86_feature_detected!("fma")
+    matches!(d, 16 | 32 | 64 | 128 | 256) && crate::simd::avx2_fma()
 }
 
 /// Token `i`'s context length (`position + 1`), with the offset of every

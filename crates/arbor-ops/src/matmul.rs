@@ -6,40 +6,41 @@
 //!
 //! Each output is a dot product computed the same way whatever the tile it
 //! falls in: with AVX-512, 16 lane-wise FMA chains over `k` in order (a
-//! masked tail for `k % 16`), then the fixed pairwise tree `lane i + lane
-//! i+8`, `i + i+4`, `i + i+2`, `i + i+1` (`store_sums`). CPUs without
-//! AVX-512 run the same scheme on 8 lanes ([`MatmulIsa`]): AVX2 with FMA
-//! (most laptops and desktops), or portable Rust (8 lanes of separate
+//! masked tail for `k % 16`), then the fixed pairwise tree
+//! `lane i + lane i+8`, `i + i+4`, `i + i+2`, `i + i+1` (`store_sums`). CPUs
+//! without AVX-512 run the same scheme on 8 lanes ([`MatmulIsa`]): AVX2 with
+//! FMA (most laptops and desktops), or portable Rust (8 lanes of separate
 //! multiplies and adds, which the compiler vectorises; any architecture).
-//! The lane count and the fused or separate rounding differ between
-//! kernels, so results differ across CPUs in the last bits. On one CPU a
-//! row's result depends only on that row and the weights, never on how many other rows share the call or where
-//! it sits among them. The engine relies on this: a sequence's logits (and
-//! therefore its sampled tokens) must not depend on the batch it decodes in,
-//! on whether its prefix was prefilled or served from the cache, or on
-//! whether a run was resumed.
+//! The lane count and the fused or separate rounding differ between kernels,
+//! so results differ across CPUs in the last bits. On one CPU a row's result
+//! depends only on that row and the weights, never on how many other rows
+//! share the call or where it sits among them. The engine relies on this: a
+//! sequence's logits (and therefore its sampled tokens) must not depend on
+//! the batch it decodes in, on whether its prefix was prefilled or served
+//! from the cache, or on whether a run was resumed.
 //!
 //! Both operands are read in their natural layouts (`w` is a `Linear`
 //! weight, `[out, in]`), so there is no packing: a register tile of
 //! `MR x NR` (4 x 6) dot products (on AVX2, in passes of up to 3 weight
-//! rows: `tile_avx2`) loads `MR + NR` vectors per `MR * NR`
-//! FMAs; a weight tile of 6 rows stays in L1 while a 64-row block of `x`
-//! streams past it from L2, and the next weight tile is prefetched while
-//! the block's rows meet the current one, its rows shared out among the
-//! block's first row tiles (one row each from 21 rows of `x` up; all six by
-//! the one tile of a 1-4 row call) so that only a few misses are in flight
-//! at a time and they overlap the arithmetic (issuing all six rows' misses
-//! from the first row tile stalled it and left weight streaming and compute
-//! in series: cold weights at 32 rows ran 35% below hot ones); calls of up
-//! to 64 rows also prefetch the tile [`FAR_TILES`] further on into L2, so
-//! the weight stream is not bound by the L1 miss queues. With AVX-512 the
-//! tile's 24 accumulators stay in registers through the loop: their lane sums are
+//! rows: `tile_avx2`) loads `MR + NR` vectors per `MR * NR` FMAs; a weight
+//! tile of 6 rows stays in L1 while a 64-row block of `x` streams past it
+//! from L2, and the next weight tile is prefetched while the block's rows
+//! meet the current one, its rows shared out among the block's first row
+//! tiles (one row each from 21 rows of `x` up; all six by the one tile of a
+//! 1-4 row call) so that only a few misses are in flight at a time and they
+//! overlap the arithmetic (issuing all six rows' misses from the first row
+//! tile stalled it and left weight streaming and compute in series: cold
+//! weights at 32 rows ran 35% below hot ones); calls of up to 64 rows also
+//! prefetch the tile [`FAR_TILES`] further on into L2, so the weight stream
+//! is not bound by the L1 miss queues. With AVX-512 the tile's 24
+//! accumulators stay in registers through the loop: their lane sums are
 //! taken 16 at a time by one transposing tree of 512-bit instructions (a
 //! 128-bit reduction per sum would confine them to the 16 registers such
 //! instructions can name, and the compiler then spilled a third of them
 //! inside the loop, costing 1.3 to 1.5x at 8 to 32 rows). Threads split the
-//! weight rows (and, for long inputs, `x`). At decode sizes each weight is read from
-//! memory once per call.
+//! weight rows (and, for long inputs, `x`). At decode sizes each weight is
+//! read from memory once per
+//! call.
 //!
 //! [`matmul_nt_op`] is a candle op (f32 `x`; f32 or bf16 `w`; CPU) with the
 //! usual matmul backward. Every CPU runs it: candle's GEMM is not
@@ -100,9 +101,7 @@ impl MatmulIsa {
             #[cfg(target_arch = "x86_64")]
             Self::Avx512 => std::is_x86_feature_detected!("avx512f"),
             #[cfg(target_arch = "x86_64")]
-            Self::Avx2 => {
-                std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
-            }
+            Self::Avx2 => crate::simd::avx2_fma(),
             #[cfg(not(target_arch = "x86_64"))]
             Self::Avx512 | Self::Avx2 => false,
             Self::Portable => true,

@@ -161,7 +161,7 @@ pub fn silu_mul(g: &[f32], u: &[f32]) -> Vec<f32> {
             return;
         }
         #[cfg(target_arch = "x86_64")]
-        if avx2() {
+        if crate::simd::avx2_fma() {
             // SAFETY: AVX2 and FMA detected; `g`, `u` and `o` have one length.
             #[allow(unsafe_code)]
             unsafe {
@@ -218,12 +218,6 @@ unsafe fn silu_mul_avx2(g: &[f32], u: &[f32], o: &mut [f32]) {
     }
 }
 
-/// Whether this CPU has AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-fn avx2() -> bool {
-    std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
-}
-
 /// An elementwise kernel of two inputs: `f(a, b, out)` over matching
 /// chunks of `a`, `b` and the new output, in parallel for large inputs.
 fn zip_chunks(
@@ -277,7 +271,7 @@ pub fn exp_shifted(x: &[f32], shift: f32, scale: f32, out: Option<&mut [f32]>) -
         return unsafe { exp_shifted_avx512(x, shift, scale, out) };
     }
     #[cfg(target_arch = "x86_64")]
-    if avx2() {
+    if crate::simd::avx2_fma() {
         // SAFETY: AVX2 and FMA detected; `out`, when given, has `x.len()`
         // elements.
         #[allow(unsafe_code)]

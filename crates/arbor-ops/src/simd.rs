@@ -107,6 +107,11 @@ pub(crate) unsafe fn max_f32(x: &[f32]) -> f32 {
     _mm512_reduce_max_ps(m)
 }
 
+/// Whether this CPU runs the AVX2 kernels (AVX2 and FMA).
+pub(crate) fn avx2_fma() -> bool {
+    std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+}
+
 /// The sum of `v`'s 8 lanes by the fixed tree `l + (l+4)`, `+2`, `+1`.
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx2,fma")]
@@ -319,14 +324,10 @@ mod tests {
         });
     }
 
-    fn avx2() -> bool {
-        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
-    }
-
     /// `hsum8x8` and `hsum8` are the fixed trees, bit for bit.
     #[test]
     fn hsum8_trees_are_fixed() {
-        if !avx2() {
+        if !avx2_fma() {
             return;
         }
         let mut r = noise(7u64);
@@ -364,7 +365,7 @@ mod tests {
 
     #[test]
     fn exp256_is_accurate() {
-        if !avx2() {
+        if !avx2_fma() {
             return;
         }
         check_exp(|x| {
