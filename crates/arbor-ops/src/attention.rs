@@ -713,13 +713,15 @@ unsafe fn attend_group_avx2<E: KvElem>(
 
 /// [`attend_group`] on AVX2 (`DV = head_dim / 8` vectors a row): the same
 /// plan (shared rows read once per group, every KV head of a chunk of rows
-/// before the next chunk, prefetches into L2), with 8 keys' dot products at
-/// a time (each `q_0 k_0`, then FMAs over the row's vectors in order; the
-/// query's vectors are read from L1, as AVX2's 16 registers cannot hold
-/// them), summed by `hsum8x8`'s fixed tree; softmax with `exp256`, partial
-/// sums in 8 lanes from position 0; values weighed in ascending `j`, 4
-/// vectors of up to 2 heads' output rows at a time in registers. A token's
-/// arithmetic is that of the token alone, whatever its group.
+/// before the next chunk, prefetches into L2). The queries on a KV head
+/// (every head of its group, of every token sharing the rows) go two at a
+/// time: 4 keys' dot products for both (each `q_0 k_0`, then FMAs over the
+/// row's vectors in order), each key vector loaded once for the two, the 8
+/// sums by `hsum8x8`'s fixed tree; an odd last query gets 8 keys alone.
+/// Softmax with `exp256`, partial sums in 8 lanes from position 0; values
+/// weighed in ascending `j`, 4 vectors of two queries' output rows at a
+/// time in registers (8 of an odd last one's). A token's arithmetic is that
+/// of the token alone, whatever its group or the query it is paired with.
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx2,fma")]
@@ -729,7 +731,7 @@ unsafe fn attend_group8<E: KvElem, const DV: usize>(
     next: Option<&Group>,
     o: &mut [f32],
 ) {
-    use crate::simd::{exp256, first8, hsum8, hsum8x8, lanes8, store8};
+    use crate::simd::{exp256, first8, hsum8, hsum8x8, lanes8, max8_f32, store8};
     use std::arch::x86_64::*;
     let (d, nkv) = (a.head_dim, a.n_kv);
     let t = a.positions.len();
@@ -752,14 +754,11 @@ unsafe fn attend_group8<E: KvElem, const DV: usize>(
     let ob = o.as_mut_ptr();
     let nk = grp.kv.len();
     let srow = |u: usize, kk: usize, r: usize| sp.add(soff[u] + (kk * g + r) * padded[u]);
-    // Scores q . k * scale of up to 8 keys at rows `rs` (KV head `kvh`) for
-    // the query at `qp`, stored from `dst`.
-    let score8 = |qp: *const f32, kvh: usize, rs: &[usize], dst: *mut f32| {
-        // Always 8 dot products (a short chunk repeats its first row; only
-        // `n` are stored).
-        let n = rs.len();
-        let kr: [*const E; 8] =
-            std::array::from_fn(|l| kp.add(*rs.get_unchecked(if l < n { l } else { 0 }) + kvh * d));
+    // Each dot product is `q_0 k_0`, then FMAs over the row's vectors in
+    // order, its lanes summed by `hsum8x8`'s tree, times `scale`, whatever
+    // the call computing it.
+    // Scores of the query at `qp` against the 8 keys at `kr` (8 chains).
+    let score8 = |qp: *const f32, kr: &[*const E; 8]| -> __m256 {
         let mut dots = [_mm256_setzero_ps(); 8];
         let q0 = _mm256_loadu_ps(qp);
         for (l, dot) in dots.iter_mut().enumerate() {
@@ -771,7 +770,36 @@ unsafe fn attend_group8<E: KvElem, const DV: usize>(
                 *dot = _mm256_fmadd_ps(qv, E::load8(kr[l].add(8 * c)), *dot);
             }
         }
-        let s = _mm256_mul_ps(hsum8x8(&dots), scale);
+        _mm256_mul_ps(hsum8x8(&dots), scale)
+    };
+    // Scores of two queries against 4 keys, lanes `[a k0..k3, b k0..k3]`:
+    // each key vector is loaded once for both, and the 8 chains advance
+    // together (one query's 8 chains in a row left too few independent
+    // FMAs in the scheduler's window: the scoring ran at a quarter of the
+    // FMA peak on a Zen 2).
+    let score2x4 = |qa: *const f32, qb: *const f32, kr: [*const E; 4]| -> __m256 {
+        let mut dots = [_mm256_setzero_ps(); 8];
+        let (a0, b0) = (_mm256_loadu_ps(qa), _mm256_loadu_ps(qb));
+        for l in 0..4 {
+            let kv = E::load8(kr[l]);
+            dots[l] = _mm256_mul_ps(a0, kv);
+            dots[4 + l] = _mm256_mul_ps(b0, kv);
+        }
+        for c in 1..DV {
+            let (av, bv) = (
+                _mm256_loadu_ps(qa.add(8 * c)),
+                _mm256_loadu_ps(qb.add(8 * c)),
+            );
+            for l in 0..4 {
+                let kv = E::load8(kr[l].add(8 * c));
+                dots[l] = _mm256_fmadd_ps(av, kv, dots[l]);
+                dots[4 + l] = _mm256_fmadd_ps(bv, kv, dots[4 + l]);
+            }
+        }
+        _mm256_mul_ps(hsum8x8(&dots), scale)
+    };
+    // The first `n` lanes of `s` from `dst`.
+    let store_n = |s: __m256, n: usize, dst: *mut f32| {
         if n == 8 {
             _mm256_storeu_ps(dst, s);
         } else {
@@ -791,19 +819,46 @@ unsafe fn attend_group8<E: KvElem, const DV: usize>(
             }
         }
     };
+    // The queries of tokens `us` on one KV head, `(u, r)` in order, scored
+    // two at a time (the last one alone when their count is odd).
     let score_chunk = |us: std::ops::Range<usize>, rows: &[usize], c0: usize, j0: usize| {
         let end = rows.len();
         let rs = &rows[c0..(c0 + 8).min(end)];
+        let n = rs.len();
         let at = (c0 + PF_AHEAD).min(end);
-        let mut spread = Spread::new(&rows[at..(at + 8).min(end)], rs, nk * g * us.len());
+        let nq = us.len() * g;
+        let calls = nq / 2 * 2 + nq % 2;
+        let mut spread = Spread::new(&rows[at..(at + 8).min(end)], rs, nk * calls);
+        let mut take_pf = || {
+            let (k_rows, v_rows) = spread.take();
+            pf(kp, k_rows);
+            pf(vp, v_rows);
+        };
         for (kk, kvh) in grp.kv.clone().enumerate() {
-            for u in us.clone() {
-                for r in 0..g {
-                    let (k_rows, v_rows) = spread.take();
-                    pf(kp, k_rows);
-                    pf(vp, v_rows);
-                    score8(q_at(u, kvh, r), kvh, rs, srow(u, kk, r).add(j0));
-                }
+            // Always 8 keys (a short chunk repeats its first row; only `n`
+            // scores are stored).
+            let kr: [*const E; 8] = std::array::from_fn(|l| {
+                kp.add(*rs.get_unchecked(if l < n { l } else { 0 }) + kvh * d)
+            });
+            let query = |i: usize| {
+                let (u, r) = (us.start + i / g, i % g);
+                (q_at(u, kvh, r), srow(u, kk, r).add(j0))
+            };
+            let mut i = 0;
+            while i + 2 <= nq {
+                let ((qa, da), (qb, db)) = (query(i), query(i + 1));
+                take_pf();
+                let lo = score2x4(qa, qb, [kr[0], kr[1], kr[2], kr[3]]);
+                take_pf();
+                let hi = score2x4(qa, qb, [kr[4], kr[5], kr[6], kr[7]]);
+                store_n(_mm256_permute2f128_ps::<0x20>(lo, hi), n, da);
+                store_n(_mm256_permute2f128_ps::<0x31>(lo, hi), n, db);
+                i += 2;
+            }
+            if i < nq {
+                let (q, dst) = query(i);
+                take_pf();
+                store_n(score8(q, &kr), n, dst);
             }
         }
     };
@@ -820,7 +875,7 @@ unsafe fn attend_group8<E: KvElem, const DV: usize>(
     for (u, &n) in ctx.iter().enumerate() {
         for kr in 0..nk * g {
             let s = std::slice::from_raw_parts_mut(srow(u, kr / g, kr % g), n);
-            let mv = _mm256_set1_ps(s.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+            let mv = _mm256_set1_ps(max8_f32(s));
             let mut z = _mm256_setzero_ps();
             for c in s.chunks_mut(8) {
                 // Lanes past the context add nothing.
@@ -834,21 +889,38 @@ unsafe fn attend_group8<E: KvElem, const DV: usize>(
             }
         }
     }
+    // The values, for the queries of tokens `us` on each KV head two at a
+    // time (`CB` vectors of both output rows in registers), the last one
+    // alone (up to 8 vectors of its row) when their count is odd.
     let weigh = |us: std::ops::Range<usize>, rs: &[usize], j0: usize| {
         let init = j0 == 0;
         for kk in 0..nk {
             let vh = vp.add((grp.kv.start + kk) * d);
-            for u in us.clone() {
-                for r0 in (0..g).step_by(2) {
-                    let p = srow(u, kk, r0).add(j0) as *const f32;
-                    let op = ob.add(u * w + (kk * g + r0) * d);
-                    let ld = padded[u];
-                    match (DV >= 4, g - r0 >= 2) {
-                        (true, true) => weigh_values8::<E, DV, 4, 2>(rs, vh, p, ld, op, d, init),
-                        (true, false) => weigh_values8::<E, DV, 4, 1>(rs, vh, p, ld, op, d, init),
-                        (false, true) => weigh_values8::<E, DV, 2, 2>(rs, vh, p, ld, op, d, init),
-                        (false, false) => weigh_values8::<E, DV, 2, 1>(rs, vh, p, ld, op, d, init),
-                    }
+            let nq = us.len() * g;
+            let query = |i: usize| {
+                let (u, r) = (us.start + i / g, i % g);
+                (
+                    srow(u, kk, r).add(j0) as *const f32,
+                    ob.add(u * w + (kk * g + r) * d),
+                )
+            };
+            let mut i = 0;
+            while i + 2 <= nq {
+                let ((pa, oa), (pb, o_b)) = (query(i), query(i + 1));
+                let (p, op) = ([pa, pb], [oa, o_b]);
+                if DV >= 4 {
+                    weigh_values8::<E, DV, 4, 2>(rs, vh, p, op, init);
+                } else {
+                    weigh_values8::<E, DV, 2, 2>(rs, vh, p, op, init);
+                }
+                i += 2;
+            }
+            if i < nq {
+                let (p, op) = query(i);
+                match DV {
+                    2 => weigh_values8::<E, DV, 2, 1>(rs, vh, [p], [op], init),
+                    4 => weigh_values8::<E, DV, 4, 1>(rs, vh, [p], [op], init),
+                    _ => weigh_values8::<E, DV, 8, 1>(rs, vh, [p], [op], init),
                 }
             }
         }
@@ -857,21 +929,17 @@ unsafe fn attend_group8<E: KvElem, const DV: usize>(
     SCRATCH.with(|sc| sc.replace((srows, trows, scores)));
 }
 
-/// `o[r] = (init ? 0 : o[r]) + sum_j p[r * ld + j] v_j` for `G` heads
+/// `o[r] = (init ? 0 : o[r]) + sum_j p[r][j] v_j` for `G` output rows
 /// sharing the value rows `v + rows[j]` (`8 * DV` floats each), `j`
-/// ascending, `CB` vectors of each output row at a time; `o[r]` is `d`
-/// floats apart.
+/// ascending, `CB` vectors of each output row at a time.
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn weigh_values8<E: KvElem, const DV: usize, const CB: usize, const G: usize>(
     rows: &[usize],
     v: *const E,
-    p: *const f32,
-    ld: usize,
-    o: *mut f32,
-    d: usize,
+    p: [*const f32; G],
+    o: [*mut f32; G],
     init: bool,
 ) {
     use std::arch::x86_64::*;
@@ -880,13 +948,13 @@ unsafe fn weigh_values8<E: KvElem, const DV: usize, const CB: usize, const G: us
         if !init {
             for (r, acc) in acc.iter_mut().enumerate() {
                 for (c, x) in acc.iter_mut().enumerate() {
-                    *x = _mm256_loadu_ps(o.add(r * d + 8 * (c0 + c)));
+                    *x = _mm256_loadu_ps(o[r].add(8 * (c0 + c)));
                 }
             }
         }
         for (j, &base) in rows.iter().enumerate() {
             let vr = v.add(base + 8 * c0);
-            let ws: [__m256; G] = std::array::from_fn(|r| _mm256_set1_ps(*p.add(r * ld + j)));
+            let ws: [__m256; G] = std::array::from_fn(|r| _mm256_set1_ps(*p[r].add(j)));
             for c in 0..CB {
                 let vv = E::load8(vr.add(8 * c));
                 for (r, acc) in acc.iter_mut().enumerate() {
@@ -896,7 +964,7 @@ unsafe fn weigh_values8<E: KvElem, const DV: usize, const CB: usize, const G: us
         }
         for (r, acc) in acc.iter().enumerate() {
             for (c, x) in acc.iter().enumerate() {
-                _mm256_storeu_ps(o.add(r * d + 8 * (c0 + c)), *x);
+                _mm256_storeu_ps(o[r].add(8 * (c0 + c)), *x);
             }
         }
     }

@@ -236,13 +236,20 @@ fn zip_chunks(
     out
 }
 
-/// `max_i x_i` (`-inf` for an empty slice), vectorised with AVX-512F.
+/// `max_i x_i` (`-inf` for an empty slice), vectorised with AVX-512F or
+/// AVX2.
 pub fn max(x: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512F detected.
         #[allow(unsafe_code)]
         return unsafe { crate::simd::max_f32(x) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::avx2_fma() {
+        // SAFETY: AVX2 and FMA detected.
+        #[allow(unsafe_code)]
+        return unsafe { crate::simd::max8_f32(x) };
     }
     x.iter().copied().fold(f32::NEG_INFINITY, f32::max)
 }
