@@ -67,8 +67,15 @@ const MB: usize = 64;
 /// 33 -> 18 ms a SmolLM2-135M step, bf16 16.7 -> 10.5 ms; m = 1 and 32 gain
 /// 23-38% and 7-9% (`decode_matmuls`).
 const FAR_TILES: usize = 2;
-/// Multiply-adds below which a call runs on one thread (~10 us of work).
+/// Multiply-adds below which a call runs on one thread (~10 us of work),
+/// unless its weights reach [`SERIAL_WEIGHTS`].
 const SERIAL_MACS: usize = 1 << 20;
+/// Weight elements from which a call runs in parallel however few rows of
+/// `x` it has: a decode step of one sequence streams its weights from
+/// memory, and one core draws about half the bandwidth two do (a
+/// SmolLM2-135M f32 step on a 2-core Zen 2: 30-34 ms with its q/k/v, o and
+/// down projections on one thread, 23-26 ms with all in parallel).
+const SERIAL_WEIGHTS: usize = 1 << 16;
 
 /// The instruction set the kernels use. Every CPU has one
 /// ([`MatmulIsa::detect`]); a row's result depends on the set, never on
@@ -495,7 +502,7 @@ fn drive(
         }
     };
     let tasks = first[ns.len()];
-    if m * n_all * k < SERIAL_MACS {
+    if m * n_all * k < SERIAL_MACS && n_all * k < SERIAL_WEIGHTS {
         // Small calls stay on the calling thread: a rayon hand-off costs
         // more than the work, and a thread waiting on one would steal
         // unrelated jobs (say, another episode's rollout) meanwhile.
