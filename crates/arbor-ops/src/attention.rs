@@ -210,9 +210,14 @@ struct Group {
 /// tokens, prompts replayed from the prefix cache) are grouped, at most
 /// [`MAX_GROUP`] to a group, and share the positions every one of them
 /// reaches through identical table entries. With fewer groups than two per
-/// thread, the KV heads are split across tasks as well.
+/// thread, the work is split further for balance: with `tokens_first`, the
+/// families into at least one chunk of tokens per thread between them
+/// (whole rows of the cache stream in order, and a group's queries pair up
+/// in the AVX2 kernel), and the KV heads across tasks only if that still
+/// leaves a thread idle (a single sequence's decode step); otherwise into
+/// smaller chunks with one KV head per task (the AVX-512 kernel's plan).
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn plan_groups<E>(a: &PagedAttentionArgs<'_, E>) -> Vec<Group> {
+fn plan_groups<E>(a: &PagedAttentionArgs<'_, E>, tokens_first: bool) -> Vec<Group> {
     let t = a.positions.len();
     let first = |i: usize| a.tables[a.token_seq[i]].first().copied();
     let mut order: Vec<usize> = (0..t).collect();
@@ -227,12 +232,20 @@ fn plan_groups<E>(a: &PagedAttentionArgs<'_, E>) -> Vec<Group> {
     let threads = rayon::current_num_threads().max(1);
     let chunks_of = |len: usize| len.div_ceil(MAX_GROUP);
     let total: usize = families.iter().map(|f| chunks_of(f.len())).sum();
-    // Few tasks: smaller chunks and one KV head per task, for balance.
-    let split_kv = total < 2 * threads && a.n_kv > 1;
-    let want = if split_kv {
-        (2 * threads).div_ceil(a.n_kv)
+    // Chunks per family wanted (at least), and whether KV heads split.
+    let (want, split_kv) = if total >= 2 * threads {
+        (0, false)
+    } else if tokens_first {
+        let want = threads.div_ceil(families.len());
+        let chunks: usize = families
+            .iter()
+            .map(|f| chunks_of(f.len()).max(want.min(f.len())))
+            .sum();
+        (want, chunks < threads && a.n_kv > 1)
+    } else if a.n_kv > 1 {
+        ((2 * threads).div_ceil(a.n_kv), true)
     } else {
-        0
+        (0, false)
     };
     let kvs: Vec<std::ops::Range<usize>> = if split_kv {
         (0..a.n_kv).map(|h| h..h + 1).collect()
@@ -276,7 +289,7 @@ fn plan_groups<E>(a: &PagedAttentionArgs<'_, E>) -> Vec<Group> {
 /// outputs scattered into `out`.
 #[cfg(target_arch = "x86_64")]
 fn attend_shared<E: KvElem>(a: &PagedAttentionArgs<'_, E>, out: &mut [f32], avx512: bool) {
-    let groups = plan_groups(a);
+    let groups = plan_groups(a, !avx512);
     let (hd, g) = (a.n_heads * a.head_dim, a.n_heads / a.n_kv);
     let parts: Vec<Vec<f32>> = (0..groups.len())
         .into_par_iter()
@@ -1206,21 +1219,23 @@ mod tests {
             token_seq: &token_seq,
             tables: &tables,
         };
-        let groups = plan_groups(&a);
-        let fam = groups
-            .iter()
-            .find(|g| g.tokens.contains(&0))
-            .expect("token 0 planned");
-        let members: usize = groups
-            .iter()
-            .filter(|g| g.kv.start == 0 && g.tokens.iter().any(|&i| token_seq[i] < 7))
-            .map(|g| g.tokens.len())
-            .sum();
-        assert_eq!(members, 9, "all children and seq 6 in the family");
-        assert!(fam.shared >= 8, "shared prefix {}", fam.shared);
-        for g in &groups {
-            for &i in &g.tokens {
-                assert!(g.shared <= positions[i] as usize + 1);
+        for tokens_first in [false, true] {
+            let groups = plan_groups(&a, tokens_first);
+            let fam = groups
+                .iter()
+                .find(|g| g.tokens.contains(&0))
+                .expect("token 0 planned");
+            let members: usize = groups
+                .iter()
+                .filter(|g| g.kv.start == 0 && g.tokens.iter().any(|&i| token_seq[i] < 7))
+                .map(|g| g.tokens.len())
+                .sum();
+            assert_eq!(members, 9, "all children and seq 6 in the family");
+            assert!(fam.shared >= 8, "shared prefix {}", fam.shared);
+            for g in &groups {
+                for &i in &g.tokens {
+                    assert!(g.shared <= positions[i] as usize + 1);
+                }
             }
         }
         for (nh, nkv, d) in [(9, 3, 64), (4, 2, 32), (3, 1, 16)] {
@@ -1235,6 +1250,55 @@ mod tests {
                 7 + d as u64,
             );
         }
+    }
+
+    /// How few tokens are split on 2 threads: a fork's 8 children into two
+    /// chunks of 4 over every KV head (tokens first) or into chunks with one
+    /// KV head each; a single token over its KV heads either way. Every
+    /// token lands in exactly one group per KV head.
+    #[test]
+    fn few_tokens_split_for_two_threads() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("pool");
+        let plan = |n: usize, tokens_first: bool| {
+            let tables: Vec<Vec<u32>> = (0..n as u32).map(|c| vec![0, 1, 2 + c]).collect();
+            let positions = vec![9u32; n];
+            let token_seq: Vec<usize> = (0..n).collect();
+            let a = PagedAttentionArgs::<f32> {
+                q: &[],
+                k_cache: &[],
+                v_cache: &[],
+                n_heads: 9,
+                n_kv: 3,
+                head_dim: 64,
+                block_size: 4,
+                positions: &positions,
+                token_seq: &token_seq,
+                tables: &tables,
+            };
+            let groups = pool.install(|| plan_groups(&a, tokens_first));
+            for h in 0..3 {
+                let mut seen: Vec<usize> = groups
+                    .iter()
+                    .filter(|g| g.kv.contains(&h))
+                    .flat_map(|g| g.tokens.iter().copied())
+                    .collect();
+                seen.sort_unstable();
+                assert_eq!(seen, (0..n).collect::<Vec<_>>(), "KV head {h}");
+            }
+            let shared = if n > 1 { 8 } else { 10 };
+            assert!(groups.iter().all(|g| g.shared == shared));
+            groups
+                .iter()
+                .map(|g| (g.tokens.len(), g.kv.len()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(plan(8, true), vec![(4, 3), (4, 3)]);
+        assert_eq!(plan(8, false), vec![(4, 1); 6]);
+        assert_eq!(plan(1, true), vec![(1, 1); 3]);
+        assert_eq!(plan(1, false), vec![(1, 1); 3]);
     }
 
     #[test]
