@@ -839,9 +839,10 @@ unsafe fn attend_group8<E: KvElem, const DV: usize>(
         let rs = &rows[c0..(c0 + 8).min(end)];
         let n = rs.len();
         let at = (c0 + PF_AHEAD).min(end);
+        // One prefetch share per 4 keys of a pair and per lone query: `nq`
+        // calls per KV head.
         let nq = us.len() * g;
-        let calls = nq / 2 * 2 + nq % 2;
-        let mut spread = Spread::new(&rows[at..(at + 8).min(end)], rs, nk * calls);
+        let mut spread = Spread::new(&rows[at..(at + 8).min(end)], rs, nk * nq);
         let mut take_pf = || {
             let (k_rows, v_rows) = spread.take();
             pf(kp, k_rows);
