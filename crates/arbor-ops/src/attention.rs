@@ -232,15 +232,14 @@ fn plan_groups<E>(a: &PagedAttentionArgs<'_, E>, tokens_first: bool) -> Vec<Grou
     let threads = rayon::current_num_threads().max(1);
     let chunks_of = |len: usize| len.div_ceil(MAX_GROUP);
     let total: usize = families.iter().map(|f| chunks_of(f.len())).sum();
+    // Chunks of a family of `len` tokens when at least `want` are wanted.
+    let n_chunks = |len: usize, want: usize| chunks_of(len).max(want.min(len));
     // Chunks per family wanted (at least), and whether KV heads split.
     let (want, split_kv) = if total >= 2 * threads {
         (0, false)
     } else if tokens_first {
         let want = threads.div_ceil(families.len());
-        let chunks: usize = families
-            .iter()
-            .map(|f| chunks_of(f.len()).max(want.min(f.len())))
-            .sum();
+        let chunks: usize = families.iter().map(|f| n_chunks(f.len(), want)).sum();
         (want, chunks < threads && a.n_kv > 1)
     } else if a.n_kv > 1 {
         ((2 * threads).div_ceil(a.n_kv), true)
@@ -254,8 +253,7 @@ fn plan_groups<E>(a: &PagedAttentionArgs<'_, E>, tokens_first: bool) -> Vec<Grou
     };
     let mut groups = Vec::new();
     for fam in families {
-        let n_chunks = chunks_of(fam.len()).max(want.min(fam.len()));
-        let size = fam.len().div_ceil(n_chunks);
+        let size = fam.len().div_ceil(n_chunks(fam.len(), want));
         for toks in fam.chunks(size) {
             let table0 = &a.tables[a.token_seq[toks[0]]];
             let min_ctx = toks
@@ -812,15 +810,8 @@ unsafe fn attend_group8<E: KvElem, const DV: usize>(
         _mm256_mul_ps(hsum8x8(&dots), scale)
     };
     // The first `n` lanes of `s` from `dst`.
-    let store_n = |s: __m256, n: usize, dst: *mut f32| {
-        if n == 8 {
-            _mm256_storeu_ps(dst, s);
-        } else {
-            let mut lanes = [0f32; 8];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), s);
-            std::ptr::copy_nonoverlapping(lanes.as_ptr(), dst, n);
-        }
-    };
+    let store_n =
+        |s: __m256, n: usize, dst: *mut f32| store8(s, std::slice::from_raw_parts_mut(dst, n));
     let q_at = |u: usize, kvh: usize, r: usize| a.q.as_ptr().add(((kvh * g + r) * t + toks[u]) * d);
     let bytes = grp.kv.len() * d * std::mem::size_of::<E>();
     let (pf_off, pf_lines) = (grp.kv.start * d, bytes.div_ceil(64));
@@ -1190,6 +1181,28 @@ mod tests {
         a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
     }
 
+    /// Arguments for planning only (no queries or caches): SmolLM2's 9
+    /// query and 3 KV heads of size 64.
+    fn plan_args<'a>(
+        tables: &'a [Vec<u32>],
+        positions: &'a [u32],
+        token_seq: &'a [usize],
+        block_size: usize,
+    ) -> PagedAttentionArgs<'a, f32> {
+        PagedAttentionArgs {
+            q: &[],
+            k_cache: &[],
+            v_cache: &[],
+            n_heads: 9,
+            n_kv: 3,
+            head_dim: 64,
+            block_size,
+            positions,
+            token_seq,
+            tables,
+        }
+    }
+
     /// A forked family: children sharing the parent's first blocks
     /// physically (one child only the first two), each with its own last
     /// block; one child in a prefill chunk of three tokens; an unrelated
@@ -1208,18 +1221,7 @@ mod tests {
         let mut token_seq: Vec<usize> = (0..6).collect();
         positions.extend([13, 14, 10, 6]);
         token_seq.extend([0, 0, 6, 7]);
-        let a = PagedAttentionArgs::<f32> {
-            q: &[],
-            k_cache: &[],
-            v_cache: &[],
-            n_heads: 9,
-            n_kv: 3,
-            head_dim: 64,
-            block_size: bs,
-            positions: &positions,
-            token_seq: &token_seq,
-            tables: &tables,
-        };
+        let a = plan_args(&tables, &positions, &token_seq, bs);
         for tokens_first in [false, true] {
             let groups = plan_groups(&a, tokens_first);
             let fam = groups
@@ -1267,18 +1269,7 @@ mod tests {
             let tables: Vec<Vec<u32>> = (0..n as u32).map(|c| vec![0, 1, 2 + c]).collect();
             let positions = vec![9u32; n];
             let token_seq: Vec<usize> = (0..n).collect();
-            let a = PagedAttentionArgs::<f32> {
-                q: &[],
-                k_cache: &[],
-                v_cache: &[],
-                n_heads: 9,
-                n_kv: 3,
-                head_dim: 64,
-                block_size: 4,
-                positions: &positions,
-                token_seq: &token_seq,
-                tables: &tables,
-            };
+            let a = plan_args(&tables, &positions, &token_seq, 4);
             let groups = pool.install(|| plan_groups(&a, tokens_first));
             for h in 0..3 {
                 let mut seen: Vec<usize> = groups
