@@ -39,8 +39,12 @@
 //! instructions can name, and the compiler then spilled a third of them
 //! inside the loop, costing 1.3 to 1.5x at 8 to 32 rows). Threads split the
 //! weight rows (and, for long inputs, `x`). At decode sizes each weight is
-//! read from memory once per
-//! call.
+//! read from memory once per call. On AVX2, decode-sized calls (up to 8
+//! rows of `x`; see [`sweeps`]) instead sweep the weights one row at a time
+//! against every row of `x` ([`sweep_avx2`]): one sequential stream, which
+//! the two cores of a Zen 2 read at the bandwidth of a plain read, where
+//! the tiles' several streams reached three quarters of it. Each dot
+//! product is summed exactly as in a tile.
 //!
 //! [`matmul_nt_op`] is a candle op (f32 `x`; f32 or bf16 `w`; CPU) with the
 //! usual matmul backward. Every CPU runs it: candle's GEMM is not
@@ -49,6 +53,7 @@
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
+use std::ops::Range;
 
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{hsum16, hsum8};
@@ -77,6 +82,26 @@ const SERIAL_MACS: usize = 1 << 20;
 /// down projections on one thread, 23-26 ms with all in parallel).
 const SERIAL_WEIGHTS: usize = 1 << 16;
 
+/// Rows of `x` up to which the AVX2 kernel sweeps the weights a row at a
+/// time against every row of `x` ([`sweep_avx2`]) instead of in register
+/// tiles.
+const SWEEP_ROWS: usize = 8;
+/// Whether the AVX2 kernel sweeps ([`sweep_avx2`]) a call of `m` rows
+/// against weights `w`: f32 weights of up to [`SWEEP_ROWS`] rows, whose
+/// step is bound by the weight stream; bf16 weights (half the bytes, so
+/// bound by the arithmetic, where full 4-row tiles load fewer vectors per
+/// FMA) unless `m` fills its register tiles. `decode_matmuls`, Zen 2, ms
+/// a step, tiles vs sweep: f32 m = 1 22.4 / 21.0, m = 4 22.3 / 22.0, m = 6
+/// 30.6 / 23.1, m = 8 30.5 / 25.2; bf16 m = 1 15.4 / 13.2, m = 4 14.9 /
+/// 15.8, m = 5 22 / 16.1, m = 8 22.7 / 24.4.
+fn sweeps(m: usize, w: WeightRows<'_>) -> bool {
+    m <= SWEEP_ROWS && (matches!(w, WeightRows::F32(_)) || !m.is_multiple_of(MR))
+}
+
+/// How far ahead of its reads the sweep prefetches a weight row, in bytes
+/// (two f32 rows of a 576-wide model).
+const SWEEP_AHEAD: usize = 4608;
+
 /// The instruction set the kernels use. Every CPU has one
 /// ([`MatmulIsa::detect`]); a row's result depends on the set, never on
 /// the batch.
@@ -85,8 +110,9 @@ pub enum MatmulIsa {
     /// AVX-512F: 16-lane chains, 4 x 6 register tiles; bf16 weights by
     /// `vdpbf16ps` where the CPU has AVX-512 BF16 (else widened, as AVX2).
     Avx512,
-    /// AVX2 and FMA: 8-lane chains, tiles in passes of 4 x 3 accumulators;
-    /// bf16 weights widened to f32 (exact) in registers.
+    /// AVX2 and FMA: 8-lane chains, tiles in passes of 4 x 3 accumulators
+    /// (or, for a few rows of `x`, one weight row at a time); bf16 weights
+    /// widened to f32 (exact) in registers.
     Avx2,
     /// Plain Rust: 8-lane chains of separate multiplies and adds, one row
     /// of `x` against 6 weight rows at a time.
@@ -297,48 +323,72 @@ pub fn matmul_nt_multi_into_isa(
     // past the next one are prefetched into L2 as well (elements past the
     // next tile's rows; 0 = none).
     let far = if m <= MB { FAR_TILES * NR * k } else { 0 };
-    drive(m, k, &ns, |g, i, mr, j, nr, pf| {
+    drive(m, k, &ns, |g, rows, cols| {
         let (out, n) = (outs[g], ns[g]);
-        let at = Tile {
-            i,
-            mr,
-            j,
-            nr,
-            k,
-            // The rows of the next weight tile this tile prefetches.
-            pf_at: (j + NR + pf.start) * k,
-            npf: pf.len(),
-            far,
-        };
-        // SAFETY: the CPU runs `isa` (asserted above); rows i..i+mr of x
-        // and j..j+nr of ws[g] lie inside the slices (asserted), and the
-        // outputs ys[g][i.., j..j+nr] belong to the calling task alone.
-        #[allow(unsafe_code)]
-        unsafe {
-            let y = out.0.add(i * n + j);
-            match (isa, ws[g]) {
-                #[cfg(target_arch = "x86_64")]
-                (MatmulIsa::Avx512, WeightRows::F32(w)) => {
-                    at.run::<F32Avx512>(x.as_ptr(), w.as_ptr(), y, n)
-                }
-                #[cfg(target_arch = "x86_64")]
-                (MatmulIsa::Avx512, WeightRows::Bf16(w)) if dot => {
-                    at.run::<Bf16Avx512>(xb.as_ptr(), w.as_ptr() as *const u16, y, n)
-                }
-                #[cfg(target_arch = "x86_64")]
-                (MatmulIsa::Avx512 | MatmulIsa::Avx2, WeightRows::Bf16(w)) => {
-                    at.run::<Bf16Avx2>(xr.as_ptr(), w.as_ptr() as *const u16, y, n)
-                }
-                #[cfg(target_arch = "x86_64")]
-                (MatmulIsa::Avx2, WeightRows::F32(w)) => {
-                    at.run::<F32Avx2>(x.as_ptr(), w.as_ptr(), y, n)
-                }
-                (_, WeightRows::F32(w)) => at.run::<F32Portable>(x.as_ptr(), w.as_ptr(), y, n),
-                (_, WeightRows::Bf16(w)) => {
-                    at.run::<Bf16Portable>(xr.as_ptr(), w.as_ptr() as *const u16, y, n)
+        if isa == MatmulIsa::Avx2 && sweeps(m, ws[g]) {
+            // SAFETY: the CPU runs AVX2 and FMA (asserted above); rows of
+            // x and cols of ws[g] lie inside the slices (asserted), and the
+            // outputs ys[g][rows, cols] belong to the calling task alone.
+            #[cfg(target_arch = "x86_64")]
+            #[allow(unsafe_code)]
+            unsafe {
+                let y = out.0.add(rows.start * n + cols.start);
+                let x = x.as_ptr().add(rows.start * k);
+                let (j, nc) = (cols.start * k, cols.len());
+                match ws[g] {
+                    WeightRows::F32(w) => sweep_avx2(x, rows.len(), w.as_ptr().add(j), nc, k, y, n),
+                    WeightRows::Bf16(w) => {
+                        let x = xr.as_ptr().add(rows.start * k);
+                        let w = (w.as_ptr() as *const u16).add(j);
+                        sweep_avx2(x, rows.len(), w, nc, k, y, n)
+                    }
                 }
             }
+            return;
         }
+        tiles(rows, cols, |i, mr, j, nr, pf| {
+            let at = Tile {
+                i,
+                mr,
+                j,
+                nr,
+                k,
+                // The rows of the next weight tile this tile prefetches.
+                pf_at: (j + NR + pf.start) * k,
+                npf: pf.len(),
+                far,
+            };
+            // SAFETY: the CPU runs `isa` (asserted above); rows i..i+mr of
+            // x and j..j+nr of ws[g] lie inside the slices (asserted), and
+            // the outputs ys[g][i.., j..j+nr] belong to the calling task
+            // alone.
+            #[allow(unsafe_code)]
+            unsafe {
+                let y = out.0.add(i * n + j);
+                match (isa, ws[g]) {
+                    #[cfg(target_arch = "x86_64")]
+                    (MatmulIsa::Avx512, WeightRows::F32(w)) => {
+                        at.run::<F32Avx512>(x.as_ptr(), w.as_ptr(), y, n)
+                    }
+                    #[cfg(target_arch = "x86_64")]
+                    (MatmulIsa::Avx512, WeightRows::Bf16(w)) if dot => {
+                        at.run::<Bf16Avx512>(xb.as_ptr(), w.as_ptr() as *const u16, y, n)
+                    }
+                    #[cfg(target_arch = "x86_64")]
+                    (MatmulIsa::Avx512 | MatmulIsa::Avx2, WeightRows::Bf16(w)) => {
+                        at.run::<Bf16Avx2>(xr.as_ptr(), w.as_ptr() as *const u16, y, n)
+                    }
+                    #[cfg(target_arch = "x86_64")]
+                    (MatmulIsa::Avx2, WeightRows::F32(w)) => {
+                        at.run::<F32Avx2>(x.as_ptr(), w.as_ptr(), y, n)
+                    }
+                    (_, WeightRows::F32(w)) => at.run::<F32Portable>(x.as_ptr(), w.as_ptr(), y, n),
+                    (_, WeightRows::Bf16(w)) => {
+                        at.run::<Bf16Portable>(xr.as_ptr(), w.as_ptr() as *const u16, y, n)
+                    }
+                }
+            }
+        })
     });
 }
 
@@ -451,16 +501,14 @@ unsafe fn bf16_bits_avx512(x: &[f32], o: &mut [u16]) {
     }
 }
 
-/// Walks the tiles of the products `[m, k] x [ns[g], k]^T`: calls `tile(g,
-/// i, mr, j, nr, prefetch)` for the `mr x nr` output tile at `(i, j)` of
-/// product `g`, in cache blocks, on rayon tasks that own disjoint output
-/// tiles. `prefetch` is the range of the next weight tile's rows (`0..NR`)
-/// that this tile pulls in, empty for all but a block's first row tiles.
+/// Runs `task(g, rows, cols)` over the tasks of the product: rows of `x`
+/// and weight rows `cols` of product `g` ([`task_shape`]), on rayon tasks
+/// that own disjoint outputs (on the calling thread for small calls).
 fn drive(
     m: usize,
     k: usize,
     ns: &[usize],
-    tile: impl Fn(usize, usize, usize, usize, usize, std::ops::Range<usize>) + Sync,
+    task: impl Fn(usize, Range<usize>, Range<usize>) + Sync,
 ) {
     let n_all: usize = ns.iter().sum();
     if m == 0 || n_all == 0 {
@@ -473,33 +521,16 @@ fn drive(
     for (g, &n) in ns.iter().enumerate() {
         first[g + 1] = first[g] + m_tasks * n.div_ceil(nb);
     }
-    let run = |task: usize| {
-        let g = first.partition_point(|&f| f <= task) - 1;
+    let run = |t: usize| {
+        let g = first.partition_point(|&f| f <= t) - 1;
         let (n, n_tasks) = (ns[g], ns[g].div_ceil(nb));
-        let local = task - first[g];
+        let local = t - first[g];
         let (mt, nt) = (local / n_tasks, local % n_tasks);
-        let (n0, n1) = (nt * nb, ((nt + 1) * nb).min(n));
-        let (ms, me) = (mt * mc, ((mt + 1) * mc).min(m));
-        for m0 in (ms..me).step_by(MB) {
-            let m1 = (m0 + MB).min(me);
-            for j in (n0..n1).step_by(NR) {
-                let nr = NR.min(n1 - j);
-                // The block's first row tiles share out the next weight
-                // tile's rows to prefetch (1, 2, 3 or all 6 rows each), so
-                // the misses stay few at a time and overlap the arithmetic.
-                let tiles = (m1 - m0).div_ceil(MR);
-                let spread = [6, 3, 2, 1].into_iter().find(|&s| s <= tiles).unwrap_or(1);
-                let per = NR / spread;
-                for (t, i) in (m0..m1).step_by(MR).enumerate() {
-                    let pf = if t < spread {
-                        t * per..(t + 1) * per
-                    } else {
-                        0..0
-                    };
-                    tile(g, i, MR.min(m1 - i), j, nr, pf);
-                }
-            }
-        }
+        task(
+            g,
+            mt * mc..((mt + 1) * mc).min(m),
+            nt * nb..((nt + 1) * nb).min(n),
+        )
     };
     let tasks = first[ns.len()];
     if m * n_all * k < SERIAL_MACS && n_all * k < SERIAL_WEIGHTS {
@@ -509,6 +540,40 @@ fn drive(
         (0..tasks).for_each(run);
     } else {
         (0..tasks).into_par_iter().for_each(run);
+    }
+}
+
+/// One task's register tiles: calls `tile(i, mr, j, nr, prefetch)` for the
+/// `mr x nr` output tile at `(i, j)`, in cache blocks of [`MB`] rows of
+/// `x`. `prefetch` is the range of the next weight tile's rows (`0..NR`)
+/// that this tile pulls in, empty for all but a block's first row tiles.
+fn tiles(
+    rows: Range<usize>,
+    cols: Range<usize>,
+    mut tile: impl FnMut(usize, usize, usize, usize, Range<usize>),
+) {
+    for m0 in rows.clone().step_by(MB) {
+        let m1 = (m0 + MB).min(rows.end);
+        for j in cols.clone().step_by(NR) {
+            let nr = NR.min(cols.end - j);
+            // The block's first row tiles share out the next weight
+            // tile's rows to prefetch (1, 2, 3 or all 6 rows each), so
+            // the misses stay few at a time and overlap the arithmetic.
+            let n_tiles = (m1 - m0).div_ceil(MR);
+            let spread = [6, 3, 2, 1]
+                .into_iter()
+                .find(|&s| s <= n_tiles)
+                .unwrap_or(1);
+            let per = NR / spread;
+            for (t, i) in (m0..m1).step_by(MR).enumerate() {
+                let pf = if t < spread {
+                    t * per..(t + 1) * per
+                } else {
+                    0..0
+                };
+                tile(i, MR.min(m1 - i), j, nr, pf);
+            }
+        }
     }
 }
 
@@ -890,6 +955,24 @@ unsafe fn tile_avx2<W: Lanes8, const R: usize, const C: usize, const PF: usize>(
     }
 }
 
+/// The 8 weights at `p` as f32 lanes (bf16 bits widened exactly).
+///
+/// # Safety
+/// The CPU has AVX2; `p` points at 8 readable elements.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn load_w8<W: Lanes8>(p: *const W) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    if W::BF16 {
+        let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
+    } else {
+        _mm256_loadu_ps(p as *const f32)
+    }
+}
+
 /// Weight rows `J0..J0 + C` (`C <= 3`, `w` and `y` already at row `J0`) of
 /// [`tile_avx2`]; they prefetch the next tile's rows below `PF`.
 ///
@@ -909,14 +992,6 @@ unsafe fn cols_avx2<W: Lanes8, const R: usize, const C: usize, const J0: usize, 
     far: usize,
 ) {
     use std::arch::x86_64::*;
-    let load_w = |p: *const W| -> __m256 {
-        if W::BF16 {
-            let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
-        } else {
-            _mm256_loadu_ps(p as *const f32)
-        }
-    };
     // One prefetch per 64-byte line of a weight row.
     let line = 64 / std::mem::size_of::<W>();
     let full = k / 8 * 8;
@@ -925,7 +1000,7 @@ unsafe fn cols_avx2<W: Lanes8, const R: usize, const C: usize, const J0: usize, 
     while kk < full {
         let mut wv = [_mm256_setzero_ps(); C];
         for j in 0..C {
-            wv[j] = load_w(w.add(j * k + kk));
+            wv[j] = load_w8(w.add(j * k + kk));
             if J0 + j < PF && kk % line == 0 {
                 prefetch_weights(pf.wrapping_add((J0 + j) * k + kk), far);
             }
@@ -955,6 +1030,98 @@ unsafe fn cols_avx2<W: Lanes8, const R: usize, const C: usize, const J0: usize, 
     for i in 0..R {
         for j in 0..C {
             *y.add(i * ldy + j) = hsum8(acc[i][j]);
+        }
+    }
+}
+
+/// The AVX2 kernel for calls of at most [`SWEEP_ROWS`] rows of `x`: for
+/// each of the `nc` weight rows in turn, its `m` dot products with the rows
+/// of `x`, each as [`tile_avx2`] computes it (8 lane-wise FMA chains over
+/// `k` in order, a zero-padded last step, `hsum8`), so the results are the
+/// same bits. The weights are then read as one sequential stream,
+/// prefetched [`SWEEP_AHEAD`] bytes ahead, and the rows of `x` (at most
+/// 8, so their accumulators fit the registers) stay in L1. With several
+/// weight rows in flight at a time (the register tiles), the two cores of
+/// a Zen 2 streamed an 8-row decode step's weights at 16 GB/s of the 23 a
+/// plain read reaches: the misses and the arithmetic overlapped poorly.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `m <= 8`; the `m` rows of `x`, the `nc` rows
+/// of `w` (all `k` apart) and the outputs `y[i * ldy + j]` lie inside live
+/// allocations.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn sweep_avx2<W: Lanes8>(
+    x: *const f32,
+    m: usize,
+    w: *const W,
+    nc: usize,
+    k: usize,
+    y: *mut f32,
+    ldy: usize,
+) {
+    match m {
+        1 => sweep_rows::<W, 1>(x, w, nc, k, y, ldy),
+        2 => sweep_rows::<W, 2>(x, w, nc, k, y, ldy),
+        3 => sweep_rows::<W, 3>(x, w, nc, k, y, ldy),
+        4 => sweep_rows::<W, 4>(x, w, nc, k, y, ldy),
+        5 => sweep_rows::<W, 5>(x, w, nc, k, y, ldy),
+        6 => sweep_rows::<W, 6>(x, w, nc, k, y, ldy),
+        7 => sweep_rows::<W, 7>(x, w, nc, k, y, ldy),
+        8 => sweep_rows::<W, 8>(x, w, nc, k, y, ldy),
+        _ => unreachable!("sweep of {m} rows"),
+    }
+}
+
+/// [`sweep_avx2`] for `R` rows of `x`.
+///
+/// # Safety
+/// As [`sweep_avx2`].
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::needless_range_loop)]
+unsafe fn sweep_rows<W: Lanes8, const R: usize>(
+    x: *const f32,
+    w: *const W,
+    nc: usize,
+    k: usize,
+    y: *mut f32,
+    ldy: usize,
+) {
+    use std::arch::x86_64::*;
+    let size = std::mem::size_of::<W>();
+    // One prefetch per 64-byte line of the stream.
+    let (line, ahead) = (64 / size, SWEEP_AHEAD / size);
+    let full = k / 8 * 8;
+    for j in 0..nc {
+        let wj = w.add(j * k);
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut kk = 0;
+        while kk < full {
+            if kk % line == 0 {
+                // SAFETY: a prefetch is a hint; it never faults.
+                _mm_prefetch::<_MM_HINT_T0>(wj.wrapping_add(kk + ahead) as *const i8);
+            }
+            let wv = load_w8(wj.add(kk));
+            for i in 0..R {
+                let xv = _mm256_loadu_ps(x.add(i * k + kk));
+                acc[i] = _mm256_fmadd_ps(xv, wv, acc[i]);
+            }
+            kk += 8;
+        }
+        if full < k {
+            // The last, partial step, zero-padded.
+            let t = k - full;
+            let wv = _mm256_loadu_ps(lanes8(wj.add(full), t).as_ptr());
+            for i in 0..R {
+                let xv = _mm256_loadu_ps(lanes8(x.add(i * k + full), t).as_ptr());
+                acc[i] = _mm256_fmadd_ps(xv, wv, acc[i]);
+            }
+        }
+        for i in 0..R {
+            *y.add(i * ldy + j) = hsum8(acc[i]);
         }
     }
 }
