@@ -86,6 +86,8 @@ const SERIAL_WEIGHTS: usize = 1 << 16;
 /// time against every row of `x` ([`sweep_avx2`]) instead of in register
 /// tiles.
 const SWEEP_ROWS: usize = 8;
+// `sweep_avx2` has kernels for 1 to 8 rows (8 accumulators fit the registers).
+const _: () = assert!(SWEEP_ROWS <= 8);
 /// Whether the AVX2 kernel sweeps ([`sweep_avx2`]) a call of `m` rows
 /// against weights `w`: f32 weights of up to [`SWEEP_ROWS`] rows, whose
 /// step is bound by the weight stream; bf16 weights (half the bytes, so
