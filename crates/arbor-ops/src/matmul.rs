@@ -88,6 +88,11 @@ const SERIAL_WEIGHTS: usize = 1 << 16;
 const SWEEP_ROWS: usize = 8;
 // `sweep_avx2` has kernels for 1 to 8 rows (8 accumulators fit the registers).
 const _: () = assert!(SWEEP_ROWS <= 8);
+/// How far ahead of its reads the sweep prefetches a weight row, in bytes
+/// (two f32 rows of a 576-wide model).
+#[cfg(target_arch = "x86_64")]
+const SWEEP_AHEAD: usize = 4608;
+
 /// Whether the AVX2 kernel sweeps ([`sweep_avx2`]) a call of `m` rows
 /// against weights `w`: f32 weights of up to [`SWEEP_ROWS`] rows, whose
 /// step is bound by the weight stream; bf16 weights (half the bytes, so
@@ -99,11 +104,6 @@ const _: () = assert!(SWEEP_ROWS <= 8);
 fn sweeps(m: usize, w: WeightRows<'_>) -> bool {
     m <= SWEEP_ROWS && (matches!(w, WeightRows::F32(_)) || !m.is_multiple_of(MR))
 }
-
-/// How far ahead of its reads the sweep prefetches a weight row, in bytes
-/// (two f32 rows of a 576-wide model).
-#[cfg(target_arch = "x86_64")]
-const SWEEP_AHEAD: usize = 4608;
 
 /// The instruction set the kernels use. Every CPU has one
 /// ([`MatmulIsa::detect`]); a row's result depends on the set, never on
@@ -336,14 +336,14 @@ pub fn matmul_nt_multi_into_isa(
             #[allow(unsafe_code)]
             unsafe {
                 let y = out.0.add(rows.start * n + cols.start);
-                let x = x.as_ptr().add(rows.start * k);
-                let (j, nc) = (cols.start * k, cols.len());
+                let (i, j, mr, nc) = (rows.start * k, cols.start * k, rows.len(), cols.len());
                 match ws[g] {
-                    WeightRows::F32(w) => sweep_avx2(x, rows.len(), w.as_ptr().add(j), nc, k, y, n),
+                    WeightRows::F32(w) => {
+                        sweep_avx2(x.as_ptr().add(i), mr, w.as_ptr().add(j), nc, k, y, n)
+                    }
                     WeightRows::Bf16(w) => {
-                        let x = xr.as_ptr().add(rows.start * k);
                         let w = (w.as_ptr() as *const u16).add(j);
-                        sweep_avx2(x, rows.len(), w, nc, k, y, n)
+                        sweep_avx2(xr.as_ptr().add(i), mr, w, nc, k, y, n)
                     }
                 }
             }
