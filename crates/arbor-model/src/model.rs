@@ -200,7 +200,7 @@ pub fn matmul_nt(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 /// `x W_g^T + b_g` for several linear layers of one input `x: [1, T, in]`
-/// in one grouped matmul ([`arbor_ops::matmul_nt_multi_into`]: one thread
+/// in one grouped matmul ([`arbor_ops::matmul_nt_multi`]: one thread
 /// hand-off, each product computed exactly as [`matmul_nt`] computes it
 /// alone). Generation forward only (no autograd graph). Falls back to one
 /// [`Linear::forward`] each when a layer has an adapter, a weight is not a
@@ -237,14 +237,11 @@ fn linear_rows_group(x: &Tensor, lins: &[&Linear]) -> Result<Vec<Tensor>> {
             _ => return separate(),
         });
     }
-    let mut ys: Vec<Vec<f32>> = lins
+    let ns = lins
         .iter()
-        .map(|l| vec![0f32; m * l.weight.dim(0).unwrap_or(0)])
-        .collect();
-    with_cpu_f32(x, |xs| {
-        let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
-        arbor_ops::matmul_nt_multi_into(xs, &ws, m, k, &mut outs);
-    })?;
+        .map(|l| l.weight.dim(0))
+        .collect::<candle_core::Result<Vec<usize>>>()?;
+    let ys = with_cpu_f32(x, |xs| arbor_ops::matmul_nt_multi(xs, &ws, m, k, &ns))?;
     ys.into_iter()
         .zip(lins)
         .map(|(y, l)| {

@@ -39,8 +39,8 @@ mod simd;
 pub use attention::{paged_attention, KvElem, PagedAttentionArgs};
 pub use logprob::{fused_logprobs, DEFAULT_CHUNK_ELEMS};
 pub use matmul::{
-    matmul_nt, matmul_nt_bf16, matmul_nt_into, matmul_nt_multi_into, matmul_nt_multi_into_isa,
-    matmul_nt_op, round_bf16, MatmulIsa, WeightRows,
+    matmul_nt, matmul_nt_bf16, matmul_nt_into, matmul_nt_multi, matmul_nt_multi_into,
+    matmul_nt_multi_into_isa, matmul_nt_op, round_bf16, MatmulIsa, WeightRows,
 };
 pub use paged::{cache_write, paged_attention_op, PagedMeta};
 pub use ppo::{pack_aux, ppo_loss, token_weights, value_loss, Aggregation, PpoClip};

@@ -210,11 +210,14 @@ fn single_into(x: &[f32], w: WeightRows<'_>, m: usize, k: usize, n: usize, y: &m
     matmul_nt_multi_into(x, &[w.rows(n * k)], m, k, &mut [&mut y[..m * n]]);
 }
 
-/// [`single_into`] into a new buffer.
+/// [`single_into`] into a new buffer ([`matmul_nt_multi`]).
 fn single(x: &[f32], w: WeightRows<'_>, m: usize, k: usize, n: usize) -> Vec<f32> {
-    let mut y = vec![0f32; m * n];
-    single_into(x, w, m, k, n, &mut y);
-    y
+    assert!(
+        w.len() >= n * k,
+        "matmul_nt: slices shorter than [{m}, {k}] x [{n}, {k}]^T"
+    );
+    let mut ys = matmul_nt_multi(x, &[w.rows(n * k)], m, k, &[n]);
+    ys.pop().expect("one product")
 }
 
 /// `y[m, n] = bf16(x)[m, k] w[n, k]^T` for bf16 weights: `x` is rounded to
@@ -307,6 +310,77 @@ pub fn matmul_nt_multi_into_isa(
             "matmul_nt: slices do not fit [{m}, {k}] x [{n}, {k}]^T"
         );
     }
+    let outs: Vec<OutPtr> = ys.iter_mut().map(|y| OutPtr(y.as_mut_ptr())).collect();
+    // SAFETY: the CPU runs `isa`, `k > 0`, and every `ys[g]` holds `m *
+    // ns[g]` values (asserted above).
+    #[allow(unsafe_code)]
+    unsafe {
+        products(isa, x, ws, m, k, &ns, &outs)
+    }
+}
+
+/// Several products of one input into new buffers: `ys[g] = x ws[g]^T`,
+/// `[m, ns[g]]`, for `ws[g]: [ns[g], k]`, each computed exactly as
+/// [`matmul_nt_multi_into`] computes it. The kernels write every output
+/// once, so the buffers are not zeroed first: that fill ran on the
+/// calling thread alone, ~2% of `arbor bench generate` while the other
+/// thread waited. Panics if a weight is not `[ns[g], k]` or `x` is
+/// shorter than `[m, k]`.
+pub fn matmul_nt_multi(
+    x: &[f32],
+    ws: &[WeightRows<'_>],
+    m: usize,
+    k: usize,
+    ns: &[usize],
+) -> Vec<Vec<f32>> {
+    assert_eq!(
+        ws.len(),
+        ns.len(),
+        "matmul_nt: {} weights, {} output widths",
+        ws.len(),
+        ns.len()
+    );
+    if k == 0 {
+        return ns.iter().map(|&n| vec![0f32; m * n]).collect();
+    }
+    for (w, &n) in ws.iter().zip(ns) {
+        assert!(
+            x.len() >= m * k && w.len() == n * k,
+            "matmul_nt: slices do not fit [{m}, {k}] x [{n}, {k}]^T"
+        );
+    }
+    let mut ys: Vec<Vec<f32>> = ns.iter().map(|&n| Vec::with_capacity(m * n)).collect();
+    let outs: Vec<OutPtr> = ys.iter_mut().map(|y| OutPtr(y.as_mut_ptr())).collect();
+    // SAFETY: the detected set is supported, `k > 0`, and each `ys[g]` has
+    // room for `m * ns[g]` values. `products` writes every one of them
+    // before `set_len` makes them readable; a panic leaves the lengths 0.
+    #[allow(unsafe_code)]
+    unsafe {
+        products(MatmulIsa::detect(), x, ws, m, k, ns, &outs);
+        for (y, &n) in ys.iter_mut().zip(ns) {
+            y.set_len(m * n);
+        }
+    }
+    ys
+}
+
+/// The products of [`matmul_nt_multi_into`] into `outs[g]` (`[m, ns[g]]`,
+/// row-major), every output written exactly once and none read.
+///
+/// # Safety
+/// The CPU runs `isa`; `k > 0`; `x.len() >= m * k`; `ws[g].len() ==
+/// ns[g] * k`; `outs[g]` points at room for `m * ns[g]` values
+/// (initialised or not) that nothing else touches during the call.
+#[allow(unsafe_code)]
+unsafe fn products(
+    isa: MatmulIsa,
+    x: &[f32],
+    ws: &[WeightRows<'_>],
+    m: usize,
+    k: usize,
+    ns: &[usize],
+    outs: &[OutPtr],
+) {
     let any_bf16 = ws.iter().any(|w| matches!(w, WeightRows::Bf16(_)));
     // bf16 weights meet `bf16(x)`: as bits for `vdpbf16ps`, or widened back
     // to f32 for the 8-lane kernels.
@@ -321,12 +395,11 @@ pub fn matmul_nt_multi_into_isa(
     } else {
         Vec::new()
     };
-    let outs: Vec<OutPtr> = ys.iter_mut().map(|y| OutPtr(y.as_mut_ptr())).collect();
     // Decode-sized calls stream each weight once: the rows FAR_TILES tiles
     // past the next one are prefetched into L2 as well (elements past the
     // next tile's rows; 0 = none).
     let far = if m <= MB { FAR_TILES * NR * k } else { 0 };
-    drive(m, k, &ns, |g, rows, cols| {
+    drive(m, k, ns, |g, rows, cols| {
         let (out, n) = (outs[g], ns[g]);
         if isa == MatmulIsa::Avx2 && sweeps(m, ws[g]) {
             // SAFETY: the CPU runs AVX2 and FMA (asserted above); rows of
@@ -1563,6 +1636,52 @@ mod tests {
                 same(&y3, &alone(WeightRows::F32(&w3), 7)),
                 "{isa:?} m {m}: small group"
             );
+        }
+    }
+
+    /// Every output is written (none is left as the NaN it held before),
+    /// on every instruction set, which the unfilled buffers of
+    /// [`matmul_nt_multi`] rely on; and those buffers hold the same bits.
+    #[test]
+    fn every_output_is_written_and_new_buffers_agree() {
+        let mut rng = StdRng::seed_from_u64(31);
+        let mut r =
+            |len: usize| -> Vec<f32> { (0..len).map(|_| rng.random_range(-1.0..1.0)).collect() };
+        for k in [0usize, 1, 7, 96] {
+            let ns = [1usize, 5, 7, 13, 200];
+            let w32: Vec<Vec<f32>> = ns.iter().map(|&n| r(n * k)).collect();
+            let w16: Vec<Vec<half::bf16>> = ns
+                .iter()
+                .map(|&n| r(n * k).into_iter().map(half::bf16::from_f32).collect())
+                .collect();
+            let ws: Vec<WeightRows<'_>> = (0..ns.len())
+                .map(|g| {
+                    if g % 2 == 0 {
+                        WeightRows::F32(&w32[g])
+                    } else {
+                        WeightRows::Bf16(&w16[g])
+                    }
+                })
+                .collect();
+            for m in [0usize, 1, 3, 8, 9, 32, 65, 300] {
+                let x = r(m * k);
+                let new = matmul_nt_multi(&x, &ws, m, k, &ns);
+                for isa in MatmulIsa::all_supported() {
+                    let mut ys: Vec<Vec<f32>> = ns.iter().map(|&n| vec![f32::NAN; m * n]).collect();
+                    let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| &mut y[..]).collect();
+                    matmul_nt_multi_into_isa(isa, &x, &ws, m, k, &mut outs);
+                    for (g, y) in ys.iter().enumerate() {
+                        assert!(
+                            y.iter().all(|v| v.is_finite()),
+                            "{isa:?} k {k} m {m} product {g}: an output left unwritten"
+                        );
+                        if isa == MatmulIsa::detect() {
+                            assert_eq!(new[g].len(), m * ns[g]);
+                            assert!(same(&new[g], y), "k {k} m {m} product {g}");
+                        }
+                    }
+                }
+            }
         }
     }
 
