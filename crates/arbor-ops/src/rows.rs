@@ -22,7 +22,17 @@ pub(crate) fn for_rows<T: Send>(
     width: usize,
     f: impl Fn(usize, &mut [T]) + Sync + Send,
 ) {
-    if out.len() >= PAR_MIN {
+    for_rows_from(out, width, PAR_MIN, f)
+}
+
+/// [`for_rows`], in parallel from `par_min` elements.
+fn for_rows_from<T: Send>(
+    out: &mut [T],
+    width: usize,
+    par_min: usize,
+    f: impl Fn(usize, &mut [T]) + Sync + Send,
+) {
+    if out.len() >= par_min {
         out.par_chunks_mut(width)
             .enumerate()
             .for_each(|(i, o)| f(i, o));
@@ -137,7 +147,7 @@ fn rope_row(o: &mut [f32], cos: &[f32], sin: &[f32]) {
 /// threads compete for cores with the rayon workers of
 /// [`crate::in_pool_polling`]).
 pub fn add(a: &[f32], b: &[f32]) -> Vec<f32> {
-    zip_chunks(a, b, |a, b, o| {
+    zip_chunks(a, b, 1 << 14, PAR_MIN, |a, b, o| {
         for ((o, &x), &y) in o.iter_mut().zip(a).zip(b) {
             *o = x + y;
         }
@@ -150,7 +160,10 @@ pub fn add(a: &[f32], b: &[f32]) -> Vec<f32> {
 /// order), 16 or 8 values at a time; elsewhere it is `f32::exp`, as in
 /// candle's `silu`.
 pub fn silu_mul(g: &[f32], u: &[f32]) -> Vec<f32> {
-    zip_chunks(g, u, |g, u, o| {
+    // An `exp` per value: a decode step's 32 x 1536 values split across
+    // threads too (on one, they took ~1% of `arbor bench generate` while
+    // the other waited).
+    zip_chunks(g, u, SILU_CHUNK, 2 * SILU_CHUNK, |g, u, o| {
         #[cfg(target_arch = "x86_64")]
         if std::is_x86_feature_detected!("avx512f") {
             // SAFETY: AVX-512F detected; `g`, `u` and `o` have one length.
@@ -218,19 +231,23 @@ unsafe fn silu_mul_avx2(g: &[f32], u: &[f32], o: &mut [f32]) {
     }
 }
 
+/// Values per parallel chunk of [`silu_mul`].
+const SILU_CHUNK: usize = 1 << 12;
+
 /// An elementwise kernel of two inputs: `f(a, b, out)` over matching
-/// chunks of `a`, `b` and the new output, in parallel for large inputs.
+/// chunks of `ch` values of `a`, `b` and the new output (the last one
+/// shorter), in parallel from `par_min` values.
 fn zip_chunks(
     a: &[f32],
     b: &[f32],
+    ch: usize,
+    par_min: usize,
     f: impl Fn(&[f32], &[f32], &mut [f32]) + Sync + Send,
 ) -> Vec<f32> {
     assert_eq!(a.len(), b.len(), "elementwise kernel: lengths");
     let mut out = vec![0f32; a.len()];
-    // Chunks of CH as the "rows" (the last one shorter).
-    const CH: usize = 1 << 14;
-    for_rows(&mut out, CH, |c, o| {
-        let r = c * CH..c * CH + o.len();
+    for_rows_from(&mut out, ch, par_min, |c, o| {
+        let r = c * ch..c * ch + o.len();
         f(&a[r.clone()], &b[r], o)
     });
     out
