@@ -506,9 +506,8 @@ impl Tile {
 /// `x` has millions of values, which the scalar conversion took ~1 ns each
 /// on one thread.
 fn to_bf16_bits(x: &[f32]) -> Vec<u16> {
-    let mut out = vec![0u16; x.len()];
     const CH: usize = 1 << 14;
-    crate::rows::for_rows(&mut out, CH, |c, o| {
+    crate::rows::new_rows(x.len(), CH, crate::rows::PAR_MIN, |c, o| {
         let x = &x[c * CH..c * CH + o.len()];
         #[cfg(target_arch = "x86_64")]
         if std::is_x86_feature_detected!("avx512f") {
@@ -522,8 +521,7 @@ fn to_bf16_bits(x: &[f32]) -> Vec<u16> {
         for (o, &v) in o.iter_mut().zip(x) {
             *o = half::bf16::from_f32(v).to_bits();
         }
-    });
-    out
+    })
 }
 
 /// Every value rounded to bf16 (nearest even, as [`to_bf16_bits`]) and
