@@ -72,6 +72,24 @@ const MB: usize = 64;
 /// 33 -> 18 ms a SmolLM2-135M step, bf16 16.7 -> 10.5 ms; m = 1 and 32 gain
 /// 23-38% and 7-9% (`decode_matmuls`).
 const FAR_TILES: usize = 2;
+/// Elements past the next weight tile's rows from which a tile of a call
+/// of `m` rows also prefetches into L2 (0 = none): [`FAR_TILES`] tiles on
+/// for decode-sized calls, which stream each weight once. Not for f32
+/// weights on AVX2: there the tiles serve 9 or more rows (fewer sweep),
+/// the stream runs at 16 GB/s or less, and the extra prefetches cost more
+/// than they hide (Zen 2, `decode_matmuls`, ms a step with / without: 24
+/// rows 48.9-49.6 / 46.4-46.9, 32 rows 63.4-64.1 / 61.1-61.7, 12 and 48
+/// rows 1-2% slower with). bf16 weights keep them (4 rows: 13.2-13.8 /
+/// 14.2-14.3 ms).
+fn far_ahead(isa: MatmulIsa, m: usize, k: usize, w: WeightRows<'_>) -> usize {
+    let f32_avx2 = isa == MatmulIsa::Avx2 && matches!(w, WeightRows::F32(_));
+    if m <= MB && !f32_avx2 {
+        FAR_TILES * NR * k
+    } else {
+        0
+    }
+}
+
 /// Multiply-adds below which a call runs on one thread (~10 us of work),
 /// unless its weights reach [`SERIAL_WEIGHTS`].
 const SERIAL_MACS: usize = 1 << 20;
@@ -395,10 +413,6 @@ unsafe fn products(
     } else {
         Vec::new()
     };
-    // Decode-sized calls stream each weight once: the rows FAR_TILES tiles
-    // past the next one are prefetched into L2 as well (elements past the
-    // next tile's rows; 0 = none).
-    let far = if m <= MB { FAR_TILES * NR * k } else { 0 };
     drive(m, k, ns, |g, rows, cols| {
         let (out, n) = (outs[g], ns[g]);
         if isa == MatmulIsa::Avx2 && sweeps(m, ws[g]) {
@@ -422,6 +436,7 @@ unsafe fn products(
             }
             return;
         }
+        let far = far_ahead(isa, m, k, ws[g]);
         tiles(rows, cols, |i, mr, j, nr, pf| {
             let at = Tile {
                 i,
