@@ -38,6 +38,16 @@ pub struct EngineConfig {
     /// the model is not on the CPU.
     #[serde(default)]
     pub kv_on_device: Option<bool>,
+    /// Back the model's CPU weight matrices with transparent huge pages
+    /// when the engine is built ([`Transformer::back_weights_with_huge_pages`]:
+    /// 0.2-0.7 s once for 500 MB; each decode step then streams them
+    /// 4-16% faster on a 2-core Zen 2). Best effort; Linux only.
+    #[serde(default = "yes")]
+    pub huge_pages: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl Default for EngineConfig {
@@ -50,6 +60,7 @@ impl Default for EngineConfig {
             max_batch_tokens: 2048,
             max_context: 0,
             kv_on_device: None,
+            huge_pages: true,
         }
     }
 }
@@ -201,6 +212,15 @@ impl Engine {
             0 => model.cfg.max_position_embeddings,
             n => n,
         };
+        if cfg.huge_pages && model.device().is_cpu() {
+            let t0 = std::time::Instant::now();
+            let bytes = model.back_weights_with_huge_pages();
+            tracing::debug!(
+                "weights on huge pages: {} MiB in {:.2?}",
+                bytes >> 20,
+                t0.elapsed()
+            );
+        }
         Ok(Engine {
             model: model.clone(),
             tokenizer,

@@ -17,6 +17,7 @@
 
 pub mod config;
 pub mod error;
+pub mod hugepages;
 mod loaded;
 pub mod logprobs;
 pub mod model;

@@ -771,6 +771,38 @@ impl Transformer {
         Ok(out)
     }
 
+    /// Backs the matrices a decode step streams (the embedding / LM head
+    /// and every layer's projections, f32 or bf16 in CPU memory) with
+    /// transparent huge pages ([`crate::hugepages::back_with_huge_pages`]).
+    /// Returns the bytes moved; device weights, small models and systems
+    /// without the feature give 0. Values never change.
+    pub fn back_weights_with_huge_pages(&self) -> usize {
+        let mut ranges = Vec::new();
+        let mut add = |t: &Tensor| {
+            if !t.device().is_cpu() {
+                return;
+            }
+            let (storage, _) = t.storage_and_layout();
+            if let candle_core::Storage::Cpu(c) = &*storage {
+                let (p, bytes) = match c {
+                    candle_core::CpuStorage::F32(v) => (v.as_ptr() as usize, v.len() * 4),
+                    candle_core::CpuStorage::BF16(v) => (v.as_ptr() as usize, v.len() * 2),
+                    _ => return,
+                };
+                ranges.push((p, p + bytes));
+            }
+        };
+        add(&self.embed);
+        add(&self.lm_head);
+        for layer in &self.layers {
+            let (a, m) = (&layer.attn, &layer.mlp);
+            for l in [&a.q, &a.k, &a.v, &a.o, &m.gate, &m.up, &m.down] {
+                add(&l.weight);
+            }
+        }
+        crate::hugepages::back_with_huge_pages(ranges)
+    }
+
     /// Write an HF-loadable checkpoint: `config.json` and `model.safetensors`
     /// (in `dtype`), each written to a temporary file, fsynced and renamed,
     /// so a crash never leaves a half-written file under the final name.
