@@ -40,8 +40,8 @@ pub struct EngineConfig {
     pub kv_on_device: Option<bool>,
     /// Back the model's CPU weight matrices with transparent huge pages
     /// when the engine is built ([`Transformer::back_weights_with_huge_pages`]:
-    /// 0.2-0.7 s once for 500 MB; each decode step then streams them
-    /// 4-16% faster on a 2-core Zen 2). Best effort; Linux only.
+    /// 0.2-0.7 s once for 500 MB; generation then ran 3-13% faster on a
+    /// 2-core Zen 2). Best effort; Linux with glibc only.
     #[serde(default = "yes")]
     pub huge_pages: bool,
 }

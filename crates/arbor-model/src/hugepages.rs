@@ -7,10 +7,11 @@
 //! nothing the allocator hands out gets them, so [`back_with_huge_pages`]
 //! asks for them explicitly on ranges already written: `MADV_HUGEPAGE`, then
 //! `MADV_COLLAPSE` (Linux 6.1+), which moves the range onto 2 MiB pages now
-//! instead of leaving it to the kernel's background scan (~16 MB every 10
-//! s). On a 2-core Zen 2 this made `arbor bench generate --batch 1` 10-16%
-//! faster, `arbor bench fork` 4-10% and batch 32 ~4%, for 0.2-0.7 s spent
-//! once on 500 MB (docs/benchmarks.md, eleventh session).
+//! instead of leaving it to the kernel's background scan (by default 16 MB
+//! every 10 s). On a 2-core Zen 2, f32, three alternating rounds: `arbor
+//! bench generate --batch 1` 7-13% faster, `arbor bench fork` 3-13%, batch
+//! 32 3-5%, for 0.2-0.7 s spent once on 508 MiB (docs/benchmarks.md,
+//! eleventh session).
 
 /// Bytes of a huge page on x86-64 and most arm64 kernels.
 const HUGE: usize = 2 << 20;
