@@ -244,9 +244,10 @@ fn linear_rows_group(x: &Tensor, lins: &[&Linear]) -> Result<Vec<Tensor>> {
     let ys = with_cpu_f32(x, |xs| arbor_ops::matmul_nt_multi(xs, &ws, m, k, &ns))?;
     ys.into_iter()
         .zip(lins)
-        .map(|(y, l)| {
+        .zip(ns)
+        .map(|((y, l), n)| {
             let mut out_dims = dims.clone();
-            *out_dims.last_mut().expect("rank >= 1") = l.weight.dim(0)?;
+            *out_dims.last_mut().expect("rank >= 1") = n;
             let y = Tensor::from_vec(y, out_dims, x.device())?;
             Ok(match &l.bias {
                 Some(b) => y.broadcast_add(b)?,
@@ -779,9 +780,6 @@ impl Transformer {
     pub fn back_weights_with_huge_pages(&self) -> usize {
         let mut ranges = Vec::new();
         let mut add = |t: &Tensor| {
-            if !t.device().is_cpu() {
-                return;
-            }
             let (storage, _) = t.storage_and_layout();
             if let candle_core::Storage::Cpu(c) = &*storage {
                 let (p, bytes) = match c {

@@ -228,7 +228,8 @@ fn single_into(x: &[f32], w: WeightRows<'_>, m: usize, k: usize, n: usize, y: &m
     matmul_nt_multi_into(x, &[w.rows(n * k)], m, k, &mut [&mut y[..m * n]]);
 }
 
-/// [`single_into`] into a new buffer ([`matmul_nt_multi`]).
+/// One product into a new buffer ([`matmul_nt_multi`]): the first `n`
+/// rows of `w`.
 fn single(x: &[f32], w: WeightRows<'_>, m: usize, k: usize, n: usize) -> Vec<f32> {
     assert!(
         w.len() >= n * k,
@@ -323,10 +324,7 @@ pub fn matmul_nt_multi_into_isa(
     }
     let ns: Vec<usize> = ws.iter().map(|w| w.len() / k).collect();
     for ((w, y), &n) in ws.iter().zip(ys.iter()).zip(&ns) {
-        assert!(
-            x.len() >= m * k && w.len() == n * k && y.len() >= m * n,
-            "matmul_nt: slices do not fit [{m}, {k}] x [{n}, {k}]^T"
-        );
+        check_fit(x, *w, y.len(), m, k, n);
     }
     let outs: Vec<OutPtr> = ys.iter_mut().map(|y| OutPtr(y.as_mut_ptr())).collect();
     // SAFETY: the CPU runs `isa`, `k > 0`, and every `ys[g]` holds `m *
@@ -362,10 +360,7 @@ pub fn matmul_nt_multi(
         return ns.iter().map(|&n| vec![0f32; m * n]).collect();
     }
     for (w, &n) in ws.iter().zip(ns) {
-        assert!(
-            x.len() >= m * k && w.len() == n * k,
-            "matmul_nt: slices do not fit [{m}, {k}] x [{n}, {k}]^T"
-        );
+        check_fit(x, *w, m * n, m, k, n);
     }
     let mut ys: Vec<Vec<f32>> = ns.iter().map(|&n| Vec::with_capacity(m * n)).collect();
     let outs: Vec<OutPtr> = ys.iter_mut().map(|y| OutPtr(y.as_mut_ptr())).collect();
@@ -380,6 +375,15 @@ pub fn matmul_nt_multi(
         }
     }
     ys
+}
+
+/// Panics unless `x` holds `[m, k]`, `w` is `[n, k]` and an output of
+/// `y_len` values holds `[m, n]`.
+fn check_fit(x: &[f32], w: WeightRows<'_>, y_len: usize, m: usize, k: usize, n: usize) {
+    assert!(
+        x.len() >= m * k && w.len() == n * k && y_len >= m * n,
+        "matmul_nt: slices do not fit [{m}, {k}] x [{n}, {k}]^T"
+    );
 }
 
 /// The products of [`matmul_nt_multi_into`] into `outs[g]` (`[m, ns[g]]`,
