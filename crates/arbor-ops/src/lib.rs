@@ -30,6 +30,7 @@ mod attention;
 pub mod cuda;
 pub mod logprob;
 pub mod matmul;
+pub mod packed;
 pub mod paged;
 pub mod ppo;
 pub mod rows;

@@ -197,9 +197,10 @@ impl MatmulIsa {
     }
 }
 
-/// Raw output pointer shared by the tasks, which write disjoint columns.
+/// Raw output pointer shared by the tasks, which write disjoint columns
+/// (here and in [`crate::packed`]).
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(crate) struct OutPtr(pub(crate) *mut f32);
 // SAFETY: every task writes only its own output tiles (columns `n0..n1` of
 // one product, in its own block of rows).
 #[allow(unsafe_code)]

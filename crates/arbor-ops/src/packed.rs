@@ -1,0 +1,422 @@
+//! Packed f32 matmul in the outer-product form: `y[m, n] = x[m, k] w[n, k]^T`
+//! with `w` repacked once ([`PackedWeights::pack`]) into panels of [`PANEL`]
+//! weight rows, each laid out `[k][PANEL]`.
+//!
+//! Every output is one FMA chain over `k` in order, from zero:
+//! `y[i][j] = fma(x[i][k-1], w[j][k-1], ... fma(x[i][0], w[j][0], 0))`.
+//! That is exact to define, so every kernel gives the same bits: the AVX2
+//! one, and the portable one (`f32::mul_add`) on any CPU. A row's result
+//! never depends on the rows around it or on the tile it falls in.
+//!
+//! The AVX2 kernel keeps a `4 x 24` output tile in 12 registers. For each
+//! `k` it loads the panel's 3 weight vectors and broadcasts 4 values of `x`,
+//! for 12 FMAs. No output's lanes need summing; in the dot-product form of
+//! [`crate::matmul`] those sums cost ~12% of a tile. `k` is blocked at
+//! [`KC`], so a panel's block (18 KiB) stays in L1 for every row tile; the
+//! partial sums wait in `y` between blocks. While the first row tiles of a
+//! block run, the next block of the weight stream is prefetched, a line per
+//! 4 `k` steps.
+//!
+//! On a 2-core Zen 2 (docs/benchmarks.md, twelfth session; the
+//! `PACKED=1 matmul_ab` example), 32 x 576 x 1536 ran at 155-172 GFLOP/s, against
+//! 134-143 for [`crate::matmul_nt_into`]. That held with the weights in
+//! cache and streaming from memory. At 2,048 rows the two are even. Its C
+//! model (`scripts/cmodels/packed_tiles.c`) reached 86-90% of the FMA
+//! peak. The engine does not use it yet: it would change every logit's
+//! rounding, so the training forward, the engine and the parity fixtures
+//! have to move together.
+
+use crate::matmul::OutPtr;
+use rayon::prelude::*;
+
+/// Weight rows per panel: three 8-lane vectors.
+pub const PANEL: usize = 24;
+/// `k` per block: a panel's block is `KC * PANEL * 4` bytes (18 KiB).
+pub const KC: usize = 192;
+/// Rows of `x` per register tile.
+const MR: usize = 4;
+/// Rows of `x` per parallel task (long inputs are split so a task's block
+/// of `x` stays in L2).
+const MB: usize = 256;
+
+/// A weight matrix `w: [n, k]` repacked into `n.div_ceil(PANEL)` panels of
+/// `[k][PANEL]` (the last panel zero-padded).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PackedWeights {
+    n: usize,
+    k: usize,
+    /// `[panel][k][3]` vectors of 8 weights (32-byte aligned, so no load
+    /// of the kernel crosses a cache line).
+    data: Vec<Lanes>,
+}
+
+/// Eight weights, aligned for one AVX load.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C, align(32))]
+struct Lanes([f32; 8]);
+
+/// Vectors per panel row.
+const VECS: usize = PANEL / 8;
+
+impl PackedWeights {
+    /// Repack the row-major `w: [n, k]`.
+    ///
+    /// # Panics
+    /// If `w.len() != n * k`.
+    pub fn pack(w: &[f32], n: usize, k: usize) -> Self {
+        assert_eq!(
+            w.len(),
+            n * k,
+            "PackedWeights::pack: {} values for [{n}, {k}]",
+            w.len()
+        );
+        let panels = n.div_ceil(PANEL);
+        let mut data = vec![Lanes([0.0; 8]); panels * k * VECS];
+        data.par_chunks_mut((k * VECS).max(1))
+            .enumerate()
+            .for_each(|(p, panel)| {
+                for r in 0..PANEL.min(n - p * PANEL) {
+                    let row = &w[(p * PANEL + r) * k..(p * PANEL + r + 1) * k];
+                    for (kk, &v) in row.iter().enumerate() {
+                        panel[kk * VECS + r / 8].0[r % 8] = v;
+                    }
+                }
+            });
+        PackedWeights { n, k, data }
+    }
+
+    /// Output width (rows of `w`).
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// Input width (columns of `w`).
+    pub fn k(&self) -> usize {
+        self.k
+    }
+}
+
+/// `y[m, n] = x[m, k] w^T` (row-major), each output one FMA chain over `k`.
+///
+/// # Panics
+/// If `x.len() < m * w.k()`.
+pub fn matmul_packed(x: &[f32], m: usize, w: &PackedWeights) -> Vec<f32> {
+    product(x, m, w, avx2())
+}
+
+/// [`matmul_packed`] on the AVX2 kernel (`avx2`, which the CPU must run) or
+/// the portable one.
+fn product(x: &[f32], m: usize, w: &PackedWeights, avx2: bool) -> Vec<f32> {
+    let (n, k) = (w.n, w.k);
+    assert!(
+        x.len() >= m * k,
+        "matmul_packed: {} values for x [{m}, {k}]",
+        x.len()
+    );
+    let mut y = vec![0f32; m * n];
+    if m == 0 || n == 0 || k == 0 {
+        return y;
+    }
+    let panels = n.div_ceil(PANEL);
+    let row_blocks = m.div_ceil(MB);
+    // Panels per task: a few per thread, for balance.
+    let threads = rayon::current_num_threads().max(1);
+    let per = (panels * row_blocks / (4 * threads)).clamp(1, 16);
+    let tasks: Vec<(usize, usize)> = (0..row_blocks)
+        .flat_map(|b| (0..panels).step_by(per).map(move |p| (b, p)))
+        .collect();
+    let out = OutPtr(y.as_mut_ptr());
+    let run = |&(b, p0): &(usize, usize)| {
+        let rows = b * MB..((b + 1) * MB).min(m);
+        for p in p0..(p0 + per).min(panels) {
+            let cols = p * PANEL..((p + 1) * PANEL).min(n);
+            let panel = &w.data[p * k * VECS..(p + 1) * k * VECS];
+            // SAFETY: rows x cols of y belong to this task alone (tasks
+            // split the rows and the panels), and y outlives the call.
+            #[allow(unsafe_code)]
+            unsafe {
+                panel_rows(x, k, panel, rows.clone(), cols, out, n, avx2);
+            }
+        }
+    };
+    if m * n * k < (1 << 20) {
+        tasks.iter().for_each(run);
+    } else {
+        tasks.par_iter().for_each(run);
+    }
+    y
+}
+
+fn avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        crate::simd::avx2_fma()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Rows `rows` of `x` against one panel, into columns `cols` of `y` (row
+/// stride `n`).
+///
+/// # Safety
+/// `y` holds `[m, n]` with `rows x cols` owned by the caller; `panel` is
+/// `k * VECS` vectors; with `avx2`, the CPU runs AVX2 and FMA.
+#[allow(unsafe_code)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn panel_rows(
+    x: &[f32],
+    k: usize,
+    panel: &[Lanes],
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+    y: OutPtr,
+    n: usize,
+    avx2: bool,
+) {
+    let width = cols.len();
+    if !avx2 {
+        for i in rows {
+            let xi = &x[i * k..(i + 1) * k];
+            for c in 0..width {
+                let acc = xi.iter().enumerate().fold(0f32, |acc, (kk, &v)| {
+                    v.mul_add(panel[kk * VECS + c / 8].0[c % 8], acc)
+                });
+                *y.0.add(i * n + cols.start + c) = acc;
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        // A full panel writes y in place; a partial one (the last, when
+        // PANEL does not divide n) goes through a scratch of full rows.
+        let mut scratch = if width == PANEL {
+            Vec::new()
+        } else {
+            vec![0f32; rows.len() * PANEL]
+        };
+        let (base, ldy) = if width == PANEL {
+            (y.0.add(rows.start * n + cols.start), n)
+        } else {
+            (scratch.as_mut_ptr(), PANEL)
+        };
+        let m = rows.len();
+        let xb = x.as_ptr().add(rows.start * k);
+        let p = panel.as_ptr() as *const f32;
+        let mut k0 = 0;
+        while k0 < k {
+            let k1 = (k0 + KC).min(k);
+            // The weight stream's next block: this panel's next `k` block,
+            // or the next panel's first (panels lie back to back).
+            let next = p.wrapping_add(k1 * PANEL) as *const u8;
+            let lines = ((k1 - k0) * PANEL * 4).div_ceil(64);
+            let tiles = m.div_ceil(MR);
+            // Lines each of the first row tiles prefetches: a line per 4
+            // `k` steps, spread over as many tiles as that takes.
+            let per_tile = (k1 - k0).div_ceil(4);
+            let mut line = 0;
+            for t in 0..tiles {
+                let i = t * MR;
+                let r = MR.min(m - i);
+                let npf = per_tile.min(lines - line.min(lines));
+                let pf = next.wrapping_add(line * 64);
+                line += npf;
+                let (xi, yi) = (xb.add(i * k), base.add(i * ldy));
+                let first = k0 == 0;
+                match r {
+                    4 => tile_avx2::<4>(xi, k, p, k0, k1, yi, ldy, first, pf, npf),
+                    3 => tile_avx2::<3>(xi, k, p, k0, k1, yi, ldy, first, pf, npf),
+                    2 => tile_avx2::<2>(xi, k, p, k0, k1, yi, ldy, first, pf, npf),
+                    _ => tile_avx2::<1>(xi, k, p, k0, k1, yi, ldy, first, pf, npf),
+                }
+            }
+            k0 = k1;
+        }
+        if width < PANEL {
+            for (r, i) in rows.enumerate() {
+                std::ptr::copy_nonoverlapping(
+                    scratch.as_ptr().add(r * PANEL),
+                    y.0.add(i * n + cols.start),
+                    width,
+                );
+            }
+        }
+    }
+}
+
+/// `R` rows of `x` (stride `ldx`) against a panel's `k0..k1` block,
+/// accumulating into `R x PANEL` outputs at `y` (stride `ldy`; from zero
+/// when `first`), prefetching `npf` lines from `pf`, one per 4 `k` steps.
+///
+/// # Safety
+/// AVX2 and FMA; `p` is 32-byte aligned with `k1 * PANEL` values; `x`
+/// and `y` hold what the tile reads and writes.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[allow(clippy::too_many_arguments)]
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_avx2<const R: usize>(
+    x: *const f32,
+    ldx: usize,
+    p: *const f32,
+    k0: usize,
+    k1: usize,
+    y: *mut f32,
+    ldy: usize,
+    first: bool,
+    pf: *const u8,
+    npf: usize,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm256_setzero_ps(); 3]; R];
+    if !first {
+        for i in 0..R {
+            for j in 0..3 {
+                acc[i][j] = _mm256_loadu_ps(y.add(i * ldy + 8 * j));
+            }
+        }
+    }
+    let (mut pf, mut left) = (pf, npf);
+    let mut pp = p.add(k0 * PANEL);
+    for kk in k0..k1 {
+        if left > 0 && (kk - k0).is_multiple_of(4) {
+            _mm_prefetch::<_MM_HINT_T0>(pf as *const i8);
+            pf = pf.wrapping_add(64);
+            left -= 1;
+        }
+        // Two weight vectors in registers, the third read by each row's
+        // FMA: 12 accumulators + 3 + a broadcast were one register too
+        // many, and LLVM spilled an accumulator inside the loop (2x slower).
+        let w0 = _mm256_load_ps(pp);
+        let w1 = _mm256_load_ps(pp.add(8));
+        let w2 = pp.add(16);
+        for i in 0..R {
+            let b = _mm256_broadcast_ss(&*x.add(i * ldx + kk));
+            acc[i][0] = _mm256_fmadd_ps(b, w0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(b, w1, acc[i][1]);
+            // SAFETY: `w2` is 32-byte aligned (`Lanes`); volatile keeps
+            // LLVM from hoisting the four reads into one register.
+            let v2 = std::ptr::read_volatile(w2 as *const __m256);
+            acc[i][2] = _mm256_fmadd_ps(b, v2, acc[i][2]);
+        }
+        pp = pp.add(PANEL);
+    }
+    for i in 0..R {
+        for j in 0..3 {
+            _mm256_storeu_ps(y.add(i * ldy + 8 * j), acc[i][j]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(len: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..len)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// The definition: one FMA chain over `k` from zero, per output.
+    fn chain(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+        let mut y = vec![0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut acc = 0f32;
+                for kk in 0..k {
+                    acc = x[i * k + kk].mul_add(w[j * k + kk], acc);
+                }
+                y[i * n + j] = acc;
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn every_kernel_is_the_fma_chain_bit_for_bit() {
+        for &k in &[1, 7, 8, 191, 192, 193, 400] {
+            for &n in &[1, 23, 24, 25, 49, 72] {
+                let w = data(n * k, (k * 1000 + n) as u64);
+                let p = PackedWeights::pack(&w, n, k);
+                for &m in &[0, 1, 2, 3, 4, 5, 7, 9] {
+                    let x = data(m * k, (m * 7 + k) as u64);
+                    let want = chain(&x, &w, m, k, n);
+                    let portable = product(&x, m, &p, false);
+                    let kernels = if avx2() {
+                        vec![portable, product(&x, m, &p, true)]
+                    } else {
+                        vec![portable]
+                    };
+                    for got in kernels {
+                        assert_eq!(got.len(), want.len());
+                        for (a, b) in got.iter().zip(&want) {
+                            assert_eq!(a.to_bits(), b.to_bits(), "m {m} k {k} n {n}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_does_not_depend_on_the_rows_around_it() {
+        let (m, k, n) = (300, 96, 50);
+        let w = data(n * k, 3);
+        let x = data(m * k, 4);
+        let p = PackedWeights::pack(&w, n, k);
+        let all = matmul_packed(&x, m, &p);
+        for i in [0, 1, 5, 255, 256, 299] {
+            let one = matmul_packed(&x[i * k..(i + 1) * k], 1, &p);
+            assert_eq!(
+                one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                all[i * n..(i + 1) * n]
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect::<Vec<_>>(),
+                "row {i}"
+            );
+        }
+    }
+
+    #[test]
+    fn products_are_within_the_f32_bound_of_f64() {
+        let (m, k, n) = (33, 1536, 30);
+        let w = data(n * k, 5);
+        let x = data(m * k, 6);
+        let y = matmul_packed(&x, m, &PackedWeights::pack(&w, n, k));
+        for i in 0..m {
+            for j in 0..n {
+                let (mut exact, mut mag) = (0f64, 0f64);
+                for kk in 0..k {
+                    let t = x[i * k + kk] as f64 * w[j * k + kk] as f64;
+                    exact += t;
+                    mag += t.abs();
+                }
+                // Sequential summation: |error| <= k u sum |x w| (u = 2^-24).
+                let bound = k as f64 * f32::EPSILON as f64 / 2.0 * mag;
+                assert!(
+                    (y[i * n + j] as f64 - exact).abs() <= bound,
+                    "({i}, {j}): {} vs {exact}",
+                    y[i * n + j]
+                );
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "PackedWeights::pack")]
+    fn a_wrong_weight_length_is_named() {
+        PackedWeights::pack(&[0.0; 10], 3, 4);
+    }
+}
