@@ -139,7 +139,10 @@ fn product(x: &[f32], m: usize, w: &PackedWeights, avx2: bool) -> Vec<f32> {
             }
         }
     };
-    if m * n * k < (1 << 20) {
+    // Small calls stay on the calling thread, unless their weights are
+    // large enough to stream from memory (one core draws about half the
+    // bandwidth two do), as in `crate::matmul`.
+    if m * n * k < (1 << 20) && n * k < (1 << 16) {
         tasks.iter().for_each(run);
     } else {
         tasks.par_iter().for_each(run);
@@ -215,8 +218,13 @@ unsafe fn panel_rows(
             let lines = ((k1 - k0) * PANEL * 4).div_ceil(64);
             let tiles = m.div_ceil(MR);
             // Lines each of the first row tiles prefetches: a line per 4
-            // `k` steps, spread over as many tiles as that takes.
-            let per_tile = (k1 - k0).div_ceil(4);
+            // `k` steps, spread over as many tiles as that takes (at most
+            // 6); with fewer tiles, each takes a share of the block, up to
+            // a line a step.
+            let per_tile = (k1 - k0)
+                .div_ceil(4)
+                .max(lines.div_ceil(tiles.min(6)))
+                .min(k1 - k0);
             let mut line = 0;
             for t in 0..tiles {
                 let i = t * MR;
@@ -249,7 +257,7 @@ unsafe fn panel_rows(
 
 /// `R` rows of `x` (stride `ldx`) against a panel's `k0..k1` block,
 /// accumulating into `R x PANEL` outputs at `y` (stride `ldy`; from zero
-/// when `first`), prefetching `npf` lines from `pf`, one per 4 `k` steps.
+/// when `first`), prefetching `npf` lines from `pf`, spread over the steps.
 ///
 /// # Safety
 /// AVX2 and FMA; `p` is 32-byte aligned with `k1 * PANEL` values; `x`
@@ -280,13 +288,19 @@ unsafe fn tile_avx2<const R: usize>(
             }
         }
     }
-    let (mut pf, mut left) = (pf, npf);
+    // `npf` lines spread evenly over the block's steps (Bresenham: `due`
+    // gains `npf` a step and pays `steps` a line).
+    let steps = k1 - k0;
+    let (mut pf, mut due) = (pf, 0usize);
     let mut pp = p.add(k0 * PANEL);
     for kk in k0..k1 {
-        if left > 0 && (kk - k0).is_multiple_of(4) {
-            _mm_prefetch::<_MM_HINT_T0>(pf as *const i8);
-            pf = pf.wrapping_add(64);
-            left -= 1;
+        if npf > 0 {
+            due += npf;
+            while due >= steps {
+                _mm_prefetch::<_MM_HINT_T0>(pf as *const i8);
+                pf = pf.wrapping_add(64);
+                due -= steps;
+            }
         }
         // Two weight vectors in registers, the third read by each row's
         // FMA: 12 accumulators + 3 + a broadcast were one register too
