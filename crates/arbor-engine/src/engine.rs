@@ -44,6 +44,12 @@ pub struct EngineConfig {
     /// 2-core Zen 2). Best effort; Linux with glibc only.
     #[serde(default = "yes")]
     pub huge_pages: bool,
+    /// Keep the engine's f32 CPU weight matrices repacked for the
+    /// outer-product matmul ([`Transformer::pack_weights`]; a copy of
+    /// each, refreshed by [`Engine::invalidate`]). Off, the same bits come
+    /// from packing every matrix on every call.
+    #[serde(default = "yes")]
+    pub pack_weights: bool,
 }
 
 fn yes() -> bool {
@@ -61,6 +67,7 @@ impl Default for EngineConfig {
             max_context: 0,
             kv_on_device: None,
             huge_pages: true,
+            pack_weights: true,
         }
     }
 }
@@ -212,17 +219,26 @@ impl Engine {
             0 => model.cfg.max_position_embeddings,
             n => n,
         };
-        if cfg.huge_pages && model.device().is_cpu() {
+        // Pack first, so the packs go on huge pages too.
+        let mut own = model.clone();
+        let cpu = own.device().is_cpu();
+        let report = |what: &str, t0: std::time::Instant, bytes: usize| {
+            tracing::debug!("{what}: {} MiB in {:.2?}", bytes >> 20, t0.elapsed())
+        };
+        if cfg.pack_weights && cpu {
             let t0 = std::time::Instant::now();
-            let bytes = model.back_weights_with_huge_pages();
-            tracing::debug!(
-                "weights on huge pages: {} MiB in {:.2?}",
-                bytes >> 20,
-                t0.elapsed()
+            report("weights packed", t0, own.pack_weights());
+        }
+        if cfg.huge_pages && cpu {
+            let t0 = std::time::Instant::now();
+            report(
+                "weights on huge pages",
+                t0,
+                own.back_weights_with_huge_pages(),
             );
         }
         Ok(Engine {
-            model: model.clone(),
+            model: own,
             tokenizer,
             max_context,
             kv: KvManager::new(num_blocks, cfg.block_size),
@@ -284,8 +300,12 @@ impl Engine {
     }
 
     /// The weights changed: cached KV is stale. Bumps the policy version so
-    /// no block computed before is served to a new request.
+    /// no block computed before is served to a new request, and repacks the
+    /// weights ([`EngineConfig::pack_weights`]), whose packs are copies.
     pub fn invalidate(&mut self) -> u64 {
+        if self.cfg.pack_weights && self.model.device().is_cpu() {
+            self.model.pack_weights();
+        }
         self.kv.invalidate()
     }
 
@@ -724,8 +744,7 @@ impl Engine {
         }
         let rows_t = Tensor::from_vec(rows, scheduled.len(), &dev)?;
         let h = hidden.squeeze(0)?.index_select(&rows_t, 0)?;
-        let logits =
-            arbor_model::model::matmul_nt(&h, &self.model.lm_head)?.to_dtype(DType::F32)?;
+        let logits = self.model.lm_head_logits(&h)?.to_dtype(DType::F32)?;
         let logits: Vec<Vec<f32>> = logits.to_vec2()?;
         self.stats.steps += 1;
 

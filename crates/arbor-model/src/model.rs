@@ -11,7 +11,9 @@
 //! backend; the paged engine supplies its own backend over the KV cache and
 //! runs the very same layers, so there is one copy of the weights.
 
+use arbor_ops::packed::PackedWeights;
 use candle_core::{DType, Device, Module, Tensor, D};
+use std::sync::Arc;
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
@@ -29,6 +31,11 @@ pub struct Linear {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
     pub lora: Option<LoraAdapter>,
+    /// `weight` repacked for the generation forward's f32 CPU matmuls
+    /// ([`Transformer::pack_weights`]); `None`: packed per call. The same
+    /// bits either way; a pack is a copy, so it is stale once `weight`
+    /// changes (the engine repacks on [`Transformer::pack_weights`]).
+    pub packed: Option<Arc<PackedWeights>>,
 }
 
 /// A low-rank adapter on a [`Linear`] (Hu et al., LoRA): `A` drawn
@@ -110,6 +117,7 @@ impl Linear {
             weight,
             bias,
             lora: None,
+            packed: None,
         }
     }
 
@@ -141,7 +149,12 @@ impl Linear {
             }),
             _ => None,
         };
-        Ok(Linear { weight, bias, lora })
+        Ok(Linear {
+            weight,
+            bias,
+            lora,
+            packed: None,
+        })
     }
 
     /// `W + s B A` (the weight with the adapter folded in), in `W`'s dtype.
@@ -202,7 +215,8 @@ pub fn matmul_nt(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
 /// `x W_g^T + b_g` for several linear layers of one input `x: [1, T, in]`
 /// in one grouped matmul ([`arbor_ops::matmul_nt_multi`]: one thread
 /// hand-off, each product computed exactly as [`matmul_nt`] computes it
-/// alone). Generation forward only (no autograd graph). Falls back to one
+/// alone, from the layer's pack when it has one, [`Linear::packed`]).
+/// Generation forward only (no autograd graph). Falls back to one
 /// [`Linear::forward`] each when a layer has an adapter, a weight is not a
 /// contiguous f32 or bf16 CPU tensor.
 fn linear_rows_group(x: &Tensor, lins: &[&Linear]) -> Result<Vec<Tensor>> {
@@ -226,6 +240,12 @@ fn linear_rows_group(x: &Tensor, lins: &[&Linear]) -> Result<Vec<Tensor>> {
     let guards: Vec<_> = lins.iter().map(|l| l.weight.storage_and_layout()).collect();
     let mut ws = Vec::with_capacity(lins.len());
     for ((storage, layout), l) in guards.iter().zip(lins) {
+        if let Some(p) = l.packed.as_deref().filter(|p| {
+            l.weight.dtype() == DType::F32 && p.k() == k && l.weight.dim(0).ok() == Some(p.n())
+        }) {
+            ws.push(arbor_ops::WeightRows::Packed(p));
+            continue;
+        }
         let (start, len) = (layout.start_offset(), l.weight.elem_count());
         ws.push(match &**storage {
             candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => {
@@ -255,6 +275,14 @@ fn linear_rows_group(x: &Tensor, lins: &[&Linear]) -> Result<Vec<Tensor>> {
             })
         })
         .collect()
+}
+
+/// One layer of the generation forward ([`linear_rows_group`] of one), so
+/// it reads the layer's pack ([`Linear::packed`]) when there is one.
+fn linear_rows(x: &Tensor, l: &Linear) -> Result<Tensor> {
+    Ok(linear_rows_group(x, &[l])?
+        .pop()
+        .expect("one product per layer"))
 }
 
 /// RMSNorm over the last dim, computed in f32 (f64 for f64 inputs) as in HF:
@@ -334,7 +362,7 @@ impl Mlp {
         let (g, u) = (&gu[0], &gu[1]);
         let gu = with_cpu_f32(g, |g| with_cpu_f32(u, |u| arbor_ops::rows::silu_mul(g, u)))??;
         let gu = Tensor::from_vec(gu, g.shape(), g.device())?;
-        Ok(self.down.forward(&gu)?)
+        linear_rows(&gu, &self.down)
     }
 }
 
@@ -590,7 +618,7 @@ impl DecoderLayer {
         let h = self.input_norm.forward_rows(x)?;
         let (q, k, v) = self.attn.project_rows(&h, rope)?;
         let a = backend.attend(idx, &q, &k, &v)?;
-        let x = add_rows(x, &self.attn.o.forward(&a)?)?;
+        let x = add_rows(x, &linear_rows(&a, &self.attn.o)?)?;
         let h = self.post_norm.forward_rows(&x)?;
         add_rows(&x, &self.mlp.forward_rows(&h)?)
     }
@@ -622,6 +650,9 @@ pub struct Transformer {
     pub norm: RmsNorm,
     /// `[vocab, hidden]`; the embedding matrix itself when tied.
     pub lm_head: Tensor,
+    /// `lm_head` repacked ([`Transformer::pack_weights`]), as
+    /// [`Linear::packed`].
+    pub lm_head_packed: Option<Arc<PackedWeights>>,
     pub rope: Rope,
     /// The dtype of activations (and of the KV cache): the parameters'
     /// dtype, except f32 over bf16 matrices
@@ -649,6 +680,7 @@ impl Transformer {
             layers,
             norm,
             lm_head,
+            lm_head_packed: None,
             rope: Rope::new(cfg),
             dtype: p.compute_dtype(),
         })
@@ -772,11 +804,88 @@ impl Transformer {
         Ok(out)
     }
 
+    /// Repack every f32 CPU weight matrix the generation forward reads
+    /// (projections without an adapter, the LM head) for
+    /// [`arbor_ops::packed`], replacing any earlier pack: call it again
+    /// after the weights change. Returns the bytes packed (a copy of each
+    /// matrix; device and bf16 weights are skipped).
+    pub fn pack_weights(&mut self) -> usize {
+        let mut bytes = 0;
+        // An earlier pack of the same shape is refilled in place (keeping
+        // its pages); anything else is packed anew.
+        let mut pack =
+            |w: &Tensor, old: Option<Arc<PackedWeights>>| -> Option<Arc<PackedWeights>> {
+                let (n, k) = w.dims2().ok()?;
+                if w.dtype() != DType::F32 || !w.device().is_cpu() || !w.is_contiguous() {
+                    return None;
+                }
+                let (storage, layout) = w.storage_and_layout();
+                let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) = &*storage else {
+                    return None;
+                };
+                let start = layout.start_offset();
+                let v = &v[start..start + n * k];
+                bytes += n * k * 4;
+                if let Some(mut p) = old.filter(|p| p.n() == n && p.k() == k) {
+                    if let Some(q) = Arc::get_mut(&mut p) {
+                        q.repack(v);
+                        return Some(p);
+                    }
+                }
+                Some(Arc::new(PackedWeights::pack(v, n, k)))
+            };
+        self.lm_head_packed = pack(&self.lm_head, self.lm_head_packed.take());
+        for layer in &mut self.layers {
+            let (a, m) = (&mut layer.attn, &mut layer.mlp);
+            for l in [
+                &mut a.q,
+                &mut a.k,
+                &mut a.v,
+                &mut a.o,
+                &mut m.gate,
+                &mut m.up,
+                &mut m.down,
+            ] {
+                let old = l.packed.take();
+                l.packed = if l.lora.is_none() {
+                    pack(&l.weight, old)
+                } else {
+                    None
+                };
+            }
+        }
+        bytes
+    }
+
+    /// Logits `h lm_head^T` of hidden states `h: [t, hidden]`: through the
+    /// pack ([`Transformer::pack_weights`]) for f32 on the CPU, else
+    /// [`matmul_nt`]; the same bits either way.
+    pub fn lm_head_logits(&self, h: &Tensor) -> Result<Tensor> {
+        let (t, k) = h.dims2()?;
+        match &self.lm_head_packed {
+            Some(p) if h.dtype() == DType::F32 && h.device().is_cpu() && p.k() == k => {
+                let mut ys = with_cpu_f32(h, |xs| {
+                    arbor_ops::matmul_nt_multi(
+                        xs,
+                        &[arbor_ops::WeightRows::Packed(p)],
+                        t,
+                        k,
+                        &[p.n()],
+                    )
+                })?;
+                let y = ys.pop().expect("one product");
+                Ok(Tensor::from_vec(y, (t, p.n()), h.device())?)
+            }
+            _ => Ok(matmul_nt(h, &self.lm_head)?),
+        }
+    }
+
     /// Backs the matrices a decode step streams (the embedding / LM head
-    /// and every layer's projections, f32 or bf16 in CPU memory) with
-    /// transparent huge pages ([`crate::hugepages::back_with_huge_pages`]).
-    /// Returns the bytes moved; device weights, small models and systems
-    /// without the feature give 0. Values never change.
+    /// and every layer's projections, f32 or bf16 in CPU memory, and their
+    /// packs, [`Transformer::pack_weights`]) with transparent huge pages
+    /// ([`crate::hugepages::back_with_huge_pages`]). Returns the bytes
+    /// moved; device weights, small models and systems without the feature
+    /// give 0. Values never change.
     pub fn back_weights_with_huge_pages(&self) -> usize {
         let mut ranges = Vec::new();
         let mut add = |t: &Tensor| {
@@ -792,11 +901,17 @@ impl Transformer {
         };
         add(&self.embed);
         add(&self.lm_head);
+        let mut packs = self.lm_head_packed.iter().collect::<Vec<_>>();
         for layer in &self.layers {
             let (a, m) = (&layer.attn, &layer.mlp);
             for l in [&a.q, &a.k, &a.v, &a.o, &m.gate, &m.up, &m.down] {
                 add(&l.weight);
+                packs.extend(&l.packed);
             }
+        }
+        for p in packs {
+            let (at, bytes) = p.memory();
+            ranges.push((at, at + bytes));
         }
         crate::hugepages::back_with_huge_pages(ranges)
     }

@@ -1,11 +1,12 @@
 //! The matmuls of one decode step of a SmolLM2-135M-shaped model (30 layers
 //! of q/k/v, o, gate/up, down; the tied LM head), bf16 weights (f32 with
-//! `F32=1`), `m` rows, through `matmul_nt_multi_into` as the engine calls
+//! `F32=1`, packed once as the engine keeps them), `m` rows, through `matmul_nt_multi_into` as the engine calls
 //! them (inside the rayon pool); weights read from memory as in a real step. Prints ms per step,
 //! GFLOP/s and the weight bytes streamed per second. `HOT=1` runs every
 //! layer on layer 0's weights (cache-resident; the head stays cold), to
 //! separate compute from weight streaming.
 //! `cargo run --release -p arbor-ops --example decode_matmuls -- [M] [STEPS]`
+use arbor_ops::packed::PackedWeights;
 use arbor_ops::WeightRows;
 use half::bf16;
 
@@ -50,9 +51,21 @@ fn main() {
         .map(|l| l.iter().map(|g| g.iter().map(to16).collect()).collect())
         .collect();
     let head16 = to16(&head32);
+    // f32 weights packed once, as the engine keeps them (`arbor_ops::packed`).
+    let pack = |w: &Vec<f32>, n: usize, k: usize| PackedWeights::pack(w, n, k);
+    let p32: Vec<Vec<Vec<PackedWeights>>> = w32
+        .iter()
+        .map(|l| {
+            l.iter()
+                .zip(&shapes)
+                .map(|(g, sh)| g.iter().zip(sh).map(|(w, &(n, k))| pack(w, n, k)).collect())
+                .collect()
+        })
+        .collect();
+    let head_p = pack(&head32, vocab, h);
     let wr = |l: usize, gi: usize, j: usize| -> WeightRows<'_> {
         if f32w {
-            WeightRows::F32(&w32[l][gi][j])
+            WeightRows::Packed(&p32[l][gi][j])
         } else {
             WeightRows::Bf16(&w16[l][gi][j])
         }
@@ -87,7 +100,7 @@ fn main() {
             }
         }
         let head = if f32w {
-            WeightRows::F32(&head32)
+            WeightRows::Packed(&head_p)
         } else {
             WeightRows::Bf16(&head16)
         };

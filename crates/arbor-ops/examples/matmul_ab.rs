@@ -1,7 +1,8 @@
-//! Fixed work for A/B runs of `matmul_nt`: REPS calls over weights read
+//! Fixed work for A/B runs of the f32 matmul: REPS calls over weights read
 //! from memory (enough copies to exceed the caches; `COPIES=1` for hot).
-//! `PACKED=1` runs 3 rounds alternating it with the packed outer-product
-//! kernel (`arbor_ops::packed`) on the same weights.
+//! The weights are packed once (`arbor_ops::packed`, as the engine keeps
+//! them); `PER_CALL=1` times `matmul_nt_into` instead, which packs them on
+//! every call (the training forward's path).
 //! `cargo run --release -p arbor-ops --example matmul_ab -- M K N REPS`
 use arbor_ops::packed::{matmul_packed, PackedWeights};
 
@@ -22,40 +23,22 @@ fn main() {
                 .collect()
         })
         .collect();
+    let per_call = std::env::var("PER_CALL").is_ok();
+    let packed: Vec<PackedWeights> = if per_call {
+        Vec::new()
+    } else {
+        ws.iter().map(|w| PackedWeights::pack(w, n, k)).collect()
+    };
     let x: Vec<f32> = (0..m * k).map(|i| (i % 11) as f32 * 0.1).collect();
     let mut y = vec![0f32; m * n];
-    let gflop = 2.0 * (m * k * n) as f64 / 1e9;
-    if std::env::var("PACKED").is_ok() {
-        let packed: Vec<PackedWeights> = ws.iter().map(|w| PackedWeights::pack(w, n, k)).collect();
-        for round in 0..3 {
-            let t0 = std::time::Instant::now();
-            rayon::scope(|_| {
-                for r in 0..reps {
-                    arbor_ops::matmul_nt_into(&x, &ws[r % copies], m, k, n, &mut y);
-                }
-            });
-            let dot = t0.elapsed().as_secs_f64() / reps as f64;
-            let t0 = std::time::Instant::now();
-            rayon::scope(|_| {
-                for r in 0..reps {
-                    std::hint::black_box(matmul_packed(&x, m, &packed[r % copies]));
-                }
-            });
-            let pk = t0.elapsed().as_secs_f64() / reps as f64;
-            println!(
-                "round {round}: dot {:.4} ms {:.1} GFLOP/s | packed {:.4} ms {:.1} GFLOP/s",
-                dot * 1e3,
-                gflop / dot,
-                pk * 1e3,
-                gflop / pk
-            );
-        }
-        return;
-    }
     let t0 = std::time::Instant::now();
     let mut calls = || {
         for r in 0..reps {
-            arbor_ops::matmul_nt_into(&x, &ws[r % copies], m, k, n, &mut y);
+            if per_call {
+                arbor_ops::matmul_nt_into(&x, &ws[r % copies], m, k, n, &mut y);
+            } else {
+                std::hint::black_box(matmul_packed(&x, m, &packed[r % copies]));
+            }
         }
     };
     if std::env::var("OUTSIDE").is_ok() {
@@ -67,6 +50,6 @@ fn main() {
     println!(
         "{:.4} ms/call {:.1} GFLOP/s",
         dt / reps as f64 * 1e3,
-        gflop * reps as f64 / dt
+        2.0 * (m * k * n * reps) as f64 / dt / 1e9
     );
 }

@@ -4,32 +4,41 @@
 //! `vdpbf16ps`, f32 sums: [`matmul_nt_bf16`]), with grouped calls
 //! ([`matmul_nt_multi_into`]) for several weights of one input.
 //!
-//! Each output is a dot product computed the same way whatever the tile it
-//! falls in: with AVX-512, 16 lane-wise FMA chains over `k` in order (a
-//! masked tail for `k % 16`), then the fixed pairwise tree
-//! `lane i + lane i+8`, `i + i+4`, `i + i+2`, `i + i+1` (`store_sums`). CPUs
-//! without AVX-512 run the same scheme on 8 lanes ([`MatmulIsa`]): AVX2 with
-//! FMA (most laptops and desktops), or portable Rust (8 lanes of separate
-//! multiplies and adds, which the compiler vectorises; any architecture).
-//! The lane count and the fused or separate rounding differ between kernels,
-//! so results differ across CPUs in the last bits. On one CPU a row's result
-//! depends only on that row and the weights, never on how many other rows
-//! share the call or where it sits among them. The engine relies on this: a
-//! sequence's logits (and therefore its sampled tokens) must not depend on
-//! the batch it decodes in, on whether its prefix was prefilled or served
-//! from the cache, or on whether a run was resumed.
+//! **f32 weights** run in [`crate::packed`]: each output is one FMA chain
+//! over `k` in order, from zero, so every CPU gives the same bits (AVX2
+//! 4 x 24 outer-product tiles, or the portable `f32::mul_add` chains). The
+//! weights are packed for the call ([`WeightRows::F32`]) or were packed
+//! once ([`WeightRows::Packed`], as the engine keeps its static weights).
+//! The outer product needs no lane sums, which cost ~12% of the
+//! dot-product tiles below (docs/benchmarks.md, twelfth session).
 //!
-//! Both operands are read in their natural layouts (`w` is a `Linear`
-//! weight, `[out, in]`), so there is no packing: a register tile of
-//! `MR x NR` (4 x 6) dot products (on AVX2, in passes of up to 3 weight
-//! rows: `tile_avx2`) loads `MR + NR` vectors per `MR * NR` FMAs; a weight
-//! tile of 6 rows stays in L1 while a 64-row block of `x` streams past it
-//! from L2, and the next weight tile is prefetched while the block's rows
-//! meet the current one, its rows shared out among the block's first row
-//! tiles (one row each from 21 rows of `x` up; all six by the one tile of a
-//! 1-4 row call) so that only a few misses are in flight at a time and they
-//! overlap the arithmetic (issuing all six rows' misses from the first row
-//! tile stalled it and left weight streaming and compute in series: cold
+//! **bf16 weights** run dot-product tiles. Each output is a dot product
+//! computed the same way whatever the tile it falls in: with AVX-512 BF16,
+//! `vdpbf16ps` into 16 lane-wise chains over `k` in order, then the fixed
+//! pairwise tree `lane i + lane i+8`, `i + i+4`, `i + i+2`, `i + i+1`
+//! (`store_sums`); elsewhere the weights are widened to f32 (exactly) into
+//! 8 lane-wise FMA chains ([`MatmulIsa`]: AVX2 with FMA, or portable Rust,
+//! 8 lanes of separate multiplies and adds). Those results differ across
+//! CPUs in the last bits.
+//!
+//! Either way, on one CPU a row's result depends only on that row and the
+//! weights, never on how many other rows share the call or where it sits
+//! among them. The engine relies on this: a sequence's logits (and
+//! therefore its sampled tokens) must not depend on the batch it decodes
+//! in, on whether its prefix was prefilled or served from the cache, or on
+//! whether a run was resumed.
+//!
+//! The bf16 tiles read both operands in their natural layouts (`w` is a
+//! `Linear` weight, `[out, in]`): a register tile of `MR x NR` (4 x 6) dot
+//! products (on AVX2, in passes of up to 3 weight rows: `tile_avx2`)
+//! loads `MR + NR` vectors per `MR * NR` FMAs; a weight tile of 6 rows
+//! stays in L1 while a 64-row block of `x` streams past it from L2, and the
+//! next weight tile is prefetched while the block's rows meet the current
+//! one, its rows shared out among the block's first row tiles (one row each
+//! from 21 rows of `x` up; all six by the one tile of a 1-4 row call) so
+//! that only a few misses are in flight at a time and they overlap the
+//! arithmetic (issuing all six rows' misses from the first row tile
+//! stalled it and left weight streaming and compute in series: cold
 //! weights at 32 rows ran 35% below hot ones); calls of up to 64 rows also
 //! prefetch the tile [`FAR_TILES`] further on into L2, so the weight stream
 //! is not bound by the L1 miss queues. With AVX-512 the tile's 24
@@ -39,18 +48,17 @@
 //! instructions can name, and the compiler then spilled a third of them
 //! inside the loop, costing 1.3 to 1.5x at 8 to 32 rows). Threads split the
 //! weight rows (and, for long inputs, `x`). At decode sizes each weight is
-//! read from memory once per call. On AVX2, decode-sized calls (up to 8
-//! rows of `x`; see [`sweeps`]) instead sweep the weights one row at a time
-//! against every row of `x` ([`sweep_avx2`]): one sequential stream, which
-//! the two cores of a Zen 2 read at the bandwidth of a plain read, where
-//! the tiles' several streams reached three quarters of it. Each dot
-//! product is summed exactly as in a tile.
+//! read from memory once per call. On AVX2, calls of a few rows that do
+//! not fill the tiles ([`sweeps`]) instead sweep the weights one row at a
+//! time against every row of `x` ([`sweep_avx2`]): one sequential stream.
+//! Each dot product is summed exactly as in a tile.
 //!
 //! [`matmul_nt_op`] is a candle op (f32 `x`; f32 or bf16 `w`; CPU) with the
 //! usual matmul backward. Every CPU runs it: candle's GEMM is not
 //! row-invariant (on a Zen 2, the same row's logprobs moved by an ulp with
 //! the batch around it).
 
+use crate::packed::PackedWeights;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 use std::ops::Range;
@@ -74,16 +82,10 @@ const MB: usize = 64;
 const FAR_TILES: usize = 2;
 /// Elements past the next weight tile's rows from which a tile of a call
 /// of `m` rows also prefetches into L2 (0 = none): [`FAR_TILES`] tiles on
-/// for decode-sized calls, which stream each weight once. Not for f32
-/// weights on AVX2: there the tiles serve 9 or more rows (fewer sweep),
-/// the stream runs at 16 GB/s or less, and the extra prefetches cost more
-/// than they hide (Zen 2, `decode_matmuls`, ms a step with / without: 24
-/// rows 48.9-49.6 / 46.4-46.9, 32 rows 63.4-64.1 / 61.1-61.7, 12 and 48
-/// rows 1-2% slower with). bf16 weights keep them (4 rows: 13.2-13.8 /
-/// 14.2-14.3 ms).
-fn far_ahead(isa: MatmulIsa, m: usize, k: usize, w: WeightRows<'_>) -> usize {
-    let f32_avx2 = isa == MatmulIsa::Avx2 && matches!(w, WeightRows::F32(_));
-    if m <= MB && !f32_avx2 {
+/// for decode-sized calls, which stream each weight once (bf16 weights on
+/// a 2-core Zen 2, 4 rows: 13.2-13.8 ms a step with, 14.2-14.3 without).
+fn far_ahead(m: usize, k: usize) -> usize {
+    if m <= MB {
         FAR_TILES * NR * k
     } else {
         0
@@ -107,36 +109,37 @@ const SWEEP_ROWS: usize = 8;
 // `sweep_avx2` has kernels for 1 to 8 rows (8 accumulators fit the registers).
 const _: () = assert!(SWEEP_ROWS <= 8);
 /// How far ahead of its reads the sweep prefetches a weight row, in bytes
-/// (two f32 rows of a 576-wide model).
+/// (four bf16 rows of a 576-wide model).
 #[cfg(target_arch = "x86_64")]
 const SWEEP_AHEAD: usize = 4608;
 
-/// Whether the AVX2 kernel sweeps ([`sweep_avx2`]) a call of `m` rows
-/// against weights `w`: f32 weights of up to [`SWEEP_ROWS`] rows, whose
-/// step is bound by the weight stream; bf16 weights (half the bytes, so
-/// bound by the arithmetic, where full 4-row tiles load fewer vectors per
-/// FMA) unless `m` fills its register tiles. `decode_matmuls`, Zen 2, ms
-/// a step, tiles vs sweep: f32 m = 1 22.4 / 21.0, m = 4 22.3 / 22.0, m = 6
-/// 30.6 / 23.1, m = 8 30.5 / 25.2; bf16 m = 1 15.4 / 13.2, m = 4 14.9 /
-/// 15.8, m = 5 22 / 16.1, m = 8 22.7 / 24.4.
-fn sweeps(m: usize, w: WeightRows<'_>) -> bool {
-    m <= SWEEP_ROWS && (matches!(w, WeightRows::F32(_)) || !m.is_multiple_of(MR))
+/// Whether the AVX2 kernel sweeps ([`sweep_avx2`]) a call of `m` rows of
+/// bf16 weights: bf16 weights are half the bytes, so bound by the
+/// arithmetic, where full 4-row tiles load fewer vectors per FMA; the
+/// sweep serves the row counts the tiles leave ragged. `decode_matmuls`,
+/// Zen 2, ms a step, tiles vs sweep: m = 1 15.4 / 13.2, m = 4 14.9 / 15.8,
+/// m = 5 22 / 16.1, m = 8 22.7 / 24.4.
+fn sweeps(m: usize) -> bool {
+    m <= SWEEP_ROWS && !m.is_multiple_of(MR)
 }
 
 /// The instruction set the kernels use. Every CPU has one
-/// ([`MatmulIsa::detect`]); a row's result depends on the set, never on
-/// the batch.
+/// ([`MatmulIsa::detect`]). f32 weights give the same bits on every set
+/// ([`crate::packed`]: the AVX2 kernel on `Avx512` and `Avx2`, the
+/// portable chains on `Portable`); bf16 weights' results depend on the
+/// set, never on the batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MatmulIsa {
-    /// AVX-512F: 16-lane chains, 4 x 6 register tiles; bf16 weights by
-    /// `vdpbf16ps` where the CPU has AVX-512 BF16 (else widened, as AVX2).
+    /// AVX-512F: bf16 weights by `vdpbf16ps` into 16-lane chains, 4 x 6
+    /// register tiles, where the CPU has AVX-512 BF16 (else widened, as
+    /// AVX2).
     Avx512,
-    /// AVX2 and FMA: 8-lane chains, tiles in passes of 4 x 3 accumulators
-    /// (or, for a few rows of `x`, one weight row at a time); bf16 weights
-    /// widened to f32 (exact) in registers.
+    /// AVX2 and FMA: bf16 weights widened to f32 (exact) in registers into
+    /// 8-lane chains, tiles in passes of 4 x 3 accumulators (or, for a few
+    /// rows of `x`, one weight row at a time).
     Avx2,
-    /// Plain Rust: 8-lane chains of separate multiplies and adds, one row
-    /// of `x` against 6 weight rows at a time.
+    /// Plain Rust: bf16 weights widened into 8-lane chains of separate
+    /// multiplies and adds, one row of `x` against 6 weight rows at a time.
     Portable,
 }
 
@@ -208,8 +211,9 @@ unsafe impl Send for OutPtr {}
 #[allow(unsafe_code)]
 unsafe impl Sync for OutPtr {}
 
-/// `x: [m, k]`, `w: [n, k]` (both row-major, contiguous) -> `y: [m, n]`.
-/// Panics if the slices are shorter than the shapes.
+/// `x: [m, k]`, `w: [n, k]` (both row-major, contiguous) -> `y: [m, n]`,
+/// each output one FMA chain over `k` ([`crate::packed`]; `w` is packed
+/// for the call). Panics if the slices are shorter than the shapes.
 pub fn matmul_nt(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
     single(x, WeightRows::F32(w), m, k, n)
 }
@@ -243,12 +247,11 @@ fn single(x: &[f32], w: WeightRows<'_>, m: usize, k: usize, n: usize) -> Vec<f32
 /// `y[m, n] = bf16(x)[m, k] w[n, k]^T` for bf16 weights: `x` is rounded to
 /// bf16 (nearest even), every product of two bf16 values is exact in f32,
 /// and the products are summed in f32: by `vdpbf16ps` with AVX-512 BF16, 32
-/// per instruction (pairs `2i, 2i+1` into lane `i`), then by the same lane
-/// tree as the f32 kernel (twice the multiply-adds per instruction); on
-/// other CPUs the weights are widened to f32 (exactly) and meet the rounded
-/// `x` in the f32 kernel's chains. Rows are as batch-invariant as
-/// [`matmul_nt`]'s, with half the weight bytes. Panics if the slices are
-/// shorter than the shapes.
+/// per instruction (pairs `2i, 2i+1` into lane `i`), then by a fixed lane
+/// tree; on other CPUs the weights are widened to f32 (exactly) and meet
+/// the rounded `x` in 8-lane FMA chains. Rows are as batch-invariant as
+/// [`matmul_nt`]'s, with half the weight bytes; the summation order is not
+/// `matmul_nt`'s. Panics if the slices are shorter than the shapes.
 pub fn matmul_nt_bf16(x: &[f32], w: &[half::bf16], m: usize, k: usize, n: usize) -> Vec<f32> {
     single(x, WeightRows::Bf16(w), m, k, n)
 }
@@ -256,10 +259,14 @@ pub fn matmul_nt_bf16(x: &[f32], w: &[half::bf16], m: usize, k: usize, n: usize)
 /// The rows of a weight matrix `[n, k]` (row-major) for
 /// [`matmul_nt_multi_into`]: f32 ([`matmul_nt`]) or bf16
 /// ([`matmul_nt_bf16`]).
+/// f32 weights, plain or already packed ([`PackedWeights`], which the
+/// engine keeps for its static weights), both computed by
+/// [`crate::packed`]'s FMA chains, the plain ones packed per call.
 #[derive(Debug, Clone, Copy)]
 pub enum WeightRows<'a> {
     F32(&'a [f32]),
     Bf16(&'a [half::bf16]),
+    Packed(&'a PackedWeights),
 }
 
 impl<'a> WeightRows<'a> {
@@ -267,14 +274,19 @@ impl<'a> WeightRows<'a> {
         match self {
             WeightRows::F32(w) => w.len(),
             WeightRows::Bf16(w) => w.len(),
+            WeightRows::Packed(w) => w.n() * w.k(),
         }
     }
 
-    /// The first `len` elements.
+    /// The first `len` elements (all of a packed matrix).
     fn rows(self, len: usize) -> WeightRows<'a> {
         match self {
             WeightRows::F32(w) => WeightRows::F32(&w[..len]),
             WeightRows::Bf16(w) => WeightRows::Bf16(&w[..len]),
+            WeightRows::Packed(w) => {
+                assert_eq!(len, w.n() * w.k(), "matmul_nt: part of a packed matrix");
+                WeightRows::Packed(w)
+            }
         }
     }
 }
@@ -404,7 +416,46 @@ unsafe fn products(
     ns: &[usize],
     outs: &[OutPtr],
 ) {
+    // f32 weights: each output one FMA chain over `k` (crate::packed), the
+    // same bits on every CPU; plain ones are packed for this call.
+    let packs: Vec<Option<PackedWeights>> = ws
+        .iter()
+        .zip(ns)
+        .map(|(w, &n)| match w {
+            WeightRows::F32(v) => Some(PackedWeights::pack(v, n, k)),
+            _ => None,
+        })
+        .collect();
+    let (mut pws, mut pouts) = (Vec::new(), Vec::new());
+    for ((w, pack), out) in ws.iter().zip(&packs).zip(outs) {
+        match (w, pack) {
+            (WeightRows::Packed(p), _) => pws.push(*p),
+            (_, Some(p)) => pws.push(p),
+            _ => continue,
+        }
+        pouts.push(*out);
+    }
+    if !pws.is_empty() {
+        let avx2 = isa != MatmulIsa::Portable && crate::packed::avx2();
+        crate::packed::products(x, m, &pws, &pouts, avx2);
+    }
+    // bf16 weights: the dot-product tiles below.
+    let ns: Vec<usize> = ws
+        .iter()
+        .zip(ns)
+        .map(|(w, &n)| {
+            if matches!(w, WeightRows::Bf16(_)) {
+                n
+            } else {
+                0
+            }
+        })
+        .collect();
+    let ns = &ns[..];
     let any_bf16 = ws.iter().any(|w| matches!(w, WeightRows::Bf16(_)));
+    if !any_bf16 {
+        return;
+    }
     // bf16 weights meet `bf16(x)`: as bits for `vdpbf16ps`, or widened back
     // to f32 for the 8-lane kernels.
     let dot = any_bf16 && isa.bf16_dot();
@@ -420,7 +471,7 @@ unsafe fn products(
     };
     drive(m, k, ns, |g, rows, cols| {
         let (out, n) = (outs[g], ns[g]);
-        if isa == MatmulIsa::Avx2 && sweeps(m, ws[g]) {
+        if isa == MatmulIsa::Avx2 && sweeps(m) {
             // SAFETY: the CPU runs AVX2 and FMA (asserted above); rows of
             // x and cols of ws[g] lie inside the slices (asserted), and the
             // outputs ys[g][rows, cols] belong to the calling task alone.
@@ -430,18 +481,18 @@ unsafe fn products(
                 let y = out.0.add(rows.start * n + cols.start);
                 let (i, j, mr, nc) = (rows.start * k, cols.start * k, rows.len(), cols.len());
                 match ws[g] {
-                    WeightRows::F32(w) => {
-                        sweep_avx2(x.as_ptr().add(i), mr, w.as_ptr().add(j), nc, k, y, n)
-                    }
                     WeightRows::Bf16(w) => {
                         let w = (w.as_ptr() as *const u16).add(j);
                         sweep_avx2(xr.as_ptr().add(i), mr, w, nc, k, y, n)
+                    }
+                    WeightRows::F32(_) | WeightRows::Packed(_) => {
+                        unreachable!("f32 weights run in crate::packed")
                     }
                 }
             }
             return;
         }
-        let far = far_ahead(isa, m, k, ws[g]);
+        let far = far_ahead(m, k);
         tiles(rows, cols, |i, mr, j, nr, pf| {
             let at = Tile {
                 i,
@@ -463,10 +514,6 @@ unsafe fn products(
                 let y = out.0.add(i * n + j);
                 match (isa, ws[g]) {
                     #[cfg(target_arch = "x86_64")]
-                    (MatmulIsa::Avx512, WeightRows::F32(w)) => {
-                        at.run::<F32Avx512>(x.as_ptr(), w.as_ptr(), y, n)
-                    }
-                    #[cfg(target_arch = "x86_64")]
                     (MatmulIsa::Avx512, WeightRows::Bf16(w)) if dot => {
                         at.run::<Bf16Avx512>(xb.as_ptr(), w.as_ptr() as *const u16, y, n)
                     }
@@ -474,13 +521,11 @@ unsafe fn products(
                     (MatmulIsa::Avx512 | MatmulIsa::Avx2, WeightRows::Bf16(w)) => {
                         at.run::<Bf16Avx2>(xr.as_ptr(), w.as_ptr() as *const u16, y, n)
                     }
-                    #[cfg(target_arch = "x86_64")]
-                    (MatmulIsa::Avx2, WeightRows::F32(w)) => {
-                        at.run::<F32Avx2>(x.as_ptr(), w.as_ptr(), y, n)
-                    }
-                    (_, WeightRows::F32(w)) => at.run::<F32Portable>(x.as_ptr(), w.as_ptr(), y, n),
                     (_, WeightRows::Bf16(w)) => {
                         at.run::<Bf16Portable>(xr.as_ptr(), w.as_ptr() as *const u16, y, n)
+                    }
+                    (_, WeightRows::F32(_) | WeightRows::Packed(_)) => {
+                        unreachable!("f32 weights run in crate::packed")
                     }
                 }
             }
@@ -735,28 +780,14 @@ macro_rules! impl_tiles {
     };
 }
 impl_tiles!(
-    /// f32 with AVX-512F: [`tile`].
-    #[cfg(target_arch = "x86_64")]
-    F32Avx512, f32, f32, tile::<R, C, PF>
-);
-impl_tiles!(
     /// bf16 bits (`u16`) with AVX-512 BF16: [`tile_bf16`].
     #[cfg(target_arch = "x86_64")]
     Bf16Avx512, u16, u16, tile_bf16::<R, C, PF>
 );
 impl_tiles!(
-    /// f32 with AVX2 and FMA: [`tile_avx2`].
-    #[cfg(target_arch = "x86_64")]
-    F32Avx2, f32, f32, tile_avx2::<f32, R, C, PF>
-);
-impl_tiles!(
     /// bf16-rounded f32 `x`, bf16 weights widened, AVX2 and FMA.
     #[cfg(target_arch = "x86_64")]
     Bf16Avx2, f32, u16, tile_avx2::<u16, R, C, PF>
-);
-impl_tiles!(
-    /// f32 in plain Rust: [`tile_portable`].
-    F32Portable, f32, f32, tile_portable::<f32, R, C>
 );
 impl_tiles!(
     /// bf16-rounded f32 `x`, bf16 weights widened, plain Rust.
@@ -800,58 +831,6 @@ unsafe fn dispatch<T: Tiles>(
         3: 1 2 3 4 5 6;
         4: 1 2 3 4 5 6;
     )
-}
-
-/// `R x C` dot products: `y[i * ldy + j] = lane_sum(sum_t x[i, 16t..] * w[j,
-/// 16t..])` for `i < R`, `j < C`, rows of `x` and `w` `k` apart.
-#[cfg(target_arch = "x86_64")]
-#[allow(unsafe_code)]
-#[target_feature(enable = "avx512f")]
-#[allow(clippy::needless_range_loop)]
-unsafe fn tile<const R: usize, const C: usize, const PF: usize>(
-    x: *const f32,
-    w: *const f32,
-    k: usize,
-    y: *mut f32,
-    ldy: usize,
-    pf: *const f32,
-    far: usize,
-) {
-    use std::arch::x86_64::*;
-    let full = k / 16 * 16;
-    let tail = (k - full) as u32;
-    let mut acc = [[_mm512_setzero_ps(); C]; R];
-    let mut kk = 0;
-    while kk < full {
-        let mut xv = [_mm512_setzero_ps(); R];
-        for (i, v) in xv.iter_mut().enumerate() {
-            *v = _mm512_loadu_ps(x.add(i * k + kk));
-        }
-        for j in 0..C {
-            let wv = _mm512_loadu_ps(w.add(j * k + kk));
-            if j < PF {
-                prefetch_weights(pf.wrapping_add(j * k + kk), far);
-            }
-            for i in 0..R {
-                acc[i][j] = _mm512_fmadd_ps(xv[i], wv, acc[i][j]);
-            }
-        }
-        kk += 16;
-    }
-    if tail > 0 {
-        let mask: __mmask16 = ((1u32 << tail) - 1) as __mmask16;
-        let mut xv = [_mm512_setzero_ps(); R];
-        for (i, v) in xv.iter_mut().enumerate() {
-            *v = _mm512_maskz_loadu_ps(mask, x.add(i * k + full));
-        }
-        for j in 0..C {
-            let wv = _mm512_maskz_loadu_ps(mask, w.add(j * k + full));
-            for i in 0..R {
-                acc[i][j] = _mm512_fmadd_ps(xv[i], wv, acc[i][j]);
-            }
-        }
-    }
-    store_sums(&acc, y, ldy);
 }
 
 /// `y[i * ldy + j] = ` the sum of `acc[i][j]`'s 16 lanes in the fixed tree
@@ -905,7 +884,7 @@ fn prefetch_weights<W>(p: *const W, far: usize) {
     }
 }
 
-/// The bf16 twin of [`tile`]: `R x C` dot products of bf16 rows (`u16`
+/// The bf16 tile of AVX-512 BF16: `R x C` dot products of bf16 rows (`u16`
 /// bits), 32 elements per `vdpbf16ps`, a masked tail for `k % 32`, then
 /// [`store_sums`].
 #[cfg(target_arch = "x86_64")]

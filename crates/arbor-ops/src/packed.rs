@@ -9,22 +9,25 @@
 //! never depends on the rows around it or on the tile it falls in.
 //!
 //! The AVX2 kernel keeps a `4 x 24` output tile in 12 registers. For each
-//! `k` it loads the panel's 3 weight vectors and broadcasts 4 values of `x`,
-//! for 12 FMAs. No output's lanes need summing; in the dot-product form of
-//! [`crate::matmul`] those sums cost ~12% of a tile. `k` is blocked at
-//! [`KC`], so a panel's block (18 KiB) stays in L1 for every row tile; the
-//! partial sums wait in `y` between blocks. While the first row tiles of a
-//! block run, the next block of the weight stream is prefetched, a line per
-//! 4 `k` steps.
+//! `k` it takes the panel's 3 weight vectors (two in registers, the third
+//! read by each row's FMA) and broadcasts 4 values of `x`, for 12 FMAs. No
+//! output's lanes need summing; in the dot-product form those sums cost
+//! ~12% of a tile. `k` is blocked at [`KC`], so a panel's block (18 KiB)
+//! stays in L1 for every row tile; the partial sums wait in `y` between
+//! blocks. While the first row tiles of a block run, the next block of the
+//! weight stream is prefetched, spread over their steps.
 //!
-//! On a 2-core Zen 2 (docs/benchmarks.md, twelfth session; the
-//! `PACKED=1 matmul_ab` example), 32 x 576 x 1536 ran at 155-172 GFLOP/s, against
-//! 134-143 for [`crate::matmul_nt_into`]. That held with the weights in
-//! cache and streaming from memory. At 2,048 rows the two are even. Its C
-//! model (`scripts/cmodels/packed_tiles.c`) reached 86-90% of the FMA
-//! peak. The engine does not use it yet: it would change every logit's
-//! rounding, so the training forward, the engine and the parity fixtures
-//! have to move together.
+//! On a 2-core Zen 2 (docs/benchmarks.md, twelfth session; `PACKED=1
+//! matmul_ab`), 32 x 576 x 1536 ran at 155-172 GFLOP/s against 134-143
+//! for the dot-product tiles that computed f32 weights before, with the
+//! weights in cache and streaming from memory. It was faster at every row
+//! count from 1 to 64, and even at 2,048 rows. Its C model
+//! (`scripts/cmodels/packed_tiles.c`) reached 86-90% of the FMA peak.
+//!
+//! Every f32 product of [`crate::matmul`] runs here (so the training
+//! forward, the engine and `arbor score` agree bit for bit); the engine
+//! packs its weights once ([`crate::WeightRows::Packed`]), other callers per
+//! call.
 
 use crate::matmul::OutPtr;
 use rayon::prelude::*;
@@ -64,15 +67,31 @@ impl PackedWeights {
     /// # Panics
     /// If `w.len() != n * k`.
     pub fn pack(w: &[f32], n: usize, k: usize) -> Self {
+        let panels = n.div_ceil(PANEL);
+        let mut p = PackedWeights {
+            n,
+            k,
+            data: vec![Lanes([0.0; 8]); panels * k * VECS],
+        };
+        p.repack(w);
+        p
+    }
+
+    /// Pack new values of the same shape into this allocation (which keeps
+    /// its pages, huge ones included).
+    ///
+    /// # Panics
+    /// If `w.len() != n * k`.
+    pub fn repack(&mut self, w: &[f32]) {
+        let (n, k) = (self.n, self.k);
         assert_eq!(
             w.len(),
             n * k,
             "PackedWeights::pack: {} values for [{n}, {k}]",
             w.len()
         );
-        let panels = n.div_ceil(PANEL);
-        let mut data = vec![Lanes([0.0; 8]); panels * k * VECS];
-        data.par_chunks_mut((k * VECS).max(1))
+        self.data
+            .par_chunks_mut((k * VECS).max(1))
             .enumerate()
             .for_each(|(p, panel)| {
                 for r in 0..PANEL.min(n - p * PANEL) {
@@ -82,7 +101,15 @@ impl PackedWeights {
                     }
                 }
             });
-        PackedWeights { n, k, data }
+    }
+
+    /// Where the packed values lie: `(address, bytes)` (for
+    /// `madvise`-style hints such as huge pages).
+    pub fn memory(&self) -> (usize, usize) {
+        (
+            self.data.as_ptr() as usize,
+            std::mem::size_of_val(&self.data[..]),
+        )
     }
 
     /// Output width (rows of `w`).
@@ -107,50 +134,85 @@ pub fn matmul_packed(x: &[f32], m: usize, w: &PackedWeights) -> Vec<f32> {
 /// [`matmul_packed`] on the AVX2 kernel (`avx2`, which the CPU must run) or
 /// the portable one.
 fn product(x: &[f32], m: usize, w: &PackedWeights, avx2: bool) -> Vec<f32> {
-    let (n, k) = (w.n, w.k);
+    let mut y = vec![0f32; m * w.n];
+    // SAFETY: y holds [m, n] and nothing else touches it during the call.
+    #[allow(unsafe_code)]
+    unsafe {
+        products(x, m, &[w], &[OutPtr(y.as_mut_ptr())], avx2)
+    };
+    y
+}
+
+/// `outs[g] = x ws[g]^T` (`[m, ws[g].n()]`, row-major, every output
+/// written once) for several weights of one input `x: [m, k]`, in one
+/// parallel pass.
+///
+/// # Safety
+/// Every `ws[g].k()` equals `k` with `x.len() >= m * k`; `outs[g]` points at
+/// room for `m * ws[g].n()` values that nothing else touches during the
+/// call; with `avx2`, the CPU runs AVX2 and FMA.
+#[allow(unsafe_code)]
+pub(crate) unsafe fn products(
+    x: &[f32],
+    m: usize,
+    ws: &[&PackedWeights],
+    outs: &[OutPtr],
+    avx2: bool,
+) {
+    let Some(k) = ws.first().map(|w| w.k) else {
+        return;
+    };
     assert!(
-        x.len() >= m * k,
-        "matmul_packed: {} values for x [{m}, {k}]",
-        x.len()
+        ws.iter().all(|w| w.k == k) && x.len() >= m * k && outs.len() == ws.len(),
+        "matmul_packed: {} values for x [{m}, {k}] against {} weights",
+        x.len(),
+        ws.len()
     );
-    let mut y = vec![0f32; m * n];
-    if m == 0 || n == 0 || k == 0 {
-        return y;
+    if m == 0 {
+        return;
     }
-    let panels = n.div_ceil(PANEL);
+    if k == 0 {
+        for (w, out) in ws.iter().zip(outs) {
+            std::ptr::write_bytes(out.0, 0, m * w.n);
+        }
+        return;
+    }
+    let panels: usize = ws.iter().map(|w| w.n.div_ceil(PANEL)).sum();
     let row_blocks = m.div_ceil(MB);
-    // Panels per task: a few per thread, for balance.
+    // Panels per task: a few tasks per thread, for balance.
     let threads = rayon::current_num_threads().max(1);
     let per = (panels * row_blocks / (4 * threads)).clamp(1, 16);
-    let tasks: Vec<(usize, usize)> = (0..row_blocks)
-        .flat_map(|b| (0..panels).step_by(per).map(move |p| (b, p)))
+    let tasks: Vec<(usize, usize, usize)> = ws
+        .iter()
+        .enumerate()
+        .flat_map(|(g, w)| {
+            let np = w.n.div_ceil(PANEL);
+            (0..row_blocks).flat_map(move |b| (0..np).step_by(per).map(move |p| (g, b, p)))
+        })
         .collect();
-    let out = OutPtr(y.as_mut_ptr());
-    let run = |&(b, p0): &(usize, usize)| {
+    let run = |&(g, b, p0): &(usize, usize, usize)| {
+        let (w, n) = (ws[g], ws[g].n);
         let rows = b * MB..((b + 1) * MB).min(m);
-        for p in p0..(p0 + per).min(panels) {
+        for p in p0..(p0 + per).min(n.div_ceil(PANEL)) {
             let cols = p * PANEL..((p + 1) * PANEL).min(n);
             let panel = &w.data[p * k * VECS..(p + 1) * k * VECS];
-            // SAFETY: rows x cols of y belong to this task alone (tasks
-            // split the rows and the panels), and y outlives the call.
-            #[allow(unsafe_code)]
-            unsafe {
-                panel_rows(x, k, panel, rows.clone(), cols, out, n, avx2);
-            }
+            // SAFETY: rows x cols of outs[g] belong to this task alone
+            // (tasks split the rows and the panels), as the caller vouches.
+            panel_rows(x, k, panel, rows.clone(), cols, outs[g], n, avx2);
         }
     };
     // Small calls stay on the calling thread, unless their weights are
     // large enough to stream from memory (one core draws about half the
     // bandwidth two do), as in `crate::matmul`.
-    if m * n * k < (1 << 20) && n * k < (1 << 16) {
+    let weights: usize = ws.iter().map(|w| w.n * k).sum();
+    if m * weights < (1 << 20) && weights < (1 << 16) {
         tasks.iter().for_each(run);
     } else {
         tasks.par_iter().for_each(run);
     }
-    y
 }
 
-fn avx2() -> bool {
+pub(crate) fn avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         crate::simd::avx2_fma()
@@ -181,13 +243,19 @@ unsafe fn panel_rows(
 ) {
     let width = cols.len();
     if !avx2 {
+        // The panel's 24 chains side by side, `k` in order: independent
+        // lanes, which the compiler turns into vector FMAs where the
+        // target has them (NEON's `fmla`).
         for i in rows {
             let xi = &x[i * k..(i + 1) * k];
-            for c in 0..width {
-                let acc = xi.iter().enumerate().fold(0f32, |acc, (kk, &v)| {
-                    v.mul_add(panel[kk * VECS + c / 8].0[c % 8], acc)
-                });
-                *y.0.add(i * n + cols.start + c) = acc;
+            let mut acc = [0f32; PANEL];
+            for (lanes, &v) in panel.chunks_exact(VECS).zip(xi) {
+                for (c, a) in acc.iter_mut().enumerate() {
+                    *a = v.mul_add(lanes[c / 8].0[c % 8], *a);
+                }
+            }
+            for (c, &a) in acc[..width].iter().enumerate() {
+                *y.0.add(i * n + cols.start + c) = a;
             }
         }
         return;
