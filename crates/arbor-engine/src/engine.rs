@@ -306,6 +306,13 @@ impl Engine {
         if self.cfg.pack_weights && self.model.device().is_cpu() {
             self.model.pack_weights();
         }
+        self.forget_cached_kv()
+    }
+
+    /// Bumps the policy version, as [`Engine::invalidate`] does, without
+    /// touching the weights: for starting afresh when they have not changed
+    /// (no repack).
+    pub fn forget_cached_kv(&mut self) -> u64 {
         self.kv.invalidate()
     }
 

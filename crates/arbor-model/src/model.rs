@@ -34,7 +34,7 @@ pub struct Linear {
     /// `weight` repacked for the generation forward's f32 CPU matmuls
     /// ([`Transformer::pack_weights`]); `None`: packed per call. The same
     /// bits either way; a pack is a copy, so it is stale once `weight`
-    /// changes (the engine repacks on [`Transformer::pack_weights`]).
+    /// changes (the engine's `invalidate` calls `pack_weights` again).
     pub packed: Option<Arc<PackedWeights>>,
 }
 
@@ -881,8 +881,8 @@ impl Transformer {
     }
 
     /// Backs the matrices a decode step streams (the embedding / LM head
-    /// and every layer's projections, f32 or bf16 in CPU memory, and their
-    /// packs, [`Transformer::pack_weights`]) with transparent huge pages
+    /// and every layer's projections, f32 or bf16 in CPU memory; for a
+    /// packed one, its pack, [`Transformer::pack_weights`]) with transparent huge pages
     /// ([`crate::hugepages::back_with_huge_pages`]). Returns the bytes
     /// moved; device weights, small models and systems without the feature
     /// give 0. Values never change.
@@ -899,14 +899,20 @@ impl Transformer {
                 ranges.push((p, p + bytes));
             }
         };
+        // A packed matrix is streamed from its pack, not from itself (the
+        // embedding rows are still read, tied or not).
         add(&self.embed);
-        add(&self.lm_head);
+        if self.lm_head_packed.is_none() {
+            add(&self.lm_head);
+        }
         let mut packs = self.lm_head_packed.iter().collect::<Vec<_>>();
         for layer in &self.layers {
             let (a, m) = (&layer.attn, &layer.mlp);
             for l in [&a.q, &a.k, &a.v, &a.o, &m.gate, &m.up, &m.down] {
-                add(&l.weight);
-                packs.extend(&l.packed);
+                match &l.packed {
+                    Some(p) => packs.push(p),
+                    None => add(&l.weight),
+                }
             }
         }
         for p in packs {

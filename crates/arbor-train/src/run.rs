@@ -755,7 +755,9 @@ impl Trainer {
             let step = self.state.step + 1;
             // Every step starts from an empty cache: a resumed run (fresh
             // engine) then computes exactly what an uninterrupted one does.
-            engine.invalidate();
+            // The weights are those of the last `invalidate` (or of the
+            // engine's start), so they need no repack.
+            engine.forget_cached_kv();
             // PS with a matched budget runs its first pass on fewer prompts
             // and spends the reserve on re-rollouts.
             let ps_budget = self.cfg.algo == Algo::Ps && self.cfg.ps.match_budget;
