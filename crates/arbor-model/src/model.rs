@@ -816,23 +816,20 @@ impl Transformer {
         let mut pack =
             |w: &Tensor, old: Option<Arc<PackedWeights>>| -> Option<Arc<PackedWeights>> {
                 let (n, k) = w.dims2().ok()?;
-                if w.dtype() != DType::F32 || !w.device().is_cpu() || !w.is_contiguous() {
+                if w.dtype() != DType::F32 || !w.device().is_cpu() {
                     return None;
                 }
-                let (storage, layout) = w.storage_and_layout();
-                let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) = &*storage else {
-                    return None;
-                };
-                let start = layout.start_offset();
-                let v = &v[start..start + n * k];
                 bytes += n * k * 4;
-                if let Some(mut p) = old.filter(|p| p.n() == n && p.k() == k) {
-                    if let Some(q) = Arc::get_mut(&mut p) {
-                        q.repack(v);
-                        return Some(p);
+                with_cpu_f32(w, |v| {
+                    if let Some(mut p) = old.filter(|p| p.n() == n && p.k() == k) {
+                        if let Some(q) = Arc::get_mut(&mut p) {
+                            q.repack(v);
+                            return p;
+                        }
                     }
-                }
-                Some(Arc::new(PackedWeights::pack(v, n, k)))
+                    Arc::new(PackedWeights::pack(v, n, k))
+                })
+                .ok()
             };
         self.lm_head_packed = pack(&self.lm_head, self.lm_head_packed.take());
         for layer in &mut self.layers {

@@ -94,13 +94,13 @@ fn far_ahead(m: usize, k: usize) -> usize {
 
 /// Multiply-adds below which a call runs on one thread (~10 us of work),
 /// unless its weights reach [`SERIAL_WEIGHTS`].
-const SERIAL_MACS: usize = 1 << 20;
+pub(crate) const SERIAL_MACS: usize = 1 << 20;
 /// Weight elements from which a call runs in parallel however few rows of
 /// `x` it has: a decode step of one sequence streams its weights from
 /// memory, and one core draws about half the bandwidth two do (a
 /// SmolLM2-135M f32 step on a 2-core Zen 2: 30-34 ms with its q/k/v, o and
 /// down projections on one thread, 23-26 ms with all in parallel).
-const SERIAL_WEIGHTS: usize = 1 << 16;
+pub(crate) const SERIAL_WEIGHTS: usize = 1 << 16;
 
 /// Rows of `x` up to which the AVX2 kernel sweeps the weights a row at a
 /// time against every row of `x` ([`sweep_avx2`]) instead of in register

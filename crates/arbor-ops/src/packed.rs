@@ -18,8 +18,9 @@
 //! weight stream is prefetched, spread over their steps.
 //!
 //! On a 2-core Zen 2 (docs/benchmarks.md, twelfth session; `PACKED=1
-//! matmul_ab`), 32 x 576 x 1536 ran at 155-172 GFLOP/s against 134-143
-//! for the dot-product tiles that computed f32 weights before, with the
+//! matmul_ab` at commit cb1b884), 32 x 576 x 1536 ran at 155-172 GFLOP/s
+//! against 134-143 for the dot-product tiles that computed f32 weights
+//! before, with the
 //! weights in cache and streaming from memory. It was faster at every row
 //! count from 1 to 64, and even at 2,048 rows. Its C model
 //! (`scripts/cmodels/packed_tiles.c`) reached 86-90% of the FMA peak.
@@ -29,7 +30,7 @@
 //! packs its weights once ([`crate::WeightRows::Packed`]), other callers per
 //! call.
 
-use crate::matmul::OutPtr;
+use crate::matmul::{OutPtr, SERIAL_MACS, SERIAL_WEIGHTS};
 use rayon::prelude::*;
 
 /// Weight rows per panel: three 8-lane vectors.
@@ -202,10 +203,9 @@ pub(crate) unsafe fn products(
         }
     };
     // Small calls stay on the calling thread, unless their weights are
-    // large enough to stream from memory (one core draws about half the
-    // bandwidth two do), as in `crate::matmul`.
+    // large enough to stream from memory, as in `crate::matmul`.
     let weights: usize = ws.iter().map(|w| w.n * k).sum();
-    if m * weights < (1 << 20) && weights < (1 << 16) {
+    if m * weights < SERIAL_MACS && weights < SERIAL_WEIGHTS {
         tasks.iter().for_each(run);
     } else {
         tasks.par_iter().for_each(run);
