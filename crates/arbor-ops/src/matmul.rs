@@ -211,6 +211,14 @@ unsafe impl Send for OutPtr {}
 #[allow(unsafe_code)]
 unsafe impl Sync for OutPtr {}
 
+impl OutPtr {
+    /// The pointer (a method, so closures capture the whole `Sync` wrapper
+    /// rather than its raw field).
+    pub(crate) fn at(self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
+
 /// `x: [m, k]`, `w: [n, k]` (both row-major, contiguous) -> `y: [m, n]`,
 /// each output one FMA chain over `k` ([`crate::packed`]; `w` is packed
 /// for the call). Panics if the slices are shorter than the shapes.

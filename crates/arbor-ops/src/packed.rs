@@ -39,9 +39,12 @@ pub const PANEL: usize = 24;
 pub const KC: usize = 192;
 /// Rows of `x` per register tile.
 const MR: usize = 4;
-/// Rows of `x` per parallel task (long inputs are split so a task's block
-/// of `x` stays in L2).
-const MB: usize = 256;
+/// Rows of `x` per parallel task: long inputs are split so a task's rows
+/// of `x` stay in L2 while it runs its panels (64 rows of 1,536 values
+/// are 384 KiB). At 256 rows (590 KiB at `k` = 576), a batch-32 prefill
+/// of 2,048 tokens took ~3% longer on a 2-core Zen 2 with 512 KiB of L2
+/// per core (docs/benchmarks.md, thirteenth session).
+const MB: usize = 64;
 
 /// A weight matrix `w: [n, k]` repacked into `n.div_ceil(PANEL)` panels of
 /// `[k][PANEL]` (the last panel zero-padded).
@@ -113,6 +116,11 @@ impl PackedWeights {
         )
     }
 
+    /// Panel `p`: `[k][PANEL]` weights.
+    fn panel(&self, p: usize) -> &[Lanes] {
+        &self.data[p * self.k * VECS..(p + 1) * self.k * VECS]
+    }
+
     /// Output width (rows of `w`).
     pub fn n(&self) -> usize {
         self.n
@@ -178,38 +186,198 @@ pub(crate) unsafe fn products(
         }
         return;
     }
-    let panels: usize = ws.iter().map(|w| w.n.div_ceil(PANEL)).sum();
+    let ns: Vec<usize> = ws.iter().map(|w| w.n).collect();
+    each_panel(m, k, &ns, |g, rows, p| {
+        let (w, n) = (ws[g], ws[g].n);
+        let cols = p * PANEL..((p + 1) * PANEL).min(n);
+        let panel = w.panel(p);
+        // SAFETY: rows x cols of outs[g] belong to this call alone (calls
+        // split the rows and the panels), as the caller vouches.
+        panel_rows(x, k, panel, None, rows, cols, outs[g], n, avx2);
+    });
+}
+
+/// Calls `f(g, rows, p)` once for every panel `p` of every weight `g` (of
+/// output widths `ns`, input width `k`) and every block of [`MB`] rows of
+/// `m`: in parallel tasks of a few panels each, or on the calling thread
+/// when the call is small and its weights are not large enough to stream
+/// from memory (as in `crate::matmul`).
+fn each_panel(
+    m: usize,
+    k: usize,
+    ns: &[usize],
+    f: impl Fn(usize, std::ops::Range<usize>, usize) + Sync,
+) {
+    let panels: usize = ns.iter().map(|n| n.div_ceil(PANEL)).sum();
     let row_blocks = m.div_ceil(MB);
     // Panels per task: a few tasks per thread, for balance.
     let threads = rayon::current_num_threads().max(1);
     let per = (panels * row_blocks / (4 * threads)).clamp(1, 16);
-    let tasks: Vec<(usize, usize, usize)> = ws
+    let tasks: Vec<(usize, usize, usize)> = ns
         .iter()
         .enumerate()
-        .flat_map(|(g, w)| {
-            let np = w.n.div_ceil(PANEL);
+        .flat_map(|(g, &n)| {
+            let np = n.div_ceil(PANEL);
             (0..row_blocks).flat_map(move |b| (0..np).step_by(per).map(move |p| (g, b, p)))
         })
         .collect();
     let run = |&(g, b, p0): &(usize, usize, usize)| {
-        let (w, n) = (ws[g], ws[g].n);
         let rows = b * MB..((b + 1) * MB).min(m);
-        for p in p0..(p0 + per).min(n.div_ceil(PANEL)) {
-            let cols = p * PANEL..((p + 1) * PANEL).min(n);
-            let panel = &w.data[p * k * VECS..(p + 1) * k * VECS];
-            // SAFETY: rows x cols of outs[g] belong to this task alone
-            // (tasks split the rows and the panels), as the caller vouches.
-            panel_rows(x, k, panel, rows.clone(), cols, outs[g], n, avx2);
+        for p in p0..(p0 + per).min(ns[g].div_ceil(PANEL)) {
+            f(g, rows.clone(), p);
         }
     };
-    // Small calls stay on the calling thread, unless their weights are
-    // large enough to stream from memory, as in `crate::matmul`.
-    let weights: usize = ws.iter().map(|w| w.n * k).sum();
+    let weights: usize = ns.iter().map(|n| n * k).sum();
     if m * weights < SERIAL_MACS && weights < SERIAL_WEIGHTS {
         tasks.iter().for_each(run);
     } else {
         tasks.par_iter().for_each(run);
     }
+}
+
+/// `y = r + x w^T` (`r, y: [m, n]`): the residual addition of a layer's
+/// output projection fused into the product. Each value is `r[i][j] +
+/// c[i][j]`, with `c[i][j]` the FMA chain of [`matmul_packed`]: the same f32
+/// sum as adding `r` afterwards, computed by the thread that wrote the
+/// panel while it is in cache.
+///
+/// # Panics
+/// If `x.len() < m * w.k()` or `r.len() != m * w.n()`.
+pub fn matmul_packed_add(x: &[f32], m: usize, w: &PackedWeights, r: &[f32]) -> Vec<f32> {
+    product_add(x, m, w, r, avx2())
+}
+
+/// [`matmul_packed_add`] on the AVX2 kernel (`avx2`) or the portable one.
+fn product_add(x: &[f32], m: usize, w: &PackedWeights, r: &[f32], avx2: bool) -> Vec<f32> {
+    let (n, k) = (w.n, w.k);
+    assert!(
+        x.len() >= m * k && r.len() == m * n,
+        "matmul_packed_add: x {} and r {} values for [{m}, {k}] x [{n}, {k}]^T",
+        x.len(),
+        r.len()
+    );
+    let mut y: Vec<f32> = Vec::with_capacity(m * n);
+    let out = OutPtr(y.as_mut_ptr());
+    each_panel(m, k, &[n], |_, rows, p| {
+        let cols = p * PANEL..((p + 1) * PANEL).min(n);
+        let panel = w.panel(p);
+        // SAFETY: y holds [m, n]; rows x cols is this call's alone; with
+        // `avx2`, the CPU runs it (the callers check).
+        #[allow(unsafe_code)]
+        unsafe {
+            if k == 0 {
+                for i in rows.clone() {
+                    std::ptr::write_bytes(out.at(i * n + cols.start), 0, cols.len());
+                }
+            } else {
+                panel_rows(x, k, panel, None, rows.clone(), cols.clone(), out, n, avx2);
+            }
+            for i in rows {
+                let at = i * n + cols.start;
+                let y = std::slice::from_raw_parts_mut(out.at(at), cols.len());
+                // `c + r`: f32 addition commutes, so these are the bits
+                // of the residual stream's `r + c`.
+                for (v, &a) in y.iter_mut().zip(&r[at..at + cols.len()]) {
+                    *v += a;
+                }
+            }
+        }
+    });
+    // SAFETY: the calls covered every row and column, each writing its
+    // values before this (not zeroed first: a serial fill of the output
+    // would run on the calling thread while the others wait).
+    #[allow(unsafe_code)]
+    unsafe {
+        y.set_len(m * n)
+    };
+    y
+}
+
+/// SwiGLU's `silu(x g^T) * (x u^T)` (`[m, n]`) for gate and up weights of
+/// one shape: a gate panel and the up panel of the same columns are
+/// computed together into a scratch of the task's rows, then combined by
+/// [`crate::rows::silu_mul_into`] while in cache. Every value is that of
+/// `rows::silu_mul` over the two [`matmul_packed`] products, bit for bit;
+/// neither product is ever written out whole.
+///
+/// # Panics
+/// If the two weights differ in shape or `x.len() < m * k`.
+pub fn swiglu_packed(x: &[f32], m: usize, gate: &PackedWeights, up: &PackedWeights) -> Vec<f32> {
+    product_swiglu(x, m, gate, up, avx2())
+}
+
+/// [`swiglu_packed`] on the AVX2 kernel (`avx2`) or the portable one.
+fn product_swiglu(
+    x: &[f32],
+    m: usize,
+    gate: &PackedWeights,
+    up: &PackedWeights,
+    avx2: bool,
+) -> Vec<f32> {
+    let (n, k) = (gate.n, gate.k);
+    assert!(
+        up.n == n && up.k == k && x.len() >= m * k,
+        "swiglu_packed: x {} values for [{m}, {k}], gate [{n}, {k}], up [{}, {}]",
+        x.len(),
+        up.n,
+        up.k
+    );
+    let mut y: Vec<f32> = Vec::with_capacity(m * n);
+    let out = OutPtr(y.as_mut_ptr());
+    // Both products' weights count towards the serial threshold.
+    each_panel(m, 2 * k, &[n], |_, rows, p| {
+        let cols = p * PANEL..((p + 1) * PANEL).min(n);
+        let width = cols.len();
+        let len = rows.len();
+        let xr = &x[rows.start * k..rows.end * k];
+        SWIGLU_SCRATCH.with(|sc| {
+            let mut gu = sc.borrow_mut();
+            if gu.len() < 2 * len * PANEL {
+                gu.resize(2 * len * PANEL, 0.0);
+            }
+            let (g, u) = gu[..2 * len * PANEL].split_at_mut(len * PANEL);
+            if k == 0 {
+                g.fill(0.0);
+                u.fill(0.0);
+            } else {
+                // Gate, then up, then the next gate panel: each prefetches the
+                // first block of the one after it while finishing.
+                let next_gate = (p + 1 < n.div_ceil(PANEL)).then(|| gate.panel(p + 1));
+                for (panel, then, s) in [
+                    (gate.panel(p), Some(up.panel(p)), &mut *g),
+                    (up.panel(p), next_gate, &mut *u),
+                ] {
+                    // SAFETY: `s` holds `len` rows of PANEL values, this
+                    // closure's own; with `avx2`, the CPU runs it.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        let out = OutPtr(s.as_mut_ptr());
+                        panel_rows(xr, k, panel, then, 0..len, 0..width, out, PANEL, avx2)
+                    };
+                }
+            }
+            for (r, i) in rows.enumerate() {
+                // SAFETY: row i's columns `cols` of y are this closure's alone.
+                #[allow(unsafe_code)]
+                let o =
+                    unsafe { std::slice::from_raw_parts_mut(out.at(i * n + cols.start), width) };
+                let at = r * PANEL;
+                crate::rows::silu_mul_into(&g[at..at + width], &u[at..at + width], o);
+            }
+        });
+    });
+    // SAFETY: as in `product_add`, every value was written.
+    #[allow(unsafe_code)]
+    unsafe {
+        y.set_len(m * n)
+    };
+    y
+}
+
+thread_local! {
+    /// Per-thread scratch of [`product_swiglu`]: a task's gate and up
+    /// values, `[rows][PANEL]` each (kept between calls, never zeroed).
+    static SWIGLU_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 pub(crate) fn avx2() -> bool {
@@ -235,6 +403,7 @@ unsafe fn panel_rows(
     x: &[f32],
     k: usize,
     panel: &[Lanes],
+    then: Option<&[Lanes]>,
     rows: std::ops::Range<usize>,
     cols: std::ops::Range<usize>,
     y: OutPtr,
@@ -281,8 +450,12 @@ unsafe fn panel_rows(
         while k0 < k {
             let k1 = (k0 + KC).min(k);
             // The weight stream's next block: this panel's next `k` block,
-            // or the next panel's first (panels lie back to back).
-            let next = p.wrapping_add(k1 * PANEL) as *const u8;
+            // or the first of the panel computed next (`then`; by default
+            // the next in memory, as panels lie back to back).
+            let next = match then {
+                Some(t) if k1 == k => t.as_ptr() as *const u8,
+                _ => p.wrapping_add(k1 * PANEL) as *const u8,
+            };
             let lines = ((k1 - k0) * PANEL * 4).div_ceil(64);
             let tiles = m.div_ceil(MR);
             // Lines each of the first row tiles prefetches: a line per 4
@@ -494,6 +667,88 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The kernels this CPU can run: the portable one, and AVX2's.
+    fn kernels() -> Vec<bool> {
+        if avx2() {
+            vec![false, true]
+        } else {
+            vec![false]
+        }
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    #[test]
+    fn the_fused_residual_is_the_sum_after_the_product_bit_for_bit() {
+        for &(m, k, n) in &[
+            (0, 5, 3),
+            (1, 1, 1),
+            (4, 192, 25),
+            (9, 400, 72),
+            (300, 96, 50),
+        ] {
+            let w = data(n * k, (k + n) as u64);
+            let p = PackedWeights::pack(&w, n, k);
+            let x = data(m * k, (m + 3 * k) as u64);
+            let r = data(m * n, (m + 5 * n) as u64);
+            for avx in kernels() {
+                let want: Vec<f32> = r
+                    .iter()
+                    .zip(product(&x, m, &p, avx))
+                    .map(|(a, c)| a + c)
+                    .collect();
+                let got = product_add(&x, m, &p, &r, avx);
+                assert_eq!(bits(&got), bits(&want), "m {m} k {k} n {n} avx2 {avx}");
+            }
+        }
+    }
+
+    #[test]
+    fn fused_swiglu_is_silu_mul_of_the_two_products_bit_for_bit() {
+        for &(m, k, n) in &[
+            (0, 5, 3),
+            (1, 1, 1),
+            (3, 7, 23),
+            (4, 192, 25),
+            (9, 400, 72),
+            (300, 96, 50),
+        ] {
+            let (g, u) = (data(n * k, (k + n) as u64), data(n * k, (k * n + 1) as u64));
+            let (pg, pu) = (PackedWeights::pack(&g, n, k), PackedWeights::pack(&u, n, k));
+            // Gate values of magnitudes around 1 to 10, so SiLU's
+            // exponential is exercised beyond its linear range.
+            let x: Vec<f32> = data(m * k, (m + 7 * k) as u64)
+                .into_iter()
+                .map(|v| v * 4.0)
+                .collect();
+            for avx in kernels() {
+                let want =
+                    crate::rows::silu_mul(&product(&x, m, &pg, avx), &product(&x, m, &pu, avx));
+                let got = product_swiglu(&x, m, &pg, &pu, avx);
+                assert_eq!(bits(&got), bits(&want), "m {m} k {k} n {n} avx2 {avx}");
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "swiglu_packed")]
+    fn swiglu_names_mismatched_weights() {
+        let (a, b) = (
+            PackedWeights::pack(&[0.0; 12], 3, 4),
+            PackedWeights::pack(&[0.0; 8], 2, 4),
+        );
+        swiglu_packed(&[0.0; 4], 1, &a, &b);
+    }
+
+    #[test]
+    #[should_panic(expected = "matmul_packed_add")]
+    fn a_residual_of_the_wrong_length_is_named() {
+        let p = PackedWeights::pack(&[0.0; 12], 3, 4);
+        matmul_packed_add(&[0.0; 4], 1, &p, &[0.0; 2]);
     }
 
     #[test]

@@ -172,29 +172,44 @@ pub fn silu_mul(g: &[f32], u: &[f32]) -> Vec<f32> {
     // An `exp` per value: a decode step's 32 x 1536 values split across
     // threads too (on one, they took ~1% of `arbor bench generate` while
     // the other waited).
-    zip_chunks(g, u, SILU_CHUNK, 2 * SILU_CHUNK, |g, u, o| {
-        #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx512f") {
-            // SAFETY: AVX-512F detected; `g`, `u` and `o` have one length.
-            #[allow(unsafe_code)]
-            unsafe {
-                silu_mul_avx512(g, u, o)
-            };
-            return;
-        }
-        #[cfg(target_arch = "x86_64")]
-        if crate::simd::avx2_fma() {
-            // SAFETY: AVX2 and FMA detected; `g`, `u` and `o` have one length.
-            #[allow(unsafe_code)]
-            unsafe {
-                silu_mul_avx2(g, u, o)
-            };
-            return;
-        }
-        for ((o, &a), &b) in o.iter_mut().zip(g).zip(u) {
-            *o = a / (1.0 + (-a).exp()) * b;
-        }
-    })
+    zip_chunks(g, u, SILU_CHUNK, 2 * SILU_CHUNK, silu_mul_into)
+}
+
+/// [`silu_mul`] into `o` on the calling thread: `o[i] = silu(g[i]) * u[i]`
+/// for `i < o.len()`, each value computed alone (so any split of the rows
+/// gives the same bits).
+///
+/// # Panics
+/// If `g` or `u` is shorter than `o`.
+pub fn silu_mul_into(g: &[f32], u: &[f32], o: &mut [f32]) {
+    assert!(
+        g.len() >= o.len() && u.len() >= o.len(),
+        "silu_mul: {} and {} values for {}",
+        g.len(),
+        u.len(),
+        o.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F detected; `g` and `u` hold `o.len()` values.
+        #[allow(unsafe_code)]
+        unsafe {
+            silu_mul_avx512(g, u, o)
+        };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::avx2_fma() {
+        // SAFETY: AVX2 and FMA detected; `g` and `u` hold `o.len()` values.
+        #[allow(unsafe_code)]
+        unsafe {
+            silu_mul_avx2(g, u, o)
+        };
+        return;
+    }
+    for ((o, &a), &b) in o.iter_mut().zip(g).zip(u) {
+        *o = a / (1.0 + (-a).exp()) * b;
+    }
 }
 
 /// `o[i] = g[i] / (1 + exp(-g[i])) * u[i]` for `i < o.len()`.
