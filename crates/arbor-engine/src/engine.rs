@@ -751,13 +751,28 @@ impl Engine {
         }
         let rows_t = Tensor::from_vec(rows, scheduled.len(), &dev)?;
         let h = hidden.squeeze(0)?.index_select(&rows_t, 0)?;
+        // `[scheduled, vocab]`, row-major (on the CPU in f32, the product's
+        // own buffer, not a copy).
         let logits = self.model.lm_head_logits(&h)?.to_dtype(DType::F32)?;
-        let logits: Vec<Vec<f32>> = logits.to_vec2()?;
+        let vocab = logits.dim(1)?;
+        let logits = logits.flatten_all()?;
+        let (storage, layout) = logits.storage_and_layout();
+        let owned;
+        let flat: &[f32] = match &*storage {
+            candle_core::Storage::Cpu(c) => {
+                let start = layout.start_offset();
+                &c.as_slice::<f32>()?[start..start + logits.elem_count()]
+            }
+            _ => {
+                owned = logits.to_vec1::<f32>()?;
+                &owned
+            }
+        };
         self.stats.steps += 1;
 
         // 4. Record, sample, fan out, stop.
-        let mut todo: Vec<(SeqId, Vec<f32>)> = Vec::new();
-        for (id, row) in scheduled.into_iter().zip(logits) {
+        let mut todo: Vec<(SeqId, &[f32])> = Vec::new();
+        for (id, row) in scheduled.into_iter().zip(flat.chunks_exact(vocab.max(1))) {
             let s = self.seqs.get_mut(&id).expect("scheduled seq exists");
             let computed_now = s.tokens.len() - s.computed;
             // Prompt prefill and preemption recompute; not the one decode token.
@@ -768,7 +783,7 @@ impl Engine {
             let tokens = s.tokens.clone();
             self.kv.commit(id, &tokens)?;
             if !self.seqs[&id].fan_out.is_empty() {
-                self.spawn_fan_out(id, &row)?;
+                self.spawn_fan_out(id, row)?;
             } else {
                 todo.push((id, row));
             }
@@ -824,7 +839,7 @@ impl Engine {
             c.has_kv = true;
             self.seqs.insert(cid, c);
             self.running.push(cid);
-            todo.push((cid, logits.to_vec()));
+            todo.push((cid, logits));
         }
         self.stats.prefill_forked += (computed * todo.len().saturating_sub(1)) as u64;
         // The parent only held the shared prompt.
@@ -835,9 +850,9 @@ impl Engine {
         Ok(())
     }
 
-    fn sample_and_stop(&mut self, todo: Vec<(SeqId, Vec<f32>)>) {
+    fn sample_and_stop(&mut self, todo: Vec<(SeqId, &[f32])>) {
         // Sample in parallel: each sequence has its own RNG.
-        let mut work: Vec<(SeqId, Seq, Vec<f32>)> = todo
+        let mut work: Vec<(SeqId, Seq, &[f32])> = todo
             .into_iter()
             .map(|(id, row)| (id, self.seqs.remove(&id).expect("seq exists"), row))
             .collect();

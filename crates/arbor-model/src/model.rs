@@ -285,6 +285,41 @@ fn linear_rows(x: &Tensor, l: &Linear) -> Result<Tensor> {
         .expect("one product per layer"))
 }
 
+/// The pack of `l` when the generation forward can compute `x W^T` from it
+/// alone: `x` a CPU f32 tensor of the pack's input width, `l` without bias
+/// or adapter, its f32 weight of the pack's shape.
+fn pack_for<'a>(x: &Tensor, l: &'a Linear) -> Option<&'a PackedWeights> {
+    let k = *x.dims().last()?;
+    let p = l.packed.as_deref()?;
+    (x.dtype() == DType::F32
+        && x.device().is_cpu()
+        && l.lora.is_none()
+        && l.bias.is_none()
+        && l.weight.dtype() == DType::F32
+        && p.k() == k
+        && l.weight.dim(0).ok() == Some(p.n()))
+    .then_some(p)
+}
+
+/// `r + x W^T` for the generation forward: with a pack ([`pack_for`]), the
+/// residual addition fused into the product
+/// ([`arbor_ops::packed::matmul_packed_add`], the same f32 sums); otherwise
+/// [`linear_rows`] then [`add_rows`].
+fn linear_rows_add(x: &Tensor, l: &Linear, r: &Tensor) -> Result<Tensor> {
+    let Some(p) = pack_for(x, l).filter(|_| r.dtype() == DType::F32 && r.device().is_cpu()) else {
+        return add_rows(r, &linear_rows(x, l)?);
+    };
+    let k = p.k();
+    let m = x.elem_count() / k.max(1);
+    if r.elem_count() != m * p.n() {
+        return add_rows(r, &linear_rows(x, l)?);
+    }
+    let y = with_cpu_f32(x, |xs| {
+        with_cpu_f32(r, |rs| arbor_ops::packed::matmul_packed_add(xs, m, p, rs))
+    })??;
+    Ok(Tensor::from_vec(y, r.shape(), x.device())?)
+}
+
 /// RMSNorm over the last dim, computed in f32 (f64 for f64 inputs) as in HF:
 /// `w * (x / sqrt(mean(x^2) + eps))`.
 #[derive(Debug, Clone)]
@@ -356,13 +391,31 @@ impl Module for Mlp {
 }
 
 impl Mlp {
-    /// The generation forward's MLP with the fused `silu(g) * u`.
-    fn forward_rows(&self, x: &Tensor) -> Result<Tensor> {
-        let gu = linear_rows_group(x, &[&self.gate, &self.up])?;
-        let (g, u) = (&gu[0], &gu[1]);
-        let gu = with_cpu_f32(g, |g| with_cpu_f32(u, |u| arbor_ops::rows::silu_mul(g, u)))??;
-        let gu = Tensor::from_vec(gu, g.shape(), g.device())?;
-        linear_rows(&gu, &self.down)
+    /// The generation forward's MLP plus the residual `r`, that is
+    /// `r + down(silu(gate x) u x)`: SwiGLU's product fused into the gate
+    /// and up products when both have packs
+    /// ([`arbor_ops::packed::swiglu_packed`]; else
+    /// [`arbor_ops::rows::silu_mul`] after them), and the residual addition
+    /// into the down projection ([`linear_rows_add`]). The same bits either
+    /// way.
+    fn forward_rows_add(&self, x: &Tensor, r: &Tensor) -> Result<Tensor> {
+        let gu = match (pack_for(x, &self.gate), pack_for(x, &self.up)) {
+            (Some(g), Some(u)) if g.n() == u.n() => {
+                let k = g.k();
+                let m = x.elem_count() / k.max(1);
+                let y = with_cpu_f32(x, |xs| arbor_ops::packed::swiglu_packed(xs, m, g, u))?;
+                let mut dims = x.dims().to_vec();
+                *dims.last_mut().expect("rank >= 1") = g.n();
+                Tensor::from_vec(y, dims, x.device())?
+            }
+            _ => {
+                let gu = linear_rows_group(x, &[&self.gate, &self.up])?;
+                let (g, u) = (&gu[0], &gu[1]);
+                let y = with_cpu_f32(g, |g| with_cpu_f32(u, |u| arbor_ops::rows::silu_mul(g, u)))??;
+                Tensor::from_vec(y, g.shape(), g.device())?
+            }
+        };
+        linear_rows_add(&gu, &self.down, r)
     }
 }
 
@@ -618,9 +671,9 @@ impl DecoderLayer {
         let h = self.input_norm.forward_rows(x)?;
         let (q, k, v) = self.attn.project_rows(&h, rope)?;
         let a = backend.attend(idx, &q, &k, &v)?;
-        let x = add_rows(x, &linear_rows(&a, &self.attn.o)?)?;
+        let x = linear_rows_add(&a, &self.attn.o, x)?;
         let h = self.post_norm.forward_rows(&x)?;
-        add_rows(&x, &self.mlp.forward_rows(&h)?)
+        self.mlp.forward_rows_add(&h, &x)
     }
 
     /// `x + attn(norm x)`, then `+ mlp(norm ·)`.
