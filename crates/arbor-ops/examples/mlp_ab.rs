@@ -1,6 +1,20 @@
+//! The MLP blocks of one decode step of a SmolLM2-135M-shaped model (30
+//! layers, `M` rows, default 32; f32 weights packed as the engine keeps
+//! them), with and without the fused epilogues, alternating for `ROUNDS`
+//! rounds (default 3): unfused is the gate and up products in one call,
+//! `rows::silu_mul`, the down product, `rows::add` of the residual; fused is
+//! `swiglu_packed` then `matmul_packed_add`. Prints ms per step of each.
+//! `cargo run --release -p arbor-ops --example mlp_ab -- [M] [ROUNDS]`
 use arbor_ops::packed::{matmul_packed, matmul_packed_add, swiglu_packed, PackedWeights};
+
 fn main() {
-    let (m, h, inter, layers) = (32usize, 576usize, 1536usize, 30usize);
+    let a: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|s| s.parse().expect("numbers"))
+        .collect();
+    let m = a.first().copied().unwrap_or(32);
+    let rounds = a.get(1).copied().unwrap_or(3);
+    let (h, inter, layers) = (576usize, 1536usize, 30usize);
     let mat = |n: usize, k: usize, s: usize| -> Vec<f32> {
         (0..n * k)
             .map(|i| ((i * 7 + s) % 13) as f32 * 0.01 - 0.06)
@@ -18,7 +32,7 @@ fn main() {
     let x: Vec<f32> = (0..m * h).map(|i| (i % 11) as f32 * 0.1 - 0.5).collect();
     let steps = 40;
     arbor_ops::in_pool_polling(&candle_core::Device::Cpu, || {
-        for round in 0..3 {
+        for round in 0..rounds {
             for fused in [false, true] {
                 let t = std::time::Instant::now();
                 for _ in 0..steps {
