@@ -28,7 +28,10 @@
 //! Every f32 product of [`crate::matmul`] runs here (so the training
 //! forward, the engine and `arbor score` agree bit for bit); the engine
 //! packs its weights once ([`crate::WeightRows::Packed`]), other callers per
-//! call.
+//! call. The generation forward also uses two fused epilogues that give the
+//! unfused ops' bits: [`matmul_packed_add`] (a residual added as the panel
+//! is written) and [`swiglu_packed`] (gate and up panels of the same
+//! columns, combined by SiLU while in cache).
 
 use crate::matmul::{OutPtr, SERIAL_MACS, SERIAL_WEIGHTS};
 use rayon::prelude::*;
