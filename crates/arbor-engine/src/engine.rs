@@ -3,6 +3,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use arbor_kv::KvManager;
+use arbor_model::model::with_cpu_f32;
 use arbor_model::{Tokenizer, Transformer};
 use candle_core::{DType, Tensor};
 use rand::rngs::StdRng;
@@ -751,28 +752,28 @@ impl Engine {
         }
         let rows_t = Tensor::from_vec(rows, scheduled.len(), &dev)?;
         let h = hidden.squeeze(0)?.index_select(&rows_t, 0)?;
-        // `[scheduled, vocab]`, row-major (on the CPU in f32, the product's
-        // own buffer, not a copy).
+        // `[scheduled, vocab]`: on the CPU, the product's own buffer (no
+        // copy); a device's, copied to the host.
         let logits = self.model.lm_head_logits(&h)?.to_dtype(DType::F32)?;
-        let vocab = logits.dim(1)?;
-        let logits = logits.flatten_all()?;
-        let (storage, layout) = logits.storage_and_layout();
-        let owned;
-        let flat: &[f32] = match &*storage {
-            candle_core::Storage::Cpu(c) => {
-                let start = layout.start_offset();
-                &c.as_slice::<f32>()?[start..start + logits.elem_count()]
-            }
-            _ => {
-                owned = logits.to_vec1::<f32>()?;
-                &owned
-            }
-        };
         self.stats.steps += 1;
+        if logits.device().is_cpu() {
+            with_cpu_f32(&logits, |flat| self.record_and_sample(scheduled, flat))??;
+        } else {
+            self.record_and_sample(scheduled, &logits.flatten_all()?.to_vec1::<f32>()?)?;
+        }
+        Ok(n_tokens)
+    }
 
-        // 4. Record, sample, fan out, stop.
+    /// Step 4: record, sample, fan out, stop. `logits` holds one row per
+    /// scheduled sequence, in order.
+    fn record_and_sample(
+        &mut self,
+        scheduled: Vec<SeqId>,
+        logits: &[f32],
+    ) -> Result<(), EngineError> {
+        let vocab = logits.len() / scheduled.len().max(1);
         let mut todo: Vec<(SeqId, &[f32])> = Vec::new();
-        for (id, row) in scheduled.into_iter().zip(flat.chunks_exact(vocab.max(1))) {
+        for (id, row) in scheduled.into_iter().zip(logits.chunks_exact(vocab.max(1))) {
             let s = self.seqs.get_mut(&id).expect("scheduled seq exists");
             let computed_now = s.tokens.len() - s.computed;
             // Prompt prefill and preemption recompute; not the one decode token.
@@ -789,7 +790,7 @@ impl Engine {
             }
         }
         self.sample_and_stop(todo);
-        Ok(n_tokens)
+        Ok(())
     }
 
     fn schedule(

@@ -240,9 +240,7 @@ fn linear_rows_group(x: &Tensor, lins: &[&Linear]) -> Result<Vec<Tensor>> {
     let guards: Vec<_> = lins.iter().map(|l| l.weight.storage_and_layout()).collect();
     let mut ws = Vec::with_capacity(lins.len());
     for ((storage, layout), l) in guards.iter().zip(lins) {
-        if let Some(p) = l.packed.as_deref().filter(|p| {
-            l.weight.dtype() == DType::F32 && p.k() == k && l.weight.dim(0).ok() == Some(p.n())
-        }) {
+        if let Some(p) = l.pack_of_width(k) {
             ws.push(arbor_ops::WeightRows::Packed(p));
             continue;
         }
@@ -285,35 +283,43 @@ fn linear_rows(x: &Tensor, l: &Linear) -> Result<Tensor> {
         .expect("one product per layer"))
 }
 
-/// The pack of `l` when the generation forward can compute `x W^T` from it
-/// alone: `x` a CPU f32 tensor of the pack's input width, `l` without bias
-/// or adapter, its f32 weight of the pack's shape.
-fn pack_for<'a>(x: &Tensor, l: &'a Linear) -> Option<&'a PackedWeights> {
-    let k = *x.dims().last()?;
-    let p = l.packed.as_deref()?;
-    (x.dtype() == DType::F32
-        && x.device().is_cpu()
-        && l.lora.is_none()
-        && l.bias.is_none()
-        && l.weight.dtype() == DType::F32
-        && p.k() == k
-        && l.weight.dim(0).ok() == Some(p.n()))
-    .then_some(p)
+impl Linear {
+    /// The pack ([`Linear::packed`]) of this f32 weight when it takes inputs
+    /// of width `k`.
+    fn pack_of_width(&self, k: usize) -> Option<&PackedWeights> {
+        self.packed.as_deref().filter(|p| {
+            self.weight.dtype() == DType::F32
+                && p.k() == k
+                && self.weight.dim(0).ok() == Some(p.n())
+        })
+    }
 }
 
-/// `r + x W^T` for the generation forward: with a pack ([`pack_for`]), the
-/// residual addition fused into the product
-/// ([`arbor_ops::packed::matmul_packed_add`], the same f32 sums); otherwise
-/// [`linear_rows`] then [`add_rows`].
+/// The pack of `l` when the generation forward can compute `x W^T` from it
+/// alone: `x` a CPU f32 tensor, `l` without bias or adapter
+/// ([`Linear::pack_of_width`]).
+fn pack_for<'a>(x: &Tensor, l: &'a Linear) -> Option<&'a PackedWeights> {
+    let cpu_f32 = x.dtype() == DType::F32 && x.device().is_cpu();
+    let plain = l.lora.is_none() && l.bias.is_none();
+    if !(cpu_f32 && plain) {
+        return None;
+    }
+    l.pack_of_width(*x.dims().last()?)
+}
+
+/// `r + x W^T` for the generation forward: with a pack ([`pack_for`]) and
+/// a CPU f32 `r` of the output's size, the residual addition fused into
+/// the product ([`arbor_ops::packed::matmul_packed_add`], the same f32
+/// sums); otherwise [`linear_rows`] then [`add_rows`].
 fn linear_rows_add(x: &Tensor, l: &Linear, r: &Tensor) -> Result<Tensor> {
-    let Some(p) = pack_for(x, l).filter(|_| r.dtype() == DType::F32 && r.device().is_cpu()) else {
+    let m = |p: &PackedWeights| x.elem_count() / p.k().max(1);
+    let fused = pack_for(x, l).filter(|&p| {
+        r.dtype() == DType::F32 && r.device().is_cpu() && r.elem_count() == m(p) * p.n()
+    });
+    let Some(p) = fused else {
         return add_rows(r, &linear_rows(x, l)?);
     };
-    let k = p.k();
-    let m = x.elem_count() / k.max(1);
-    if r.elem_count() != m * p.n() {
-        return add_rows(r, &linear_rows(x, l)?);
-    }
+    let m = m(p);
     let y = with_cpu_f32(x, |xs| {
         with_cpu_f32(r, |rs| arbor_ops::packed::matmul_packed_add(xs, m, p, rs))
     })??;

@@ -259,41 +259,38 @@ fn product_add(x: &[f32], m: usize, w: &PackedWeights, r: &[f32], avx2: bool) ->
         x.len(),
         r.len()
     );
-    let mut y: Vec<f32> = Vec::with_capacity(m * n);
-    let out = OutPtr(y.as_mut_ptr());
-    each_panel(m, k, &[n], |_, rows, p| {
-        let cols = p * PANEL..((p + 1) * PANEL).min(n);
-        let panel = w.panel(p);
-        // SAFETY: y holds [m, n]; rows x cols is this call's alone; with
-        // `avx2`, the CPU runs it (the callers check).
-        #[allow(unsafe_code)]
-        unsafe {
-            if k == 0 {
-                for i in rows.clone() {
-                    std::ptr::write_bytes(out.at(i * n + cols.start), 0, cols.len());
+    let fill = |out: OutPtr| {
+        each_panel(m, k, &[n], |_, rows, p| {
+            let cols = p * PANEL..((p + 1) * PANEL).min(n);
+            let panel = w.panel(p);
+            // SAFETY: y holds [m, n]; rows x cols is this call's alone; with
+            // `avx2`, the CPU runs it (the callers check).
+            #[allow(unsafe_code)]
+            unsafe {
+                if k == 0 {
+                    for i in rows.clone() {
+                        std::ptr::write_bytes(out.at(i * n + cols.start), 0, cols.len());
+                    }
+                } else {
+                    panel_rows(x, k, panel, None, rows.clone(), cols.clone(), out, n, avx2);
                 }
-            } else {
-                panel_rows(x, k, panel, None, rows.clone(), cols.clone(), out, n, avx2);
-            }
-            for i in rows {
-                let at = i * n + cols.start;
-                let y = std::slice::from_raw_parts_mut(out.at(at), cols.len());
-                // `c + r`: f32 addition commutes, so these are the bits
-                // of the residual stream's `r + c`.
-                for (v, &a) in y.iter_mut().zip(&r[at..at + cols.len()]) {
-                    *v += a;
+                for i in rows {
+                    let at = i * n + cols.start;
+                    let y = std::slice::from_raw_parts_mut(out.at(at), cols.len());
+                    // `c + r`: f32 addition commutes, so these are the bits
+                    // of the residual stream's `r + c`.
+                    for (v, &a) in y.iter_mut().zip(&r[at..at + cols.len()]) {
+                        *v += a;
+                    }
                 }
             }
-        }
-    });
-    // SAFETY: the calls covered every row and column, each writing its
-    // values before this (not zeroed first: a serial fill of the output
-    // would run on the calling thread while the others wait).
+        });
+    };
+    // SAFETY: the panels cover every row and column of y.
     #[allow(unsafe_code)]
     unsafe {
-        y.set_len(m * n)
-    };
-    y
+        written(m * n, fill)
+    }
 }
 
 /// SwiGLU's `silu(x g^T) * (x u^T)` (`[m, n]`) for gate and up weights of
@@ -325,55 +322,71 @@ fn product_swiglu(
         up.n,
         up.k
     );
-    let mut y: Vec<f32> = Vec::with_capacity(m * n);
-    let out = OutPtr(y.as_mut_ptr());
-    // Both products' weights count towards the serial threshold.
-    each_panel(m, 2 * k, &[n], |_, rows, p| {
-        let cols = p * PANEL..((p + 1) * PANEL).min(n);
-        let width = cols.len();
-        let len = rows.len();
-        let xr = &x[rows.start * k..rows.end * k];
-        SWIGLU_SCRATCH.with(|sc| {
-            let mut gu = sc.borrow_mut();
-            if gu.len() < 2 * len * PANEL {
-                gu.resize(2 * len * PANEL, 0.0);
-            }
-            let (g, u) = gu[..2 * len * PANEL].split_at_mut(len * PANEL);
-            if k == 0 {
-                g.fill(0.0);
-                u.fill(0.0);
-            } else {
-                // Gate, then up, then the next gate panel: each prefetches the
-                // first block of the one after it while finishing.
-                let next_gate = (p + 1 < n.div_ceil(PANEL)).then(|| gate.panel(p + 1));
-                for (panel, then, s) in [
-                    (gate.panel(p), Some(up.panel(p)), &mut *g),
-                    (up.panel(p), next_gate, &mut *u),
-                ] {
-                    // SAFETY: `s` holds `len` rows of PANEL values, this
-                    // closure's own; with `avx2`, the CPU runs it.
-                    #[allow(unsafe_code)]
-                    unsafe {
-                        let out = OutPtr(s.as_mut_ptr());
-                        panel_rows(xr, k, panel, then, 0..len, 0..width, out, PANEL, avx2)
-                    };
+    let fill = |out: OutPtr| {
+        // Both products' weights count towards the serial threshold.
+        each_panel(m, 2 * k, &[n], |_, rows, p| {
+            let cols = p * PANEL..((p + 1) * PANEL).min(n);
+            let width = cols.len();
+            let len = rows.len();
+            let xr = &x[rows.start * k..rows.end * k];
+            SWIGLU_SCRATCH.with(|sc| {
+                let mut gu = sc.borrow_mut();
+                if gu.len() < 2 * len * PANEL {
+                    gu.resize(2 * len * PANEL, 0.0);
                 }
-            }
-            for (r, i) in rows.enumerate() {
-                // SAFETY: row i's columns `cols` of y are this closure's alone.
-                #[allow(unsafe_code)]
-                let o =
-                    unsafe { std::slice::from_raw_parts_mut(out.at(i * n + cols.start), width) };
-                let at = r * PANEL;
-                crate::rows::silu_mul_into(&g[at..at + width], &u[at..at + width], o);
-            }
+                let (g, u) = gu[..2 * len * PANEL].split_at_mut(len * PANEL);
+                if k == 0 {
+                    g.fill(0.0);
+                    u.fill(0.0);
+                } else {
+                    // Gate, then up, then the next gate panel: each prefetches the
+                    // first block of the one after it while finishing.
+                    let next_gate = (p + 1 < n.div_ceil(PANEL)).then(|| gate.panel(p + 1));
+                    for (panel, then, s) in [
+                        (gate.panel(p), Some(up.panel(p)), &mut *g),
+                        (up.panel(p), next_gate, &mut *u),
+                    ] {
+                        // SAFETY: `s` holds `len` rows of PANEL values, this
+                        // closure's own; with `avx2`, the CPU runs it.
+                        #[allow(unsafe_code)]
+                        unsafe {
+                            let out = OutPtr(s.as_mut_ptr());
+                            panel_rows(xr, k, panel, then, 0..len, 0..width, out, PANEL, avx2)
+                        };
+                    }
+                }
+                for (r, i) in rows.enumerate() {
+                    // SAFETY: row i's columns `cols` of y are this closure's alone.
+                    #[allow(unsafe_code)]
+                    let o = unsafe {
+                        std::slice::from_raw_parts_mut(out.at(i * n + cols.start), width)
+                    };
+                    let at = r * PANEL;
+                    crate::rows::silu_mul_into(&g[at..at + width], &u[at..at + width], o);
+                }
+            });
         });
-    });
-    // SAFETY: as in `product_add`, every value was written.
+    };
+    // SAFETY: the panels cover every row and column of y.
     #[allow(unsafe_code)]
     unsafe {
-        y.set_len(m * n)
-    };
+        written(m * n, fill)
+    }
+}
+
+/// A new vector of `len` values written by `f` through the pointer it is
+/// handed, with no zero fill first (a serial fill of the output would run
+/// on the calling thread while the others wait).
+///
+/// # Safety
+/// `f` writes every one of the `len` values (or panics).
+#[allow(unsafe_code)]
+unsafe fn written(len: usize, f: impl FnOnce(OutPtr)) -> Vec<f32> {
+    let mut y: Vec<f32> = Vec::with_capacity(len);
+    f(OutPtr(y.as_mut_ptr()));
+    // SAFETY: the caller vouches every value was written; a panic in `f`
+    // leaves the length 0.
+    y.set_len(len);
     y
 }
 
