@@ -343,6 +343,7 @@ impl<'r> Spread<'r> {
     }
 
     /// The next call's share: (key rows, value rows).
+    #[inline(always)]
     fn take(&mut self) -> (&'r [usize], &'r [usize]) {
         let (k, k_rest) = self.k.split_at(self.per_k.min(self.k.len()));
         let (v, v_rest) = self.v.split_at(self.per_v.min(self.v.len()));
@@ -534,14 +535,13 @@ unsafe fn attend_group<E: KvElem, const DV: usize>(
     let srow = |u: usize, kk: usize, r: usize| sp.add(soff[u] + (kk * g + r) * padded[u]);
     // Scores q . k * scale of 16 keys at rows `rs` (KV head `kvh`), stored
     // from `dst`.
-    let score16 = |q: &[__m512; DV], kvh: usize, rs: &[usize], dst: *mut f32| {
-        // Always 16 dot products (a short chunk repeats its first row, the
-        // store drops those lanes), so the loop unrolls and the 16 sums stay
-        // in registers instead of going through the stack.
-        let n = rs.len();
+    let score16 = |q: &[__m512; DV], kr: &[*const E; 16], n: usize, dst: *mut f32| {
+        // Always 16 dot products (a short chunk's pointers repeat its first
+        // row, the store drops those lanes), so the loop unrolls and the 16
+        // sums stay in registers instead of going through the stack.
         let mut dots = [_mm512_setzero_ps(); 16];
         for (l, dot) in dots.iter_mut().enumerate() {
-            let kr = kp.add(*rs.get_unchecked(if l < n { l } else { 0 }) + kvh * d);
+            let kr = kr[l];
             let mut acc = _mm512_mul_ps(q[0], E::load16(kr));
             for (c, qv) in q.iter().enumerate().skip(1) {
                 acc = _mm512_fmadd_ps(*qv, E::load16(kr.add(16 * c)), acc);
@@ -549,7 +549,7 @@ unsafe fn attend_group<E: KvElem, const DV: usize>(
             *dot = acc;
         }
         let s = _mm512_mul_ps(hsum16(&dots), scale);
-        _mm512_mask_storeu_ps(dst, ((1u32 << rs.len()) - 1) as __mmask16, s);
+        _mm512_mask_storeu_ps(dst, ((1u32 << n) - 1) as __mmask16, s);
     };
     let load_q = |u: usize, kvh: usize, r: usize| {
         let qp = a.q.as_ptr().add(((kvh * g + r) * t + toks[u]) * d);
@@ -584,13 +584,18 @@ unsafe fn attend_group<E: KvElem, const DV: usize>(
         let rs = &rows[c0..(c0 + 16).min(end)];
         let at = (c0 + PF_AHEAD).min(end);
         let mut spread = Spread::new(&rows[at..(at + 16).min(end)], rs, nk * g * us.len());
+        let n = rs.len();
         for (kk, kvh) in grp.kv.clone().enumerate() {
+            // The chunk's key rows of this KV head, once for all its queries.
+            let kr: [*const E; 16] = std::array::from_fn(|l| {
+                kp.add(*rs.get_unchecked(if l < n { l } else { 0 }) + kvh * d)
+            });
             for u in us.clone() {
                 for r in 0..g {
                     let (k_rows, v_rows) = spread.take();
                     pf(kp, k_rows);
                     pf(vp, v_rows);
-                    score16(&load_q(u, kvh, r), kvh, rs, srow(u, kk, r).add(j0));
+                    score16(&load_q(u, kvh, r), &kr, n, srow(u, kk, r).add(j0));
                 }
             }
         }
