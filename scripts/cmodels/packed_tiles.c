@@ -10,6 +10,16 @@
 // from memory (2 MiB pages).
 //   gcc -O3 -mavx2 -mfma -fopenmp packed_tiles.c -o packed_tiles
 //   OMP_NUM_THREADS=2 ./packed_tiles 32 1; OMP_NUM_THREADS=2 ./packed_tiles 32 100
+// With -mavx512f -mavx512vl and MRT=8: an 8 x 24 tile instead (per row a
+// zmm and a ymm accumulator, 16 in all; one zmm and one ymm weight load
+// and 8 broadcasts per k step), the same panels. On a 2-core Zen 4
+// (docs/benchmarks.md, fourteenth session), KC 192, in cache, best of 600
+// calls: 204-205 GFLOP/s, against 226-227 for the 4 x 24 tile built with
+// -mavx2 (and 205-207 for the 4 x 24 tile in the AVX-512 build, where gcc
+// encodes it with EVEX and ymm16-31). The engine keeps the AVX2 tile.
+//   gcc -O3 -mavx512f -mavx512vl -mfma -fopenmp packed_tiles.c -o packed_tiles
+//   MRT=8 OMP_NUM_THREADS=2 ./packed_tiles 32 1
+
 #include <immintrin.h>
 #include <omp.h>
 #include <stdio.h>
@@ -54,12 +64,60 @@ static void tile(const float *x, int ldx, const float *p, float *y, int ldy, int
   STORE(a30, 3, 0); STORE(a31, 3, 1); STORE(a32, 3, 2);
 }
 
+
+#ifdef __AVX512F__
+// One row of the 8 x 24 tile: lanes 0-15 in a zmm, 16-23 in a ymm.
+#define ROW8(i, z, a)                                          \
+  do {                                                         \
+    __m512 b = _mm512_set1_ps(x[(i) * ldx + k]);               \
+    z = _mm512_fmadd_ps(b, wz, z);                             \
+    a = _mm256_fmadd_ps(_mm512_castps512_ps256(b), wy, a);     \
+  } while (0)
+#define LZ(v, i) v = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + (i) * ldy)
+#define LY(v, i) v = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + (i) * ldy + 16)
+#define SZ(v, i) _mm512_storeu_ps(y + (i) * ldy, v)
+#define SY(v, i) _mm256_storeu_ps(y + (i) * ldy + 16, v)
+
+static void tile8(const float *x, int ldx, const float *p, float *y, int ldy, int k0, int k1,
+                  int first, const char *pf) {
+  __m512 z0, z1, z2, z3, z4, z5, z6, z7;
+  __m256 a0, a1, a2, a3, a4, a5, a6, a7;
+  LZ(z0, 0); LZ(z1, 1); LZ(z2, 2); LZ(z3, 3); LZ(z4, 4); LZ(z5, 5); LZ(z6, 6); LZ(z7, 7);
+  LY(a0, 0); LY(a1, 1); LY(a2, 2); LY(a3, 3); LY(a4, 4); LY(a5, 5); LY(a6, 6); LY(a7, 7);
+  const float *pp = p + k0 * NR;
+  for (int k = k0; k < k1; k++, pp += NR) {
+    if (pf && ((k - k0) & 3) == 0) {
+      _mm_prefetch(pf, _MM_HINT_T0);
+      pf += 64;
+    }
+    __m512 wz = _mm512_loadu_ps(pp);
+    __m256 wy = _mm256_load_ps(pp + 16);
+    ROW8(0, z0, a0); ROW8(1, z1, a1); ROW8(2, z2, a2); ROW8(3, z3, a3);
+    ROW8(4, z4, a4); ROW8(5, z5, a5); ROW8(6, z6, a6); ROW8(7, z7, a7);
+  }
+  SZ(z0, 0); SZ(z1, 1); SZ(z2, 2); SZ(z3, 3); SZ(z4, 4); SZ(z5, 5); SZ(z6, 6); SZ(z7, 7);
+  SY(a0, 0); SY(a1, 1); SY(a2, 2); SY(a3, 3); SY(a4, 4); SY(a5, 5); SY(a6, 6); SY(a7, 7);
+}
+#endif
+
+// Rows per register tile (MRT=8 selects tile8).
+static int mrt = 4;
+
 // One packed panel (24 weight rows) against all m rows of x.
 static void panel(const float *x, int m, const float *p, float *y, int n, int kc, int prefetch) {
   for (int k0 = 0; k0 < K; k0 += kc) {
     int k1 = k0 + kc < K ? k0 + kc : K;
     const char *next = (const char *)(p + k1 * NR);  // the stream's next block
     int per = (k1 - k0) / 4;
+#ifdef __AVX512F__
+    if (mrt == 8) {
+      // Twice the rows per tile: the block's prefetch over the first 3.
+      for (int r = 0; r < m; r += 8)
+        tile8(x + r * K, K, p, y + r * n, n, k0, k1, k0 == 0,
+              prefetch && r / 8 < 3 ? next + (r / 8) * 2 * per * 64 : 0);
+      continue;
+    }
+#endif
     for (int r = 0; r < m; r += 4)
       tile(x + r * K, K, p, y + r * n, n, k0, k1, k0 == 0,
            prefetch && r / 4 < 6 ? next + (r / 4) * per * 64 : 0);
@@ -67,8 +125,9 @@ static void panel(const float *x, int m, const float *p, float *y, int n, int kc
 }
 
 int main(int argc, char **argv) {
+  mrt = getenv("MRT") ? atoi(getenv("MRT")) : 4;
   int m = argc > 1 ? atoi(argv[1]) : 32, copies = argc > 2 ? atoi(argv[2]) : 1, n = 1536;
-  if (m < 4 || m % 4 || copies < 1) return 1;
+  if (m < mrt || m % mrt || copies < 1) return 1;
   long wlen = (long)copies * n * K;
   float *w = aligned_alloc(1 << 21, ((wlen * 4 >> 21) + 1) << 21);
   madvise(w, wlen * 4, MADV_HUGEPAGE);
