@@ -15,7 +15,9 @@
 //! ~12% of a tile. `k` is blocked at [`KC`], so a panel's block (18 KiB)
 //! stays in L1 for every row tile; the partial sums wait in `y` between
 //! blocks. While the first row tiles of a block run, the next block of the
-//! weight stream is prefetched, spread over their steps.
+//! weight stream is prefetched, spread over their steps; with fewer than 8
+//! row tiles (a decode step of a few sequences, where the product waits on
+//! the stream) the block after it is prefetched into L2 too.
 //!
 //! On a 2-core Zen 2 (docs/benchmarks.md, twelfth session; `PACKED=1
 //! matmul_ab` at commit cb1b884), 32 x 576 x 1536 ran at 155-172 GFLOP/s
@@ -42,6 +44,13 @@ pub const PANEL: usize = 24;
 pub const KC: usize = 192;
 /// Rows of `x` per register tile.
 const MR: usize = 4;
+/// Below this many row tiles, computing a block takes less time than
+/// fetching the next one, so each near prefetch of the next block is
+/// paired with a far one ([`FAR`] further, into L2).
+const FAR_TILES: usize = 8;
+/// How far ahead of the near prefetch the far one runs: one block of a
+/// panel (18 KiB), so the weight stream is two blocks ahead of the tiles.
+const FAR: usize = KC * PANEL * 4;
 /// Rows of `x` per parallel task: long inputs are split so a task's rows
 /// of `x` stay in L2 while it runs its panels (64 rows of 1,536 values
 /// are 384 KiB). At 256 rows (590 KiB at `k` = 576), a batch-32 prefill
@@ -474,6 +483,11 @@ unsafe fn panel_rows(
             };
             let lines = ((k1 - k0) * PANEL * 4).div_ceil(64);
             let tiles = m.div_ceil(MR);
+            // Few rows: the block's tiles take less time than fetching the
+            // next block, so the stream is also prefetched a block further.
+            // `F32=1 decode_matmuls 8` on a 2-core Zen 4: 22.8-38.9 ->
+            // 16.1-16.8 ms a step (docs/benchmarks.md, fourteenth session).
+            let far = tiles < FAR_TILES;
             // Lines each of the first row tiles prefetches: a line per 4
             // `k` steps, spread over as many tiles as that takes (at most
             // 6); with fewer tiles, each takes a share of the block, up to
@@ -491,11 +505,15 @@ unsafe fn panel_rows(
                 line += npf;
                 let (xi, yi) = (xb.add(i * k), base.add(i * ldy));
                 let first = k0 == 0;
-                match r {
-                    4 => tile_avx2::<4>(xi, k, p, k0, k1, yi, ldy, first, pf, npf),
-                    3 => tile_avx2::<3>(xi, k, p, k0, k1, yi, ldy, first, pf, npf),
-                    2 => tile_avx2::<2>(xi, k, p, k0, k1, yi, ldy, first, pf, npf),
-                    _ => tile_avx2::<1>(xi, k, p, k0, k1, yi, ldy, first, pf, npf),
+                match (r, far) {
+                    (4, false) => tile_avx2::<4, false>(xi, k, p, k0, k1, yi, ldy, first, pf, npf),
+                    (3, false) => tile_avx2::<3, false>(xi, k, p, k0, k1, yi, ldy, first, pf, npf),
+                    (2, false) => tile_avx2::<2, false>(xi, k, p, k0, k1, yi, ldy, first, pf, npf),
+                    (_, false) => tile_avx2::<1, false>(xi, k, p, k0, k1, yi, ldy, first, pf, npf),
+                    (4, true) => tile_avx2::<4, true>(xi, k, p, k0, k1, yi, ldy, first, pf, npf),
+                    (3, true) => tile_avx2::<3, true>(xi, k, p, k0, k1, yi, ldy, first, pf, npf),
+                    (2, true) => tile_avx2::<2, true>(xi, k, p, k0, k1, yi, ldy, first, pf, npf),
+                    _ => tile_avx2::<1, true>(xi, k, p, k0, k1, yi, ldy, first, pf, npf),
                 }
             }
             k0 = k1;
@@ -514,7 +532,8 @@ unsafe fn panel_rows(
 
 /// `R` rows of `x` (stride `ldx`) against a panel's `k0..k1` block,
 /// accumulating into `R x PANEL` outputs at `y` (stride `ldy`; from zero
-/// when `first`), prefetching `npf` lines from `pf`, spread over the steps.
+/// when `first`), prefetching `npf` lines from `pf`, spread over the
+/// steps, each with the line [`FAR`] bytes further (into L2) when `FAR_PF`.
 ///
 /// # Safety
 /// AVX2 and FMA; `p` is 32-byte aligned with `k1 * PANEL` values; `x`
@@ -524,7 +543,7 @@ unsafe fn panel_rows(
 #[allow(clippy::too_many_arguments)]
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn tile_avx2<const R: usize>(
+unsafe fn tile_avx2<const R: usize, const FAR_PF: bool>(
     x: *const f32,
     ldx: usize,
     p: *const f32,
@@ -555,6 +574,11 @@ unsafe fn tile_avx2<const R: usize>(
             due += npf;
             while due >= steps {
                 _mm_prefetch::<_MM_HINT_T0>(pf as *const i8);
+                if FAR_PF {
+                    // Past the weights' end this names no line of them;
+                    // a prefetch never faults.
+                    _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(FAR) as *const i8);
+                }
                 pf = pf.wrapping_add(64);
                 due -= steps;
             }
