@@ -533,8 +533,8 @@ unsafe fn attend_group<E: KvElem, const DV: usize>(
     let nk = grp.kv.len();
     // Head `r` of KV head `grp.kv.start + kk` of token `u`: its scores.
     let srow = |u: usize, kk: usize, r: usize| sp.add(soff[u] + (kk * g + r) * padded[u]);
-    // Scores q . k * scale of 16 keys at rows `rs` (KV head `kvh`), stored
-    // from `dst`.
+    // Scores q . k * scale of the 16 keys at `kr` (one KV head's part of
+    // each row), the first `n` stored from `dst`.
     let score16 = |q: &[__m512; DV], kr: &[*const E; 16], n: usize, dst: *mut f32| {
         // Always 16 dot products (a short chunk's pointers repeat its first
         // row, the store drops those lanes), so the loop unrolls and the 16
