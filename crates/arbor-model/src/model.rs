@@ -312,18 +312,16 @@ fn pack_for<'a>(x: &Tensor, l: &'a Linear) -> Option<&'a PackedWeights> {
 /// the product ([`arbor_ops::packed::matmul_packed_add`], the same f32
 /// sums); otherwise [`linear_rows`] then [`add_rows`].
 fn linear_rows_add(x: &Tensor, l: &Linear, r: &Tensor) -> Result<Tensor> {
-    let m = |p: &PackedWeights| x.elem_count() / p.k().max(1);
-    let fused = pack_for(x, l).filter(|&p| {
-        r.dtype() == DType::F32 && r.device().is_cpu() && r.elem_count() == m(p) * p.n()
-    });
-    let Some(p) = fused else {
-        return add_rows(r, &linear_rows(x, l)?);
-    };
-    let m = m(p);
-    let y = with_cpu_f32(x, |xs| {
-        with_cpu_f32(r, |rs| arbor_ops::packed::matmul_packed_add(xs, m, p, rs))
-    })??;
-    Ok(Tensor::from_vec(y, r.shape(), x.device())?)
+    if let Some(p) = pack_for(x, l) {
+        let m = x.elem_count() / p.k().max(1);
+        if r.dtype() == DType::F32 && r.device().is_cpu() && r.elem_count() == m * p.n() {
+            let y = with_cpu_f32(x, |xs| {
+                with_cpu_f32(r, |rs| arbor_ops::packed::matmul_packed_add(xs, m, p, rs))
+            })??;
+            return Ok(Tensor::from_vec(y, r.shape(), x.device())?);
+        }
+    }
+    add_rows(r, &linear_rows(x, l)?)
 }
 
 /// RMSNorm over the last dim, computed in f32 (f64 for f64 inputs) as in HF:

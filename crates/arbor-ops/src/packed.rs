@@ -638,6 +638,19 @@ mod tests {
         y
     }
 
+    /// The kernels this CPU can run: the portable one, and AVX2's.
+    fn kernels() -> Vec<bool> {
+        if avx2() {
+            vec![false, true]
+        } else {
+            vec![false]
+        }
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
     #[test]
     fn every_kernel_is_the_fma_chain_bit_for_bit() {
         for &k in &[1, 7, 8, 191, 192, 193, 400] {
@@ -646,18 +659,10 @@ mod tests {
                 let p = PackedWeights::pack(&w, n, k);
                 for &m in &[0, 1, 2, 3, 4, 5, 7, 9] {
                     let x = data(m * k, (m * 7 + k) as u64);
-                    let want = chain(&x, &w, m, k, n);
-                    let portable = product(&x, m, &p, false);
-                    let kernels = if avx2() {
-                        vec![portable, product(&x, m, &p, true)]
-                    } else {
-                        vec![portable]
-                    };
-                    for got in kernels {
-                        assert_eq!(got.len(), want.len());
-                        for (a, b) in got.iter().zip(&want) {
-                            assert_eq!(a.to_bits(), b.to_bits(), "m {m} k {k} n {n}");
-                        }
+                    let want = bits(&chain(&x, &w, m, k, n));
+                    for avx in kernels() {
+                        let got = bits(&product(&x, m, &p, avx));
+                        assert_eq!(got, want, "m {m} k {k} n {n} avx2 {avx}");
                     }
                 }
             }
@@ -673,14 +678,7 @@ mod tests {
         let all = matmul_packed(&x, m, &p);
         for i in [0, 1, 5, 255, 256, 299] {
             let one = matmul_packed(&x[i * k..(i + 1) * k], 1, &p);
-            assert_eq!(
-                one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                all[i * n..(i + 1) * n]
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect::<Vec<_>>(),
-                "row {i}"
-            );
+            assert_eq!(bits(&one), bits(&all[i * n..(i + 1) * n]), "row {i}");
         }
     }
 
@@ -707,19 +705,6 @@ mod tests {
                 );
             }
         }
-    }
-
-    /// The kernels this CPU can run: the portable one, and AVX2's.
-    fn kernels() -> Vec<bool> {
-        if avx2() {
-            vec![false, true]
-        } else {
-            vec![false]
-        }
-    }
-
-    fn bits(v: &[f32]) -> Vec<u32> {
-        v.iter().map(|x| x.to_bits()).collect()
     }
 
     #[test]
