@@ -10,13 +10,21 @@
 // from memory (2 MiB pages).
 //   gcc -O3 -mavx2 -mfma -fopenmp packed_tiles.c -o packed_tiles
 //   OMP_NUM_THREADS=2 ./packed_tiles 32 1; OMP_NUM_THREADS=2 ./packed_tiles 32 100
-// With -mavx512f -mavx512vl and MRT=8: an 8 x 24 tile instead (per row a
-// zmm and a ymm accumulator, 16 in all; one zmm and one ymm weight load
-// and 8 broadcasts per k step), the same panels. On a 2-core Zen 4
-// (docs/benchmarks.md, fourteenth session), KC 192, in cache, best of 600
-// calls: 204-205 GFLOP/s, against 226-227 for the 4 x 24 tile built with
-// -mavx2 (and 205-207 for the 4 x 24 tile in the AVX-512 build, where gcc
-// encodes it with EVEX and ymm16-31). The engine keeps the AVX2 tile.
+// With -mavx512f -mavx512vl, MRT selects other tiles of the same panels:
+//   MRT=8: 8 x 24 with a zmm and a ymm accumulator per row (16 in all; one
+//     zmm and one ymm weight load and 8 broadcasts per k step);
+//   MRT=108: 8 x 24 in ymm registers only (24 accumulators), which
+//     AVX-512VL raises to 32, the broadcast kept in a register (an empty
+//     asm stops gcc from folding it into each FMA as an embedded {1to8}
+//     broadcast).
+// On a 2-core Zen 4 (docs/benchmarks.md, fifteenth session), KC 192, in
+// cache, best of 600 calls: MRT=8 204-205 GFLOP/s; MRT=108 227; the AVX2
+// build 226. MRT=4 in this build: 192-193, as gcc keeps the loop's
+// counters on the stack (226-227 in a variant of this file where it did
+// not). Every ymm tile is at the FMA rate when its loop is clean, so more
+// registers buy nothing; streaming from memory
+// (`32 100`), MRT=108 drops to 185 against 222 for the 4 x 24 tile, whose
+// prefetch spreads over more row tiles. The engine keeps the AVX2 tile.
 //   gcc -O3 -mavx512f -mavx512vl -mfma -fopenmp packed_tiles.c -o packed_tiles
 //   MRT=8 OMP_NUM_THREADS=2 ./packed_tiles 32 1
 
@@ -100,7 +108,50 @@ static void tile8(const float *x, int ldx, const float *p, float *y, int ldy, in
 }
 #endif
 
-// Rows per register tile (MRT=8 selects tile8).
+
+#ifdef __AVX512VL__
+#define BR(i) ({ __m256 b_ = _mm256_broadcast_ss(x + (i) * ldx + k); __asm__("" : "+v"(b_)); b_; })
+#define ROWY(i, a0, a1, a2)                 \
+  do {                                      \
+    __m256 b = BR(i);                       \
+    a0 = _mm256_fmadd_ps(b, w0, a0);        \
+    a1 = _mm256_fmadd_ps(b, w1, a1);        \
+    a2 = _mm256_fmadd_ps(b, w2, a2);        \
+  } while (0)
+static void tiley8(const float *x, int ldx, const float *p, float *y, int ldy, int k0, int k1,
+                   int first, const char *pf) {
+  __m256 a00, a01, a02, a10, a11, a12, a20, a21, a22, a30, a31, a32;
+  __m256 a40, a41, a42, a50, a51, a52, a60, a61, a62, a70, a71, a72;
+  LOAD(a00, 0, 0); LOAD(a01, 0, 1); LOAD(a02, 0, 2);
+  LOAD(a10, 1, 0); LOAD(a11, 1, 1); LOAD(a12, 1, 2);
+  LOAD(a20, 2, 0); LOAD(a21, 2, 1); LOAD(a22, 2, 2);
+  LOAD(a30, 3, 0); LOAD(a31, 3, 1); LOAD(a32, 3, 2);
+  LOAD(a40, 4, 0); LOAD(a41, 4, 1); LOAD(a42, 4, 2);
+  LOAD(a50, 5, 0); LOAD(a51, 5, 1); LOAD(a52, 5, 2);
+  LOAD(a60, 6, 0); LOAD(a61, 6, 1); LOAD(a62, 6, 2);
+  LOAD(a70, 7, 0); LOAD(a71, 7, 1); LOAD(a72, 7, 2);
+  const float *pp = p + k0 * NR;
+  for (int k = k0; k < k1; k++, pp += NR) {
+    if (pf && ((k - k0) & 3) == 0) {
+      _mm_prefetch(pf, _MM_HINT_T0);
+      pf += 64;
+    }
+    __m256 w0 = _mm256_load_ps(pp), w1 = _mm256_load_ps(pp + 8), w2 = _mm256_load_ps(pp + 16);
+    ROWY(0, a00, a01, a02); ROWY(1, a10, a11, a12); ROWY(2, a20, a21, a22); ROWY(3, a30, a31, a32);
+    ROWY(4, a40, a41, a42); ROWY(5, a50, a51, a52); ROWY(6, a60, a61, a62); ROWY(7, a70, a71, a72);
+  }
+  STORE(a00, 0, 0); STORE(a01, 0, 1); STORE(a02, 0, 2);
+  STORE(a10, 1, 0); STORE(a11, 1, 1); STORE(a12, 1, 2);
+  STORE(a20, 2, 0); STORE(a21, 2, 1); STORE(a22, 2, 2);
+  STORE(a30, 3, 0); STORE(a31, 3, 1); STORE(a32, 3, 2);
+  STORE(a40, 4, 0); STORE(a41, 4, 1); STORE(a42, 4, 2);
+  STORE(a50, 5, 0); STORE(a51, 5, 1); STORE(a52, 5, 2);
+  STORE(a60, 6, 0); STORE(a61, 6, 1); STORE(a62, 6, 2);
+  STORE(a70, 7, 0); STORE(a71, 7, 1); STORE(a72, 7, 2);
+}
+#endif
+
+// Rows per register tile (MRT=8 selects tile8, MRT=108 tiley8).
 static int mrt = 4;
 
 // One packed panel (24 weight rows) against all m rows of x.
@@ -109,6 +160,14 @@ static void panel(const float *x, int m, const float *p, float *y, int n, int kc
     int k1 = k0 + kc < K ? k0 + kc : K;
     const char *next = (const char *)(p + k1 * NR);  // the stream's next block
     int per = (k1 - k0) / 4;
+#ifdef __AVX512VL__
+    if (mrt == 108) {
+      for (int r = 0; r < m; r += 8)
+        tiley8(x + r * K, K, p, y + r * n, n, k0, k1, k0 == 0,
+               prefetch && r / 8 < 3 ? next + (r / 8) * 2 * per * 64 : 0);
+      continue;
+    }
+#endif
 #ifdef __AVX512F__
     if (mrt == 8) {
       // Twice the rows per tile: the block's prefetch over the first 3.
@@ -127,7 +186,7 @@ static void panel(const float *x, int m, const float *p, float *y, int n, int kc
 int main(int argc, char **argv) {
   mrt = getenv("MRT") ? atoi(getenv("MRT")) : 4;
   int m = argc > 1 ? atoi(argv[1]) : 32, copies = argc > 2 ? atoi(argv[2]) : 1, n = 1536;
-  if (m < mrt || m % mrt || copies < 1) return 1;
+  int mr = mrt > 100 ? mrt - 100 : mrt; if (m < mr || m % mr || copies < 1) return 1;
   long wlen = (long)copies * n * K;
   float *w = aligned_alloc(1 << 21, ((wlen * 4 >> 21) + 1) << 21);
   madvise(w, wlen * 4, MADV_HUGEPAGE);
