@@ -24,7 +24,9 @@ pub struct EngineConfig {
     pub num_blocks: usize,
     /// Memory for the KV pool when `num_blocks` is 0.
     pub kv_memory_mib: usize,
-    /// Most sequences running at once.
+    /// Most sequences in one forward step: admission stops there, and
+    /// running sequences beyond it (a fan-out wider than `max_seqs`) keep
+    /// their KV and wait for a later step.
     pub max_seqs: usize,
     /// Most new tokens in one forward step (a single longer prompt still
     /// runs, alone).
@@ -56,6 +58,24 @@ pub struct EngineConfig {
 fn yes() -> bool {
     true
 }
+
+/// Physical memory in bytes (`MemTotal` of `/proc/meminfo`), where known.
+fn physical_memory() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: usize = info
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse()
+        .ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Bytes of text decoded before the part searched for stop strings
+/// (`Engine::stop_string_hit`).
+const STOP_WINDOW_MARGIN: usize = 16;
 
 impl Default for EngineConfig {
     fn default() -> Self {
@@ -208,8 +228,27 @@ impl Engine {
         let num_blocks = if cfg.num_blocks > 0 {
             cfg.num_blocks
         } else {
-            (cfg.kv_memory_mib << 20) / per_block
+            let bytes = cfg.kv_memory_mib.checked_mul(1 << 20).ok_or_else(|| {
+                EngineError::Config(format!(
+                    "kv_memory_mib = {} is more bytes than this machine can address",
+                    cfg.kv_memory_mib
+                ))
+            })?;
+            bytes / per_block
         };
+        if !on_device {
+            // The host pool is one allocation per layer and K/V: one larger
+            // than the machine would abort the process, not fail cleanly.
+            let pool = num_blocks.saturating_mul(per_block);
+            if let Some(ram) = physical_memory().filter(|&r| pool > r) {
+                return Err(EngineError::Config(format!(
+                    "a KV pool of {num_blocks} blocks ({} MiB) exceeds this machine's \
+                     memory ({} MiB): lower kv_memory_mib or num_blocks",
+                    pool >> 20,
+                    ram >> 20
+                )));
+            }
+        }
         if num_blocks == 0 {
             return Err(EngineError::Config(format!(
                 "kv_memory_mib = {} holds no block of {} bytes",
@@ -635,8 +674,11 @@ impl Engine {
 
         // 1. Running sequences: reserve slots for their uncomputed tokens,
         //    preempting the most recently admitted ones when blocks run out.
+        //    At most `max_seqs` a step: a wide fan-out (`fork`, `n` samples)
+        //    can leave more running, and the rest wait, KV kept, for a later
+        //    step.
         let mut i = 0;
-        while i < self.running.len() {
+        while i < self.running.len() && scheduled.len() < self.cfg.max_seqs {
             let id = self.running[i];
             let need = self.seqs[&id].tokens.len() - self.seqs[&id].computed;
             let mut preempted_self = false;
@@ -665,7 +707,7 @@ impl Engine {
                     None,
                     Some(format!(
                         "KV pool too small: {len} tokens need {} blocks of {}, the pool has {}",
-                        len.div_ceil(self.cfg.block_size) + 1,
+                        len.div_ceil(self.cfg.block_size),
                         self.cfg.block_size,
                         self.kv.pool().num_blocks()
                     )),
@@ -857,13 +899,31 @@ impl Engine {
             .into_iter()
             .map(|(id, row)| (id, self.seqs.remove(&id).expect("seq exists"), row))
             .collect();
-        work.par_iter_mut().for_each(|(_, s, row)| {
-            let (tok, lp) = sample(row, &s.params, &mut s.rng);
-            s.tokens.push(tok);
-            s.logprobs.push(lp);
-        });
+        // `false`: the logits held no distribution (NaN or infinite values).
+        let sampled: Vec<bool> = work
+            .par_iter_mut()
+            .map(|(_, s, row)| match sample(row, &s.params, &mut s.rng) {
+                Some((tok, lp)) => {
+                    s.tokens.push(tok);
+                    s.logprobs.push(lp);
+                    true
+                }
+                None => false,
+            })
+            .collect();
         let mut done = Vec::new();
-        for (id, s, _) in work {
+        let mut failed = Vec::new();
+        for ((id, s, _), ok) in work.into_iter().zip(sampled) {
+            if !ok {
+                let msg = format!(
+                    "the model's logits at position {} are not finite (NaN or infinite): \
+                     no token can be sampled",
+                    s.tokens.len() - 1
+                );
+                self.seqs.insert(id, s);
+                failed.push((id, msg));
+                continue;
+            }
             self.stats.generated += 1;
             let last = *s.tokens.last().expect("just sampled");
             let reason = if s.params.stop_tokens.contains(&last) {
@@ -883,14 +943,18 @@ impl Engine {
         for (id, (reason, stop)) in done {
             self.finish(id, reason, stop, None);
         }
+        for (id, msg) in failed {
+            self.finish(id, FinishReason::Error, None, Some(msg));
+        }
     }
 
+    /// A stop string's first match, in the text of the last token plus the
+    /// longest stop string before it.
     fn stop_string_hit(&self, s: &Seq) -> Option<String> {
         if s.params.stop_strings.is_empty() {
             return None;
         }
         let tok = self.tokenizer.as_ref()?;
-        let text = tok.decode(&s.tokens[s.prompt_len..], false).ok()?;
         // Only the tail can contain a new match: look at the last token's
         // piece plus the longest stop string.
         let longest = s
@@ -900,11 +964,28 @@ impl Engine {
             .map(|x| x.len())
             .max()
             .unwrap_or(0);
+        let generated = &s.tokens[s.prompt_len..];
         let piece_len = tok
-            .decode(&s.tokens[s.tokens.len() - 1..], false)
+            .decode(&generated[generated.len() - 1..], false)
             .map(|p| p.len())
-            .unwrap_or(text.len());
-        let mut from = text.len().saturating_sub(longest + piece_len);
+            .unwrap_or(0);
+        let need = longest + piece_len;
+        // Decode only the last tokens, not the whole output (which made each
+        // token's check linear in the length, a generation quadratic): a
+        // window with [`STOP_WINDOW_MARGIN`] bytes before the tail, doubled
+        // until it has them (tokens outside the tokenizer's vocabulary
+        // decode to nothing). The window's first bytes may differ from the
+        // whole text's (a character cut in two, a leading space dropped);
+        // the margin keeps them out of the tail.
+        let mut w = (need + STOP_WINDOW_MARGIN).min(generated.len());
+        let text = loop {
+            let text = tok.decode(&generated[generated.len() - w..], false).ok()?;
+            if w == generated.len() || text.len() >= need + STOP_WINDOW_MARGIN {
+                break text;
+            }
+            w = (2 * w).min(generated.len());
+        };
+        let mut from = text.len().saturating_sub(need);
         while !text.is_char_boundary(from) {
             from -= 1;
         }

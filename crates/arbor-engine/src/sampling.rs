@@ -75,6 +75,16 @@ impl SamplingParams {
                 format!("{} (must be >= 0)", self.temperature),
             );
         }
+        if self.temperature > 0.0 && !(1.0 / self.temperature).is_finite() {
+            // Logits are divided by T: 1/T must be an f32 (T >= ~3e-39).
+            return bad(
+                "temperature",
+                format!(
+                    "{:e} (too small: 1/T overflows f32; 0 means greedy)",
+                    self.temperature
+                ),
+            );
+        }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad("top_p", format!("{} (must be in (0, 1])", self.top_p));
         }
@@ -91,20 +101,28 @@ impl SamplingParams {
     }
 }
 
-/// Sample one token from `logits` (length V). Returns `(token, logprob)`.
-pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> (u32, f32) {
+/// Sample one token from `logits` (length V). Returns `(token, logprob)`,
+/// or `None` when the logits hold no distribution: NaN or `+inf` values (a
+/// diverged model) or none above `-inf`.
+pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> Option<(u32, f32)> {
     let m = arbor_ops::rows::max(logits);
+    // The normaliser counts the max's own exp(0) = 1: below that (or NaN),
+    // some logit was NaN or infinite.
+    let valid = |z: f64| m.is_finite() && z >= 1.0 && z.is_finite();
     if p.temperature == 0.0 {
         // Argmax (lowest id on ties) and its untempered log-softmax, the
         // normaliser summed in f64.
-        let best = logits.iter().position(|&v| v == m).unwrap_or(0);
+        let best = logits.iter().position(|&v| v == m)?;
         let z = arbor_ops::rows::exp_shifted(logits, m, 1.0, None);
-        return (best as u32, (logits[best] - m) - z.ln() as f32);
+        return valid(z).then(|| (best as u32, (logits[best] - m) - z.ln() as f32));
     }
     let inv_t = 1.0 / p.temperature;
     // Unnormalised probabilities exp((l - max) / T), their sum in f64.
     let mut w = vec![0f32; logits.len()];
     let total = arbor_ops::rows::exp_shifted(logits, m, inv_t, Some(&mut w));
+    if !valid(total) {
+        return None;
+    }
     let u: f64 = rng.random::<f64>();
     let cut = p.top_k > 0 && p.top_k < logits.len() || p.top_p < 1.0 || p.min_p > 0.0;
     let token = if !cut {
@@ -151,7 +169,8 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> (u32, f32
         let kept: f64 = idx.iter().map(|&i| w[i] as f64).sum();
         let target = u * kept;
         let mut acc = 0.0;
-        let mut tok = *idx.last().expect("at least one candidate");
+        // The max logit's weight is exp(0) = 1, so it is always a candidate.
+        let mut tok = *idx.last()?;
         for &i in &idx {
             acc += w[i] as f64;
             if acc > target {
@@ -162,7 +181,7 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> (u32, f32
         tok
     };
     let lp = (w[token] as f64 / total).ln() as f32;
-    (token as u32, lp)
+    Some((token as u32, lp))
 }
 
 #[cfg(test)]
@@ -174,7 +193,7 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(1);
         let mut c = vec![0.0; logits.len()];
         for _ in 0..n {
-            c[sample(logits, p, &mut rng).0 as usize] += 1.0 / n as f64;
+            c[sample(logits, p, &mut rng).expect("finite logits").0 as usize] += 1.0 / n as f64;
         }
         c
     }
@@ -186,7 +205,8 @@ mod tests {
             &l,
             &SamplingParams::greedy(1),
             &mut StdRng::seed_from_u64(0),
-        );
+        )
+        .expect("finite logits");
         assert_eq!(t, 1);
         let z: f64 = l.iter().map(|&x| (x as f64).exp()).sum();
         assert!((lp as f64 - (2.0 - z.ln())).abs() < 1e-6);
@@ -211,7 +231,7 @@ mod tests {
             );
         }
         // The logprob is the tempered one.
-        let (t, lp) = sample(&l, &p, &mut StdRng::seed_from_u64(3));
+        let (t, lp) = sample(&l, &p, &mut StdRng::seed_from_u64(3)).expect("finite logits");
         assert!((lp as f64 - (w[t as usize] / z).ln()).abs() < 1e-5);
     }
 
@@ -276,5 +296,58 @@ mod tests {
         .validate()
         .unwrap_err();
         assert!(e.to_string().contains("temperature"));
+        // 1/T must be finite: the smallest normal f32 passes, a subnormal
+        // whose reciprocal overflows does not.
+        for (t, ok) in [(f32::MIN_POSITIVE, true), (1e-39, false), (1e-45, false)] {
+            let p = SamplingParams {
+                temperature: t,
+                ..Default::default()
+            };
+            assert_eq!(p.validate().is_ok(), ok, "temperature {t:e}");
+        }
+    }
+
+    /// NaN or `+inf` logits (a diverged model) and rows with nothing above
+    /// `-inf` give no token, whatever the settings; `-inf` entries next to
+    /// finite ones are masked tokens and never drawn.
+    #[test]
+    fn non_finite_logits_give_no_token() {
+        let settings = [
+            SamplingParams::greedy(1),
+            SamplingParams::default(),
+            SamplingParams {
+                top_k: 2,
+                top_p: 0.9,
+                min_p: 0.1,
+                ..Default::default()
+            },
+            SamplingParams {
+                temperature: f32::MIN_POSITIVE,
+                top_k: 3,
+                ..Default::default()
+            },
+        ];
+        let mut rng = StdRng::seed_from_u64(5);
+        for p in &settings {
+            p.validate().unwrap();
+            // 100 entries: the vector paths see a NaN in a full lane group.
+            for bad in [f32::NAN, f32::INFINITY] {
+                for at in [0, 37, 99] {
+                    let mut l: Vec<f32> = (0..100).map(|i| (i % 7) as f32 * 0.3).collect();
+                    l[at] = bad;
+                    assert!(sample(&l, p, &mut rng).is_none(), "{bad} at {at}, {p:?}");
+                }
+            }
+            assert!(sample(&[f32::NEG_INFINITY; 20], p, &mut rng).is_none());
+            assert!(sample(&[], p, &mut rng).is_none());
+            let mut l = vec![f32::NEG_INFINITY; 40];
+            l[17] = -3.0;
+            l[30] = -2.0;
+            for _ in 0..50 {
+                let (t, lp) = sample(&l, p, &mut rng).expect("two finite logits");
+                assert!(t == 17 || t == 30, "drew masked token {t}");
+                assert!(lp.is_finite() && lp <= 0.0);
+            }
+        }
     }
 }

@@ -250,15 +250,10 @@ fn assert_preemption_keeps_outputs_exact(m: &Transformer) {
 fn fan_out_computes_prefix_once_and_matches_unshared_runs() {
     let m = fixture("qwen3").model;
     let prompt: Vec<u32> = (3..40).collect();
-    let params = |seed| SamplingParams {
-        temperature: 1.0,
-        max_tokens: 10,
-        seed,
-        ..Default::default()
-    };
+    let params = sampled(10);
     let mut shared = engine(&m, 64, 4);
     shared
-        .submit(prompt.clone(), (0..4).map(params).collect())
+        .submit(prompt.clone(), (0..4).map(&params).collect())
         .unwrap();
     let fanned = shared.run(|_| {}).unwrap();
     assert_eq!(
@@ -267,10 +262,33 @@ fn fan_out_computes_prefix_once_and_matches_unshared_runs() {
         "prefix computed once"
     );
     assert_eq!(shared.stats().prefill_forked, 3 * prompt.len() as u64);
-    for (k, c) in fanned.iter().enumerate() {
-        let mut alone = engine(&m, 64, 4);
+    assert_samples_equal_unshared_runs(&m, &prompt, &fanned, &params);
+    // Different seeds give different samples.
+    assert!(fanned.iter().any(|c| c.tokens != fanned[0].tokens));
+}
+
+/// Sampling at temperature 1 with seed `k`, at most `max_tokens`.
+fn sampled(max_tokens: usize) -> impl Fn(u64) -> SamplingParams {
+    move |seed| SamplingParams {
+        temperature: 1.0,
+        max_tokens,
+        seed,
+        ..Default::default()
+    }
+}
+
+/// Sample `k` of `samples` (in id order) equals `prompt` run alone with
+/// `params(k)`: the same tokens, the same logprobs.
+fn assert_samples_equal_unshared_runs(
+    m: &Transformer,
+    prompt: &[u32],
+    samples: &[Completion],
+    params: &dyn Fn(u64) -> SamplingParams,
+) {
+    for (k, c) in samples.iter().enumerate() {
+        let mut alone = engine(m, 64, 4);
         alone
-            .submit(prompt.clone(), vec![params(k as u64)])
+            .submit(prompt.to_vec(), vec![params(k as u64)])
             .unwrap();
         let a = alone.run(|_| {}).unwrap().remove(0);
         assert_eq!(c.tokens, a.tokens, "sample {k}");
@@ -278,8 +296,46 @@ fn fan_out_computes_prefix_once_and_matches_unshared_runs() {
             assert!((x - y).abs() < 1e-5);
         }
     }
-    // Different seeds give different samples.
-    assert!(fanned.iter().any(|c| c.tokens != fanned[0].tokens));
+}
+
+/// A fan-out of 7 samples under `max_seqs = 3`: no step runs more than 3
+/// sequences (the other children wait with their KV), the prefix is still
+/// computed once, and every sample equals an unshared run.
+#[test]
+fn fan_out_wider_than_max_seqs_runs_a_few_at_a_time() {
+    let m = fixture("qwen2").model;
+    let prompt: Vec<u32> = (5..30).collect();
+    let params = sampled(6);
+    let mut narrow = Engine::new(
+        &m,
+        None,
+        EngineConfig {
+            block_size: 4,
+            num_blocks: 64,
+            max_seqs: 3,
+            max_batch_tokens: 64,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    narrow
+        .submit(prompt.clone(), (0..7).map(&params).collect())
+        .unwrap();
+    let mut steps = 0;
+    while narrow.has_pending() {
+        let tokens = narrow.step().unwrap();
+        if steps > 0 {
+            assert!(tokens <= 3, "step {steps} ran {tokens} sequences");
+        }
+        steps += 1;
+    }
+    // 7 x 5 decode tokens, 3 at a time: at least 12 decode steps.
+    assert!(steps > 12, "{steps} steps");
+    assert_eq!(narrow.stats().prefill_computed, prompt.len() as u64);
+    let done = by_id(narrow.take_finished());
+    assert_eq!(done.len(), 7);
+    assert!(done.iter().all(|c| c.tokens.len() == 6));
+    assert_samples_equal_unshared_runs(&m, &prompt, &done, &params);
 }
 
 #[test]
@@ -586,4 +642,119 @@ fn device_kv_cache_engine_matches_host_cache_engine() {
         assert_eq!(a.tokens, b.tokens, "sequence {}", a.id);
         assert_eq!(a.logprobs, b.logprobs, "sequence {}", a.id);
     }
+}
+
+/// A GPT-2-style byte-level tokenizer for the 320-token fixtures, written to
+/// a temporary file: ids 0-255 are the bytes, 256-287 two-byte tokens
+/// (`"a "`, `"b "`, ...), and 288-319 are outside its vocabulary (they
+/// decode to nothing, as a checkpoint's padded vocabulary does).
+fn byte_tokenizer() -> arbor_model::Tokenizer {
+    // GPT-2's byte -> char map: printable bytes stand for themselves, the
+    // others for the chars from U+0100 on, in byte order.
+    let printable = |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xff).contains(&b) && b != 0xad;
+    let mut next = 0x100;
+    let ch: Vec<char> = (0..256u32)
+        .map(|b| {
+            let c = if printable(b) {
+                b
+            } else {
+                next += 1;
+                next - 1
+            };
+            char::from_u32(c).unwrap()
+        })
+        .collect();
+    let mut vocab = serde_json::Map::new();
+    for (b, c) in ch.iter().enumerate() {
+        vocab.insert(c.to_string(), b.into());
+    }
+    for i in 0..32u8 {
+        vocab.insert(
+            format!("{}{}", ch[(b'a' + i % 26) as usize], ch[b' ' as usize]),
+            (256 + i as u32).into(),
+        );
+    }
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                  "vocab": vocab, "merges": []}
+    });
+    let path =
+        std::env::temp_dir().join(format!("arbor-byte-tokenizer-{}.json", std::process::id()));
+    std::fs::write(&path, json.to_string()).unwrap();
+    let tok = arbor_model::Tokenizer::from_file(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    tok
+}
+
+/// Stop strings against a brute-force reference: a sampled run of 150
+/// tokens without them, then the same seed with a stop string taken from
+/// late in its text must stop at the first token whose whole decoded output
+/// (from the first generated token) contains it, with the tokens up to
+/// there unchanged. The engine decodes only a window of the last tokens,
+/// so matches deep in long outputs, across several tokens and past tokens
+/// that decode to nothing are what this checks.
+#[test]
+fn stop_strings_stop_where_the_decoded_text_first_contains_them() {
+    let m = fixture("qwen2").model;
+    let tok = byte_tokenizer();
+    let prompt: Vec<u32> = vec![72, 105, 33, 32];
+    let run = |stops: Vec<String>, seed: u64| {
+        let mut e = Engine::new(
+            &m,
+            Some(tok.clone()),
+            EngineConfig {
+                block_size: 4,
+                num_blocks: 128,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let p = SamplingParams {
+            temperature: 1.0,
+            max_tokens: 150,
+            stop_strings: stops,
+            seed,
+            ..Default::default()
+        };
+        e.submit(prompt.clone(), vec![p]).unwrap();
+        e.run(|_| {}).unwrap().remove(0)
+    };
+    let mut checked = 0;
+    for seed in 0..6 {
+        let full = run(vec![], seed);
+        assert_eq!(full.tokens.len(), 150);
+        let text_to = |j: usize| tok.decode(&full.tokens[..=j], false).unwrap();
+        assert!(
+            full.tokens.iter().any(|&t| t >= 288),
+            "no out-of-vocabulary token"
+        );
+        // A stop string of 5-8 bytes ending at token 140's text, whose first
+        // occurrence lies at token 40 or later.
+        let text = text_to(140);
+        let mut from = text.len() - 5 - (seed as usize % 4);
+        while !text.is_char_boundary(from) {
+            from -= 1;
+        }
+        let stop = text[from..].to_string();
+        let first = (0..150).find(|&j| text_to(j).contains(&stop)).unwrap();
+        if first < 40 {
+            continue;
+        }
+        let got = run(vec![stop.clone()], seed);
+        assert_eq!(got.finish_reason, FinishReason::Stop, "seed {seed}");
+        assert_eq!(got.stop_string.as_deref(), Some(stop.as_str()));
+        assert_eq!(
+            got.tokens,
+            full.tokens[..=first],
+            "seed {seed}: stop {stop:?}"
+        );
+        checked += 1;
+    }
+    assert!(checked >= 3, "only {checked} seeds gave a late stop string");
 }
