@@ -84,7 +84,8 @@ enum PromptIn {
     Tokens(Vec<u32>),
 }
 
-fn read_prompts(path: &Path) -> Result<Vec<PromptIn>> {
+/// Every prompt of a JSONL file, with where it is (`FILE:LINE`) for errors.
+fn read_prompts(path: &Path) -> Result<Vec<(String, PromptIn)>> {
     let f =
         std::fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
     let mut out = Vec::new();
@@ -103,9 +104,15 @@ fn read_prompts(path: &Path) -> Result<Vec<PromptIn>> {
         } else if let Some(t) = v.get("tokens").and_then(|t| t.as_array()) {
             let ids = t
                 .iter()
-                .map(|x| x.as_u64().map(|n| n as u32))
+                .map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()))
                 .collect::<Option<Vec<_>>>()
-                .with_context(|| format!("{}: `tokens` must be a list of token ids", at()))?;
+                .with_context(|| {
+                    format!(
+                        "{}: `tokens` must be a list of token ids (integers from 0 to {})",
+                        at(),
+                        u32::MAX
+                    )
+                })?;
             PromptIn::Tokens(ids)
         } else {
             bail!(
@@ -113,7 +120,7 @@ fn read_prompts(path: &Path) -> Result<Vec<PromptIn>> {
                 at()
             );
         };
-        out.push(p);
+        out.push((at(), p));
     }
     if out.is_empty() {
         bail!("{}: no prompts", path.display());
@@ -121,9 +128,19 @@ fn read_prompts(path: &Path) -> Result<Vec<PromptIn>> {
     Ok(out)
 }
 
+/// Most samples of one prompt (`--n`): each is a sequence the engine
+/// keeps, with its own copy of the prompt's tokens.
+const MAX_SAMPLES: usize = 1 << 20;
+
 pub fn run(a: GenerateArgs) -> Result<()> {
     if a.n == 0 {
         bail!("--n must be at least 1");
+    }
+    if a.n > MAX_SAMPLES {
+        bail!(
+            "--n {} is more than {MAX_SAMPLES} samples of one prompt",
+            a.n
+        );
     }
     let opts = LoadOptions {
         dtype: parse_dtype(&a.dtype)?,
@@ -132,7 +149,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let m = LoadedModel::load(&a.model, &opts)
         .with_context(|| format!("loading model `{}`", a.model))?;
     let inputs = match (&a.prompt, &a.prompts) {
-        (Some(p), _) => vec![PromptIn::Text(p.clone())],
+        (Some(p), _) => vec![("--prompt".to_string(), PromptIn::Text(p.clone()))],
         (None, Some(f)) => read_prompts(f)?,
         (None, None) => bail!("give --prompt or --prompts"),
     };
@@ -183,8 +200,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         },
     )?;
     let mut groups = Vec::with_capacity(inputs.len());
-    for (i, p) in inputs.iter().enumerate() {
-        let ids = encode(p).with_context(|| format!("prompt {i}"))?;
+    for (i, (at, p)) in inputs.iter().enumerate() {
+        let ids = encode(p).with_context(|| at.clone())?;
         let samples = (0..a.n)
             .map(|j| SamplingParams {
                 temperature: a.temperature,
@@ -197,11 +214,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
                 seed: a.seed.wrapping_add((i * a.n + j) as u64),
             })
             .collect();
-        groups.push(
-            engine
-                .submit(ids, samples)
-                .with_context(|| format!("prompt {i}"))?,
-        );
+        groups.push(engine.submit(ids, samples).with_context(|| at.clone())?);
     }
     let total = (inputs.len() * a.n) as u64;
     let bar = if a.prompts.is_some() {

@@ -1,0 +1,159 @@
+//! `arbor generate` end to end: the `--json` contract against HF
+//! transformers' greedy generations on the committed fixtures, and one
+//! clear error (exit 1, no panic) naming the file and line, flag or setting
+//! for each bad input.
+
+mod common;
+
+use common::{arbor, fixtures};
+
+fn reference(name: &str) -> serde_json::Value {
+    serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join(name).join("reference.json")).unwrap(),
+    )
+    .unwrap()
+}
+
+/// A JSONL prompt file in a temp dir (kept alive by the returned guard).
+fn prompts_file(lines: &[String]) -> (tempfile::TempDir, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("prompts.jsonl");
+    std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+    let p = path.to_str().unwrap().to_string();
+    (dir, p)
+}
+
+#[test]
+fn json_rows_match_hf_greedy_generations() {
+    for name in ["qwen2", "qwen3", "llama"] {
+        let r = reference(name);
+        let gens = r["generate"].as_array().unwrap();
+        let lines: Vec<String> = gens
+            .iter()
+            .map(|g| serde_json::json!({ "tokens": g["prompt"] }).to_string())
+            .collect();
+        let (_dir, file) = prompts_file(&lines);
+        let model = fixtures().join(name);
+        let out = arbor(&[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompts",
+            &file,
+            "--n",
+            "2",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "8",
+            "--ignore-eos",
+            "--json",
+        ]);
+        assert!(
+            out.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let rows: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(
+            rows.len(),
+            2 * gens.len(),
+            "{name}: one row per prompt and sample"
+        );
+        for (k, row) in rows.iter().enumerate() {
+            let keys: Vec<&String> = row.as_object().unwrap().keys().collect();
+            assert_eq!(
+                keys,
+                [
+                    "prompt_index",
+                    "sample",
+                    "tokens",
+                    "text",
+                    "logprobs",
+                    "finish_reason"
+                ]
+            );
+            let (i, j) = (k / 2, k % 2);
+            assert_eq!(row["prompt_index"], i);
+            assert_eq!(row["sample"], j);
+            // Greedy: both samples are HF's greedy continuation.
+            assert_eq!(row["tokens"], gens[i]["greedy_tokens"], "{name} prompt {i}");
+            let lps = row["logprobs"].as_array().unwrap();
+            assert_eq!(lps.len(), 8);
+            assert!(lps.iter().all(|x| x.as_f64().unwrap() <= 0.0));
+            assert_eq!(row["finish_reason"], "length");
+            // No tokenizer.json in the fixtures: no text.
+            assert!(row["text"].is_null());
+        }
+    }
+}
+
+/// Runs `arbor generate` on the qwen2 fixture (context 256) with `args`
+/// and returns stderr, asserting a clean failure.
+fn fails(args: &[&str]) -> String {
+    let model = fixtures().join("qwen2");
+    let mut all = vec!["generate", "--model", model.to_str().unwrap()];
+    all.extend_from_slice(args);
+    let out = arbor(&all);
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "{args:?} succeeded");
+    assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+    assert!(!err.contains("panicked"), "{args:?}: {err}");
+    err
+}
+
+#[test]
+fn bad_prompt_files_name_the_file_and_line() {
+    let ok = r#"{"tokens": [1, 2, 3]}"#.to_string();
+    let cases = [
+        // A token id past u32 is refused, not wrapped to a small id.
+        (r#"{"tokens": [4294967296]}"#.to_string(), "token ids"),
+        (r#"{"tokens": [1, -2]}"#.to_string(), "token ids"),
+        (r#"{"tokens": [1, 999]}"#.to_string(), "999"),
+        (r#"{"tokens": []}"#.to_string(), "empty prompt"),
+        (
+            serde_json::json!({ "tokens": vec![7; 300] }).to_string(),
+            "300 tokens",
+        ),
+        (r#"{"tokens": [1, 2"#.to_string(), "malformed JSON"),
+        (r#"{"text": "hi"}"#.to_string(), "expected a `prompt`"),
+        // Text needs a tokenizer, which the fixtures lack.
+        (r#"{"prompt": "hi"}"#.to_string(), "tokenizer.json"),
+    ];
+    for (bad, want) in cases {
+        let (_dir, file) = prompts_file(&[ok.clone(), String::new(), bad.clone()]);
+        let err = fails(&["--prompts", &file, "--max-tokens", "2"]);
+        assert!(err.contains(&format!("{file}:3")), "{bad}: {err}");
+        assert!(err.contains(want), "{bad}: {err}");
+    }
+}
+
+#[test]
+fn bad_settings_are_named() {
+    let (_dir, file) = prompts_file(&[r#"{"tokens": [1, 2, 3]}"#.to_string()]);
+    let f = file.as_str();
+    let cases: [(&[&str], &str); 7] = [
+        (&["--prompts", f, "--n", "0"], "--n"),
+        (&["--prompts", f, "--n", "100000000000"], "--n"),
+        // 1/T overflows f32: refused rather than sampling NaN.
+        (&["--prompts", f, "--temperature", "1e-40"], "temperature"),
+        (&["--prompts", f, "--top-p", "0"], "top_p"),
+        (&["--prompts", f, "--min-p", "1.5"], "min_p"),
+        (
+            &["--prompts", f, "--kv-memory-mib", "17592186044417"],
+            "kv_memory_mib",
+        ),
+        (
+            &["--prompts", f, "--kv-memory-mib", "1000000000000"],
+            "exceeds this machine's memory",
+        ),
+    ];
+    for (args, want) in cases {
+        let err = fails(args);
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
