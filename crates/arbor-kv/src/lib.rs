@@ -10,8 +10,13 @@
 //! A *full* block is identified by a hash chain, as in vLLM:
 //! `key_i = H(key_{i-1}, tokens of block i, policy version)`, so a block is
 //! only ever reused after exactly the same token prefix computed by the same
-//! weights. Keys are verified on every hit (parent key, tokens and version
-//! are stored), so a hash collision can never serve wrong KV. Blocks whose
+//! weights. Keys are verified on every hit: the tokens and version are
+//! stored, and the parent is checked by identity (the block that matched
+//! before it and that block's key generation, bumped whenever a key is
+//! dropped), not by hash. So a hash collision can never serve wrong KV:
+//! a block whose hash is taken by another prefix is not cached, nor is
+//! the rest of its sequence, and a block keyed after an evicted parent
+//! never matches again. Blocks whose
 //! reference count drops to zero keep their content and stay findable until
 //! the pool needs them; they are then evicted least-recently-used first.
 //! Referenced blocks are never evicted. We chose the hash chain over SGLang's
@@ -29,13 +34,16 @@
 //!
 //! Every cached key includes the policy version. After a weight update the
 //! caller bumps the version ([`KvManager::invalidate`]): stale blocks are
-//! dropped from the cache and can never match a new lookup.
+//! dropped from the cache and can never match a new lookup. Sequences alive
+//! at the bump keep the KV they hold (and forks of them share it) and never
+//! commit it under the new version; a caller that wants none of it finishes
+//! or frees them first, as the trainer does between rollouts.
 
 mod manager;
 mod pool;
 
 pub use manager::{Allocation, CopyOp, KvManager, SeqId, Slot};
-pub use pool::{BlockId, BlockPool, PoolStats};
+pub use pool::{BlockId, BlockPool, Link, PoolStats};
 
 /// Errors of the KV bookkeeping.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

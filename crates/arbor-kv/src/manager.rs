@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use crate::pool::{BlockId, BlockPool, PoolStats};
+use crate::pool::{BlockId, BlockPool, Link, PoolStats};
 use crate::KvError;
 
 /// Caller-chosen sequence id.
@@ -37,8 +37,10 @@ struct SeqState {
     len: usize,
     /// Full blocks whose key is known (committed or found in the cache).
     keyed: usize,
-    /// Key hash of block `keyed - 1` (0 for none).
-    last_hash: u64,
+    /// What block `keyed` chains to in the prefix cache ([`Link::ROOT`]
+    /// for the first); `None` once a hash collision took this prefix's key
+    /// (the rest of the sequence stays out of the cache).
+    last: Option<Link>,
     /// Policy version the KV was computed with.
     version: u64,
 }
@@ -53,8 +55,12 @@ pub struct KvManager {
 
 impl KvManager {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        Self::with_pool(BlockPool::new(num_blocks, block_size))
+    }
+
+    fn with_pool(pool: BlockPool) -> Self {
         KvManager {
-            pool: BlockPool::new(num_blocks, block_size),
+            pool,
             seqs: HashMap::new(),
             version: 0,
         }
@@ -125,18 +131,18 @@ impl KvManager {
     /// pool can supply them now (cache hits counted, nothing changed).
     pub fn blocks_needed(&self, tokens: &[u32]) -> (usize, bool) {
         let bs = self.block_size();
-        let mut parent = 0;
+        let mut parent = Link::ROOT;
         let mut hits = 0;
         let mut idle_hits = 0;
         for i in 0..self.cacheable_blocks(tokens.len()) {
             let chunk = &tokens[i * bs..(i + 1) * bs];
             match self.pool.peek_cached(parent, chunk, self.version) {
-                Some((b, h)) => {
+                Some((b, link)) => {
                     hits += 1;
                     if self.pool.ref_count(b) == 0 {
                         idle_hits += 1;
                     }
-                    parent = h;
+                    parent = link;
                 }
                 None => break,
             }
@@ -165,15 +171,15 @@ impl KvManager {
         }
         let bs = self.block_size();
         let mut blocks = Vec::with_capacity(self.blocks_for(tokens.len()));
-        let mut parent = 0;
+        let mut parent = Link::ROOT;
         for i in 0..self.cacheable_blocks(tokens.len()) {
             match self
                 .pool
                 .acquire_cached(parent, &tokens[i * bs..(i + 1) * bs], self.version)
             {
-                Some((b, h)) => {
+                Some((b, link)) => {
                     blocks.push(b);
-                    parent = h;
+                    parent = link;
                 }
                 None => break,
             }
@@ -193,7 +199,7 @@ impl KvManager {
                 blocks,
                 len: tokens.len(),
                 keyed,
-                last_hash: parent,
+                last: Some(parent),
                 version: self.version,
             },
         );
@@ -285,10 +291,10 @@ impl KvManager {
         let full = s.len / bs;
         while s.keyed < full {
             let i = s.keyed;
-            let b = s.blocks[i];
-            s.last_hash =
-                self.pool
-                    .commit(b, s.last_hash, &tokens[i * bs..(i + 1) * bs], s.version);
+            if let Some(parent) = s.last {
+                let chunk = &tokens[i * bs..(i + 1) * bs];
+                s.last = self.pool.commit(s.blocks[i], parent, chunk, s.version);
+            }
             s.keyed += 1;
         }
         Ok(())
@@ -351,5 +357,76 @@ impl KvManager {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A key hash that ignores the parent and collides on the first token,
+    /// so different prefixes share hashes all the time.
+    fn weak(_parent: u64, tokens: &[u32], _version: u64) -> u64 {
+        tokens[0] as u64
+    }
+
+    fn manager(blocks: usize) -> KvManager {
+        KvManager::with_pool(BlockPool::with_hash(blocks, 2, weak))
+    }
+
+    /// Allocate, "compute" and commit `tokens` as sequence `id`; returns the
+    /// tokens served from the cache.
+    fn admit(m: &mut KvManager, id: SeqId, tokens: &[u32]) -> usize {
+        let a = m.allocate(id, tokens).unwrap();
+        m.commit(id, tokens).unwrap();
+        m.pool().check_invariants().unwrap();
+        a.cached_tokens
+    }
+
+    /// [1,3] collides with the cached [1,2]: the sequence after it must not
+    /// chain its next block to [1,2]'s hash, or [1,2] + [7,7] would be
+    /// served [7,7]'s KV computed after [1,3].
+    #[test]
+    fn a_colliding_block_leaves_the_rest_of_its_sequence_uncached() {
+        let mut m = manager(16);
+        assert_eq!(admit(&mut m, 1, &[1, 2, 0]), 0);
+        assert_eq!(admit(&mut m, 2, &[1, 3, 7, 7, 0]), 0);
+        // [1,2] is served; [7,7] after it was never computed.
+        assert_eq!(admit(&mut m, 3, &[1, 2, 7, 7, 0]), 2);
+        // The same prefix as sequence 2 is not served either: its first
+        // block's key belongs to [1,2].
+        assert_eq!(admit(&mut m, 4, &[1, 3, 7, 7, 0]), 0);
+    }
+
+    /// [1,2] + [5,6] cached, then [1,2]'s block evicted and its hash taken by
+    /// [1,3]: the idle [5,6] block, keyed after the old [1,2], must not
+    /// match after [1,3].
+    #[test]
+    fn a_block_keyed_after_an_evicted_parent_never_matches_again() {
+        let mut m = manager(3);
+        assert_eq!(admit(&mut m, 1, &[1, 2, 5, 6, 0]), 0);
+        m.free(1).unwrap();
+        // Two blocks: the free one and the least recently used idle one.
+        assert_eq!(admit(&mut m, 2, &[1, 3, 0]), 0);
+        assert!(m.pool().stats().evictions >= 1);
+        m.free(2).unwrap();
+        let served = admit(&mut m, 3, &[1, 3, 5, 6, 0]);
+        assert!(served <= 2, "served {served} tokens: [5,6] after [1,3]");
+    }
+
+    /// Identical content in two blocks (two sequences computed the same
+    /// prefix side by side): the second chains through the first's block,
+    /// so its later blocks are found after that prefix.
+    #[test]
+    fn identical_blocks_chain_through_the_canonical_one() {
+        let mut m = KvManager::new(16, 2);
+        let a = [4, 4, 8, 8, 0];
+        // Both allocated before either commits: no hits, separate blocks.
+        m.allocate(1, &[4, 4, 0]).unwrap();
+        m.allocate(2, &a).unwrap();
+        m.commit(1, &[4, 4, 0]).unwrap();
+        m.commit(2, &a).unwrap();
+        m.pool().check_invariants().unwrap();
+        assert_eq!(admit(&mut m, 3, &a), 4);
     }
 }

@@ -6,11 +6,28 @@ use std::hash::{Hash, Hasher};
 /// Index of a block in the pool.
 pub type BlockId = u32;
 
+/// What a full block's key chains to: the previous full block of its
+/// prefix, by hash (for the index) and by identity (for the check): the
+/// block that holds it and the generation of that block's key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Link {
+    hash: u64,
+    block: Option<(BlockId, u64)>,
+}
+
+impl Link {
+    /// The start of every sequence: no previous block.
+    pub const ROOT: Link = Link {
+        hash: 0,
+        block: None,
+    };
+}
+
 /// Content key of a full, committed block.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct BlockKey {
     hash: u64,
-    parent: u64,
+    parent: Link,
     version: u64,
     tokens: Vec<u32>,
 }
@@ -45,23 +62,39 @@ pub struct BlockPool {
     ref_count: Vec<u32>,
     free: Vec<BlockId>,
     key: Vec<Option<BlockKey>>,
+    /// Per block: bumped whenever its key is dropped, so a key chained to
+    /// the old one (`Link`) never matches again.
+    generation: Vec<u64>,
     by_hash: HashMap<u64, BlockId>,
     /// Idle cached blocks by last use (tick -> block).
     lru: BTreeMap<u64, BlockId>,
     last_use: Vec<u64>,
     tick: u64,
     evictions: u64,
+    /// The key hash ([`chain_hash`]; tests put in one that collides).
+    hash: fn(u64, &[u32], u64) -> u64,
 }
 
 impl BlockPool {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        Self::with_hash(num_blocks, block_size, chain_hash)
+    }
+
+    /// A pool whose keys hash with `hash(parent hash, tokens, version)`.
+    pub(crate) fn with_hash(
+        num_blocks: usize,
+        block_size: usize,
+        hash: fn(u64, &[u32], u64) -> u64,
+    ) -> Self {
         assert!(block_size > 0, "block_size must be positive");
         BlockPool {
+            hash,
             block_size,
             ref_count: vec![0; num_blocks],
             // Pop from the end: hand out low ids first.
             free: (0..num_blocks as BlockId).rev().collect(),
             key: vec![None; num_blocks],
+            generation: vec![0; num_blocks],
             by_hash: HashMap::new(),
             lru: BTreeMap::new(),
             last_use: vec![0; num_blocks],
@@ -141,51 +174,84 @@ impl BlockPool {
         }
     }
 
-    /// Look up a cached full block with exactly this content; on a hit its
-    /// reference count goes up by one (leaving the idle list if it was idle).
+    /// Look up a cached full block with exactly this content after the
+    /// block `parent` links to; on a hit its reference count goes up by one
+    /// (leaving the idle list if it was idle). Returns the block and the
+    /// link to it, for the next block's lookup.
     pub fn acquire_cached(
         &mut self,
-        parent: u64,
+        parent: Link,
         tokens: &[u32],
         version: u64,
-    ) -> Option<(BlockId, u64)> {
-        // Keys are compared in full: a hash collision never serves wrong content.
-        let (b, hash) = self.peek_cached(parent, tokens, version)?;
+    ) -> Option<(BlockId, Link)> {
+        let (b, link) = self.peek_cached(parent, tokens, version)?;
         if self.ref_count[b as usize] == 0 {
             self.lru.remove(&self.last_use[b as usize]);
         }
         self.ref_count[b as usize] += 1;
-        Some((b, hash))
+        Some((b, link))
     }
 
     /// Like [`acquire_cached`](Self::acquire_cached) without taking a reference.
-    pub fn peek_cached(&self, parent: u64, tokens: &[u32], version: u64) -> Option<(BlockId, u64)> {
-        let hash = chain_hash(parent, tokens, version);
+    ///
+    /// Keys are compared in full, the parent by identity (block and key
+    /// generation), so a hit holds exactly this prefix's KV even if two
+    /// prefixes' hashes collide: by induction from the first block, every
+    /// block matched before it was.
+    pub fn peek_cached(
+        &self,
+        parent: Link,
+        tokens: &[u32],
+        version: u64,
+    ) -> Option<(BlockId, Link)> {
+        let hash = (self.hash)(parent.hash, tokens, version);
         let &b = self.by_hash.get(&hash)?;
         let k = self.key[b as usize].as_ref()?;
-        (k.parent == parent && k.version == version && k.tokens == tokens).then_some((b, hash))
+        (k.parent == parent && k.version == version && k.tokens == tokens)
+            .then(|| (b, self.link(b, hash)))
     }
 
-    /// Register a full block's content in the prefix cache; returns its key
-    /// hash. If identical content is already cached in another block, that
-    /// block stays the canonical one and `b` is left uncached.
-    pub fn commit(&mut self, b: BlockId, parent: u64, tokens: &[u32], version: u64) -> u64 {
-        debug_assert_eq!(tokens.len(), self.block_size);
-        let hash = chain_hash(parent, tokens, version);
-        if self.key[b as usize].is_none() && !self.by_hash.contains_key(&hash) {
-            self.key[b as usize] = Some(BlockKey {
-                hash,
-                parent,
-                version,
-                tokens: tokens.to_vec(),
-            });
-            self.by_hash.insert(hash, b);
+    fn link(&self, b: BlockId, hash: u64) -> Link {
+        Link {
+            hash,
+            block: Some((b, self.generation[b as usize])),
         }
-        hash
+    }
+
+    /// Register full block `b`'s content (after the block `parent` links
+    /// to) in the prefix cache. Returns the link the sequence's next block
+    /// chains to: to `b`, or to the block already caching identical
+    /// content (which stays the canonical one, `b` uncached). `None` when
+    /// a different prefix holds this key's hash (a collision): the rest of
+    /// the sequence is then left out of the cache.
+    pub fn commit(
+        &mut self,
+        b: BlockId,
+        parent: Link,
+        tokens: &[u32],
+        version: u64,
+    ) -> Option<Link> {
+        debug_assert_eq!(tokens.len(), self.block_size);
+        if let Some((_, link)) = self.peek_cached(parent, tokens, version) {
+            return Some(link);
+        }
+        let hash = (self.hash)(parent.hash, tokens, version);
+        if self.key[b as usize].is_some() || self.by_hash.contains_key(&hash) {
+            return None;
+        }
+        self.key[b as usize] = Some(BlockKey {
+            hash,
+            parent,
+            version,
+            tokens: tokens.to_vec(),
+        });
+        self.by_hash.insert(hash, b);
+        Some(self.link(b, hash))
     }
 
     fn forget_key(&mut self, b: BlockId) {
         if let Some(k) = self.key[b as usize].take() {
+            self.generation[b as usize] += 1;
             if self.by_hash.get(&k.hash) == Some(&b) {
                 self.by_hash.remove(&k.hash);
             }
@@ -236,7 +302,8 @@ impl BlockPool {
         }
         for (&h, &b) in &self.by_hash {
             match &self.key[b as usize] {
-                Some(k) if k.hash == h && chain_hash(k.parent, &k.tokens, k.version) == h => {}
+                Some(k) if k.hash == h && (self.hash)(k.parent.hash, &k.tokens, k.version) == h => {
+                }
                 _ => {
                     return Err(format!(
                         "hash index entry {h:x} -> block {b} does not match its key"
