@@ -203,6 +203,9 @@ pub struct Engine {
     finished: Vec<Completion>,
     next_id: SeqId,
     stats: EngineStats,
+    /// Tests: make the next step's forward fail.
+    #[cfg(test)]
+    fail_next_forward: bool,
 }
 
 impl Engine {
@@ -305,6 +308,8 @@ impl Engine {
             finished: Vec::new(),
             next_id: 0,
             stats: EngineStats::default(),
+            #[cfg(test)]
+            fail_next_forward: false,
         })
     }
 
@@ -640,6 +645,12 @@ impl Engine {
 
     /// Free a running sequence's KV and queue it for recomputation.
     fn preempt(&mut self, id: SeqId) {
+        self.requeue(id);
+        self.stats.preemptions += 1;
+    }
+
+    /// [`Engine::preempt`] without counting a preemption.
+    fn requeue(&mut self, id: SeqId) {
         if let Some(s) = self.seqs.get_mut(&id) {
             if s.has_kv {
                 let _ = self.kv.free(id);
@@ -649,7 +660,6 @@ impl Engine {
         }
         self.running.retain(|&r| r != id);
         self.waiting.push_front(id);
-        self.stats.preemptions += 1;
     }
 
     /// Run one forward step over every running sequence plus newly
@@ -665,8 +675,31 @@ impl Engine {
         arbor_ops::in_pool_polling(&dev, || self.step_here())
     }
 
-    /// [`Engine::step`] on the calling thread.
+    /// [`Engine::step`] on the calling thread. A step that fails (a device
+    /// error in the forward, say) leaves no slot reserved and uncomputed:
+    /// the sequences it was computing give their KV back and wait to be
+    /// recomputed, so the engine can step again.
     fn step_here(&mut self) -> Result<usize, EngineError> {
+        let r = self.try_step();
+        if r.is_err() {
+            let stale: Vec<SeqId> = self
+                .running
+                .iter()
+                .copied()
+                .filter(|id| {
+                    let computed = self.seqs.get(id).map_or(0, |s| s.computed);
+                    self.kv.seq_len(*id).is_ok_and(|len| len > computed)
+                })
+                .collect();
+            // In reverse, so they wait in their running order.
+            for &id in stale.iter().rev() {
+                self.requeue(id);
+            }
+        }
+        r
+    }
+
+    fn try_step(&mut self) -> Result<usize, EngineError> {
         let mut batch = PagedBatch::default();
         let mut ids: Vec<u32> = Vec::new();
         let mut scheduled: Vec<SeqId> = Vec::new();
@@ -770,6 +803,12 @@ impl Engine {
         self.stats.peak_blocks_in_use = self.stats.peak_blocks_in_use.max(in_use);
 
         // 3. One packed forward over every new token.
+        #[cfg(test)]
+        if std::mem::take(&mut self.fail_next_forward) {
+            return Err(EngineError::InvalidRequest(
+                "injected forward failure".into(),
+            ));
+        }
         let dev = self.model.device().clone();
         let input = Tensor::from_vec(ids, (1, n_tokens), &dev)?;
         let positions = batch.positions.clone();
@@ -965,8 +1004,9 @@ impl Engine {
             .max()
             .unwrap_or(0);
         let generated = &s.tokens[s.prompt_len..];
+        // Special tokens are skipped, as in the text a caller prints.
         let piece_len = tok
-            .decode(&generated[generated.len() - 1..], false)
+            .decode(&generated[generated.len() - 1..], true)
             .map(|p| p.len())
             .unwrap_or(0);
         let need = longest + piece_len;
@@ -979,7 +1019,7 @@ impl Engine {
         // the margin keeps them out of the tail.
         let mut w = (need + STOP_WINDOW_MARGIN).min(generated.len());
         let text = loop {
-            let text = tok.decode(&generated[generated.len() - w..], false).ok()?;
+            let text = tok.decode(&generated[generated.len() - w..], true).ok()?;
             if w == generated.len() || text.len() >= need + STOP_WINDOW_MARGIN {
                 break text;
             }
@@ -1008,5 +1048,76 @@ impl Engine {
         }
         out.sort_by_key(|c| c.id);
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture() -> Transformer {
+        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../arbor-model/tests/fixtures/qwen2");
+        arbor_model::LoadedModel::load(p.to_str().unwrap(), &Default::default())
+            .unwrap()
+            .model
+    }
+
+    /// A step whose forward fails (as a device error would) after its
+    /// slots were reserved: the engine's invariants still hold (no slot
+    /// reserved and uncomputed), and stepping on gives exactly the
+    /// completions of a run that never failed.
+    #[test]
+    fn a_failed_step_reserves_nothing_and_the_engine_goes_on() {
+        let m = fixture();
+        let run = |fail_before: &[usize]| {
+            let mut e = Engine::new(
+                &m,
+                None,
+                EngineConfig {
+                    block_size: 4,
+                    num_blocks: 64,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            for (i, p) in [(1..10).collect::<Vec<u32>>(), (20..27).collect()]
+                .into_iter()
+                .enumerate()
+            {
+                let samples = (0..2)
+                    .map(|j| SamplingParams {
+                        temperature: 1.0,
+                        max_tokens: 8,
+                        seed: (2 * i + j) as u64,
+                        ..Default::default()
+                    })
+                    .collect();
+                e.submit(p, samples).unwrap();
+            }
+            let mut steps = 0;
+            while e.has_pending() {
+                if fail_before.contains(&steps) {
+                    e.fail_next_forward = true;
+                    assert!(e.step().is_err());
+                    e.check_invariants().unwrap();
+                }
+                e.step().unwrap();
+                e.check_invariants().unwrap();
+                steps += 1;
+            }
+            let mut out = e.take_finished();
+            out.sort_by_key(|c| c.id);
+            out
+        };
+        let clean = run(&[]);
+        assert_eq!(clean.len(), 4);
+        for fail in [&[0][..], &[1], &[3, 4]] {
+            let got = run(fail);
+            for (a, b) in clean.iter().zip(&got) {
+                assert_eq!(a.tokens, b.tokens, "failing before steps {fail:?}");
+                assert_eq!(a.logprobs, b.logprobs);
+            }
+        }
     }
 }

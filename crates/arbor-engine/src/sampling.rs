@@ -34,7 +34,8 @@ pub struct SamplingParams {
     pub max_tokens: usize,
     /// Generation stops after any of these tokens (it is kept in the output).
     pub stop_tokens: Vec<u32>,
-    /// Generation stops once the decoded output contains any of these.
+    /// Generation stops once the decoded output (special tokens skipped,
+    /// as `arbor generate` prints it) contains any of these.
     pub stop_strings: Vec<String>,
     /// Seed of this sequence's RNG: same seed, same tokens, whatever else is
     /// in the batch.

@@ -646,8 +646,8 @@ fn device_kv_cache_engine_matches_host_cache_engine() {
 
 /// A GPT-2-style byte-level tokenizer for the 320-token fixtures, written to
 /// a temporary file: ids 0-255 are the bytes, 256-287 two-byte tokens
-/// (`"a "`, `"b "`, ...), and 288-319 are outside its vocabulary (they
-/// decode to nothing, as a checkpoint's padded vocabulary does).
+/// (`"a "`, `"b "`, ...), and 288-319 special tokens `<|s0|>` ... `<|s31|>`
+/// (text that decoding with special tokens skipped leaves out).
 fn byte_tokenizer() -> arbor_model::Tokenizer {
     // GPT-2's byte -> char map: printable bytes stand for themselves, the
     // others for the chars from U+0100 on, in byte order.
@@ -674,8 +674,14 @@ fn byte_tokenizer() -> arbor_model::Tokenizer {
             (256 + i as u32).into(),
         );
     }
+    let added: Vec<serde_json::Value> = (288..320)
+        .map(|id| {
+            serde_json::json!({"id": id, "content": format!("<|s{}|>", id - 288), "single_word": false,
+                               "lstrip": false, "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
     let json = serde_json::json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
         "normalizer": null,
         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
         "post_processor": null,
@@ -698,7 +704,8 @@ fn byte_tokenizer() -> arbor_model::Tokenizer {
 /// (from the first generated token) contains it, with the tokens up to
 /// there unchanged. The engine decodes only a window of the last tokens,
 /// so matches deep in long outputs, across several tokens and past tokens
-/// that decode to nothing are what this checks.
+/// that decode to nothing (special ones) are what this checks; and special
+/// tokens' text, which the printed output leaves out, never matches.
 #[test]
 fn stop_strings_stop_where_the_decoded_text_first_contains_them() {
     let m = fixture("qwen2").model;
@@ -729,11 +736,11 @@ fn stop_strings_stop_where_the_decoded_text_first_contains_them() {
     for seed in 0..6 {
         let full = run(vec![], seed);
         assert_eq!(full.tokens.len(), 150);
-        let text_to = |j: usize| tok.decode(&full.tokens[..=j], false).unwrap();
-        assert!(
-            full.tokens.iter().any(|&t| t >= 288),
-            "no out-of-vocabulary token"
-        );
+        let text_to = |j: usize| tok.decode(&full.tokens[..=j], true).unwrap();
+        assert!(full.tokens.iter().any(|&t| t >= 288), "no special token");
+        let special = run(vec!["<|s".into()], seed);
+        assert_eq!(special.finish_reason, FinishReason::Length);
+        assert_eq!(special.tokens, full.tokens);
         // A stop string of 5-8 bytes ending at token 140's text, whose first
         // occurrence lies at token 40 or later.
         let text = text_to(140);
