@@ -161,6 +161,32 @@ fn preset_config(preset: &str) -> Result<ModelConfig> {
     })
 }
 
+/// Most sequences a bench runs (`--batch`, `--n`), as `arbor generate`'s
+/// `--n`.
+const MAX_BENCH_SEQS: usize = 1 << 20;
+
+/// `--prompt-len` plus `--max-tokens` must fit the model's context (a
+/// longer run would stop early and report fewer tokens than asked).
+fn check_lengths(context: usize, prompt_len: usize, max_tokens: usize) -> Result<()> {
+    match prompt_len.checked_add(max_tokens) {
+        Some(n) if n <= context => Ok(()),
+        _ => bail!(
+            "--prompt-len {prompt_len} + --max-tokens {max_tokens} exceed the model's context of \
+             {context} tokens"
+        ),
+    }
+}
+
+/// [`check_lengths`] before loading when the model is a preset (whose
+/// context is known without building it).
+fn check_preset_lengths(m: &BenchModel, prompt_len: usize, max_tokens: usize) -> Result<()> {
+    if m.model.is_none() {
+        let cfg = preset_config(&m.preset)?;
+        check_lengths(cfg.max_position_embeddings, prompt_len, max_tokens)?;
+    }
+    Ok(())
+}
+
 /// Deterministic pseudo-random prompt tokens.
 fn bench_prompt(len: usize, salt: u64, vocab: usize) -> Vec<u32> {
     (0..len as u64)
@@ -264,7 +290,19 @@ fn generate_bench(a: GenBenchArgs) -> Result<()> {
     if a.batch == 0 || a.prompt_len == 0 || a.max_tokens == 0 {
         bail!("--batch, --prompt-len and --max-tokens must be >= 1");
     }
+    if a.batch > MAX_BENCH_SEQS {
+        bail!(
+            "--batch {} is more than {MAX_BENCH_SEQS} sequences",
+            a.batch
+        );
+    }
+    check_preset_lengths(&a.m, a.prompt_len, a.max_tokens)?;
     let (model, name) = load_for_bench(&a.m)?;
+    check_lengths(
+        model.cfg.max_position_embeddings,
+        a.prompt_len,
+        a.max_tokens,
+    )?;
     let vocab = model.cfg.vocab_size;
     let jobs = (0..a.batch)
         .map(|i| {
@@ -279,7 +317,16 @@ fn fork_bench(a: ForkBenchArgs) -> Result<()> {
     if a.n == 0 || a.prompt_len == 0 || a.max_tokens == 0 {
         bail!("--n, --prompt-len and --max-tokens must be >= 1");
     }
+    if a.n > MAX_BENCH_SEQS {
+        bail!("--n {} is more than {MAX_BENCH_SEQS} samples", a.n);
+    }
+    check_preset_lengths(&a.m, a.prompt_len, a.max_tokens)?;
     let (model, name) = load_for_bench(&a.m)?;
+    check_lengths(
+        model.cfg.max_position_embeddings,
+        a.prompt_len,
+        a.max_tokens,
+    )?;
     let vocab = model.cfg.vocab_size;
     let samples = (0..a.n)
         .map(|j| arbor_engine::SamplingParams {

@@ -142,12 +142,43 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             a.n
         );
     }
+    // The sampling flags, checked before the model loads (the engine checks
+    // them again per request, naming its fields).
+    let params = |seed: u64, stop_tokens: Vec<u32>| SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        max_tokens: a.max_tokens,
+        stop_tokens,
+        stop_strings: a.stop.clone(),
+        seed,
+    };
+    if let Err(arbor_engine::EngineError::InvalidParams(msg)) = params(0, Vec::new()).validate() {
+        let flag = [
+            ("temperature", "--temperature"),
+            ("top_p", "--top-p"),
+            ("min_p", "--min-p"),
+            ("max_tokens", "--max-tokens"),
+            ("stop_strings", "--stop"),
+        ]
+        .into_iter()
+        .find(|(field, _)| msg.starts_with(field))
+        .map_or("a sampling flag", |(_, flag)| flag);
+        bail!("{flag} is invalid: {msg}");
+    }
     let opts = LoadOptions {
         dtype: parse_dtype(&a.dtype)?,
         device: Device::Cpu,
     };
     let m = LoadedModel::load(&a.model, &opts)
         .with_context(|| format!("loading model `{}`", a.model))?;
+    if !a.stop.is_empty() && m.tokenizer.is_none() {
+        bail!(
+            "--stop needs the model's tokenizer.json to read the output as text, and `{}` has none",
+            a.model
+        );
+    }
     let inputs = match (&a.prompt, &a.prompts) {
         (Some(p), _) => vec![("--prompt".to_string(), PromptIn::Text(p.clone()))],
         (None, Some(f)) => read_prompts(f)?,
@@ -203,16 +234,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     for (i, (at, p)) in inputs.iter().enumerate() {
         let ids = encode(p).with_context(|| at.clone())?;
         let samples = (0..a.n)
-            .map(|j| SamplingParams {
-                temperature: a.temperature,
-                top_k: a.top_k,
-                top_p: a.top_p,
-                min_p: a.min_p,
-                max_tokens: a.max_tokens,
-                stop_tokens: stops.clone(),
-                stop_strings: a.stop.clone(),
-                seed: a.seed.wrapping_add((i * a.n + j) as u64),
-            })
+            .map(|j| params(a.seed.wrapping_add((i * a.n + j) as u64), stops.clone()))
             .collect();
         groups.push(engine.submit(ids, samples).with_context(|| at.clone())?);
     }

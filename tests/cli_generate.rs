@@ -136,13 +136,21 @@ fn bad_prompt_files_name_the_file_and_line() {
 fn bad_settings_are_named() {
     let (_dir, file) = prompts_file(&[r#"{"tokens": [1, 2, 3]}"#.to_string()]);
     let f = file.as_str();
-    let cases: [(&[&str], &str); 7] = [
+    let cases: [(&[&str], &str); 8] = [
         (&["--prompts", f, "--n", "0"], "--n"),
+        // Stop strings are matched on text: the fixtures have no tokenizer.
+        (&["--prompts", f, "--stop", "x"], "--stop needs"),
         (&["--prompts", f, "--n", "100000000000"], "--n"),
         // 1/T overflows f32: refused rather than sampling NaN.
-        (&["--prompts", f, "--temperature", "1e-40"], "temperature"),
-        (&["--prompts", f, "--top-p", "0"], "top_p"),
-        (&["--prompts", f, "--min-p", "1.5"], "min_p"),
+        (
+            &["--prompts", f, "--temperature", "1e-40"],
+            "--temperature is invalid",
+        ),
+        (
+            &["--prompts", f, "--top-p", "0"],
+            "--top-p is invalid: top_p = 0",
+        ),
+        (&["--prompts", f, "--min-p", "1.5"], "--min-p is invalid"),
         (
             &["--prompts", f, "--kv-memory-mib", "17592186044417"],
             "kv_memory_mib",
@@ -155,5 +163,61 @@ fn bad_settings_are_named() {
     for (args, want) in cases {
         let err = fails(args);
         assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
+
+/// The benches refuse runs the model's context cannot hold (which would
+/// stop early and report fewer tokens than asked), naming the flags; for a
+/// preset before building the model.
+#[test]
+fn benches_refuse_lengths_beyond_the_context() {
+    let model = fixtures().join("qwen2");
+    let m = model.to_str().unwrap();
+    for args in [
+        &[
+            "bench",
+            "generate",
+            "--model",
+            m,
+            "--batch",
+            "2",
+            "--prompt-len",
+            "4",
+            "--max-tokens",
+            "1000",
+        ][..],
+        &[
+            "bench",
+            "fork",
+            "--model",
+            m,
+            "--n",
+            "2",
+            "--prompt-len",
+            "250",
+            "--max-tokens",
+            "7",
+        ],
+        &[
+            "bench",
+            "generate",
+            "--prompt-len",
+            "100000",
+            "--max-tokens",
+            "2",
+        ],
+        &["bench", "fork", "--max-tokens", "18446744073709551615"],
+    ] {
+        let out = arbor(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains("exceed the model's context"),
+            "{args:?}: {err}"
+        );
+        assert!(
+            err.contains("--prompt-len") && err.contains("--max-tokens"),
+            "{err}"
+        );
     }
 }
