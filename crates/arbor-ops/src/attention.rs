@@ -133,10 +133,22 @@ pub struct PagedAttentionArgs<'a, E = f32> {
 }
 
 /// Attention output `[t, n_heads * head_dim]`.
+///
+/// # Panics
+/// If `n_kv` is 0 or does not divide `n_heads`.
 pub fn paged_attention<E: KvElem>(a: PagedAttentionArgs<'_, E>) -> Vec<f32> {
+    assert!(
+        a.n_kv > 0 && a.n_heads.is_multiple_of(a.n_kv),
+        "paged_attention: {} query heads over {} KV heads",
+        a.n_heads,
+        a.n_kv
+    );
     let t = a.positions.len();
     let d = a.head_dim;
     let mut out = vec![0f32; t * a.n_heads * d];
+    if t == 0 {
+        return out;
+    }
     #[cfg(target_arch = "x86_64")]
     if avx512_head_dim(d) {
         attend_shared(&a, &mut out, true);
@@ -238,7 +250,7 @@ fn plan_groups<E>(a: &PagedAttentionArgs<'_, E>, tokens_first: bool) -> Vec<Grou
     let (want, split_kv) = if total >= 2 * threads {
         (0, false)
     } else if tokens_first {
-        let want = threads.div_ceil(families.len());
+        let want = threads.div_ceil(families.len().max(1));
         let chunks: usize = families.iter().map(|f| n_chunks(f.len(), want)).sum();
         (want, chunks < threads && a.n_kv > 1)
     } else if a.n_kv > 1 {
@@ -1087,6 +1099,34 @@ mod tests {
             tables,
         };
         let out = paged_attention(base);
+        check_against_reference(base, &out, &|b| paged_attention(b));
+        // On a CPU with AVX-512, the AVX2 kernel as well (which a CPU
+        // without it dispatches to).
+        #[cfg(target_arch = "x86_64")]
+        if avx512_head_dim(d) && avx2_head_dim(d) {
+            let avx2 = |b: PagedAttentionArgs<'_>| {
+                let mut o = vec![0f32; b.positions.len() * b.n_heads * b.head_dim];
+                attend_shared(&b, &mut o, false);
+                o
+            };
+            check_against_reference(base, &avx2(base), &avx2);
+        }
+        check_bf16_cache(base);
+        out
+    }
+
+    /// `out`, attention of `a` by the kernel `run`, against a float64 dense
+    /// reference, and each token's output bit for bit against `run` on that
+    /// token alone.
+    fn check_against_reference(
+        a: PagedAttentionArgs<'_>,
+        out: &[f32],
+        run: &dyn Fn(PagedAttentionArgs<'_>) -> Vec<f32>,
+    ) {
+        let (q, kc, vc) = (a.q, a.k_cache, a.v_cache);
+        let (nh, nkv, d, bs) = (a.n_heads, a.n_kv, a.head_dim, a.block_size);
+        let (positions, token_seq, tables) = (a.positions, a.token_seq, a.tables);
+        let t = positions.len();
         for i in 0..t {
             let table = &tables[token_seq[i]];
             for h in 0..nh {
@@ -1115,20 +1155,18 @@ mod tests {
                     );
                 }
             }
-            let tq = token_q(&q, nh, t, d, i);
-            let one = paged_attention(PagedAttentionArgs {
+            let tq = token_q(q, nh, t, d, i);
+            let one = run(PagedAttentionArgs {
                 q: &tq,
                 positions: &positions[i..=i],
                 token_seq: &token_seq[i..=i],
-                ..base
+                ..a
             });
             assert!(
                 same_bits(&out[i * nh * d..(i + 1) * nh * d], &one),
                 "token {i} alone differs from the batch"
             );
         }
-        check_bf16_cache(base);
-        out
     }
 
     /// A bf16 cache gives bit for bit what an f32 cache of the same
@@ -1309,8 +1347,41 @@ mod tests {
     /// query heads per KV head.
     #[test]
     fn vector_path_matches_f64_reference() {
-        for (nh, nkv, d) in [(2, 1, 16), (9, 3, 64), (4, 2, 128), (7, 1, 32), (14, 2, 64)] {
+        for (nh, nkv, d) in [
+            (2, 1, 16),
+            (9, 3, 64),
+            (4, 2, 128),
+            (7, 1, 32),
+            (14, 2, 64),
+            (4, 2, 256),
+        ] {
             check(nh, nkv, d, 16, &[0, 15, 16, 17, 40, 79], d as u64);
+        }
+    }
+
+    /// No tokens: no output, on every kernel (the AVX2 plan divided by the
+    /// number of sequences).
+    #[test]
+    fn an_empty_batch_gives_nothing() {
+        let tables: Vec<Vec<u32>> = Vec::new();
+        for d in [12, 16, 64] {
+            let a = PagedAttentionArgs {
+                q: &[],
+                k_cache: &[0f32; 4096],
+                v_cache: &[0f32; 4096],
+                n_heads: 4,
+                n_kv: 2,
+                head_dim: d,
+                block_size: 4,
+                positions: &[],
+                token_seq: &[],
+                tables: &tables,
+            };
+            assert!(paged_attention(a).is_empty());
+            #[cfg(target_arch = "x86_64")]
+            if avx2_head_dim(d) {
+                attend_shared(&a, &mut [], false);
+            }
         }
     }
 
