@@ -20,6 +20,13 @@ use serde::{Deserialize, Serialize};
 use crate::EngineError;
 
 /// How to sample one sequence.
+///
+/// The cuts compose as in vLLM: over the tempered distribution `p`, top-k
+/// and min-p each keep a head of the tokens in descending order (min-p
+/// those with `p >= min_p * max p`), and top-p keeps the shortest head of
+/// what they left whose share of it, renormalised, reaches `top_p`. The
+/// token is drawn from what remains, renormalised; its returned logprob is
+/// under the whole tempered distribution (`ln p`), as PPO wants it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SamplingParams {
     /// 0 means greedy.
@@ -155,7 +162,8 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> Option<(u
             idx.retain(|&i| w[i] >= thr);
         }
         if p.top_p < 1.0 {
-            let need = p.top_p as f64 * total;
+            // A share of what top-k and min-p kept, not of the whole.
+            let need = p.top_p as f64 * idx.iter().map(|&i| w[i] as f64).sum::<f64>();
             let mut acc = 0.0;
             let mut keep = idx.len();
             for (n, &i) in idx.iter().enumerate() {
@@ -272,6 +280,63 @@ mod tests {
             50_000,
         );
         assert!(mp[2] == 0.0 && mp[1] > 0.0);
+    }
+
+    /// The cuts together, against a float64 reference of vLLM's rule: top-p
+    /// takes its share of what top-k and min-p kept (renormalised), not of
+    /// the whole distribution. In both cases below a share of the whole
+    /// would keep token 2 as well.
+    #[test]
+    fn top_p_takes_its_share_of_what_top_k_and_min_p_kept() {
+        let l = [2.0f32, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -1.5];
+        let p: Vec<f64> = {
+            let w: Vec<f64> = l.iter().map(|&x| (x as f64).exp()).collect();
+            let z: f64 = w.iter().sum();
+            w.iter().map(|x| x / z).collect()
+        };
+        // Kept by top-k / min-p (a descending head of `len` tokens), then
+        // top-p over their renormalised share.
+        let reference = |len: usize, top_p: f64| -> Vec<f64> {
+            let s: f64 = p[..len].iter().sum();
+            let mut acc = 0.0;
+            let mut kept = Vec::new();
+            for &x in &p[..len] {
+                if acc < top_p {
+                    kept.push(x);
+                }
+                acc += x / s;
+            }
+            let k: f64 = kept.iter().sum();
+            (0..l.len())
+                .map(|i| if i < kept.len() { p[i] / k } else { 0.0 })
+                .collect()
+        };
+        for (params, len) in [
+            (
+                SamplingParams {
+                    top_k: 3,
+                    top_p: 0.75,
+                    ..Default::default()
+                },
+                3,
+            ),
+            (
+                SamplingParams {
+                    min_p: 0.3,
+                    top_p: 0.8,
+                    ..Default::default()
+                },
+                3,
+            ),
+        ] {
+            let want = reference(len, params.top_p as f64);
+            assert_eq!(want.iter().filter(|&&x| x > 0.0).count(), 2);
+            let got = freq(&l, &params, 100_000);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!((g - w).abs() < 0.005, "{params:?} token {i}: {g} vs {w}");
+                assert_eq!(*g == 0.0, *w == 0.0, "{params:?} token {i}");
+            }
+        }
     }
 
     #[test]
