@@ -883,7 +883,7 @@ impl Engine {
     ) -> Result<(), EngineError> {
         for c in &alloc.copies {
             match &mut self.cache {
-                KvStore::Host(cache) => cache.copy(c),
+                KvStore::Host(cache) => cache.copy(c)?,
                 KvStore::Device(cache) => cache.copy(c)?,
             }
             self.stats.cow_copies += 1;

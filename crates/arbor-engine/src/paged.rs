@@ -119,7 +119,8 @@ impl PagedKvCache {
     }
 
     /// Copy the first `len` slots of one block into another, in every layer.
-    pub fn copy(&mut self, op: &CopyOp) {
+    pub fn copy(&mut self, op: &CopyOp) -> arbor_model::Result<()> {
+        check_copy(op, self.num_blocks, self.block_size)?;
         let row = self.n_kv * self.head_dim;
         let src = op.src as usize * self.block_size * row;
         let dst = op.dst as usize * self.block_size * row;
@@ -136,7 +137,21 @@ impl PagedKvCache {
                 }
             }
         }
+        Ok(())
     }
+}
+
+/// A copy-on-write between two blocks of a pool of `num_blocks` blocks of
+/// `block_size` slots, of at most one block.
+fn check_copy(op: &CopyOp, num_blocks: usize, block_size: usize) -> arbor_model::Result<()> {
+    if op.src as usize >= num_blocks || op.dst as usize >= num_blocks || op.len > block_size {
+        return Err(ModelError::Input(format!(
+            "KV copy of {} slots from block {} to block {}: the cache has {num_blocks} blocks \
+             of {block_size}",
+            op.len, op.src, op.dst
+        )));
+    }
+    Ok(())
 }
 
 /// Write every new token `i`'s K (or V) heads, `src: [nkv, t, d]`, into
@@ -323,6 +338,7 @@ impl DeviceKvCache {
     /// (copy-on-write of a shared partial block).
     pub fn copy(&self, op: &CopyOp) -> arbor_model::Result<()> {
         let bs = self.block_size;
+        check_copy(op, self.num_blocks, bs)?;
         let dev = self
             .k
             .first()
@@ -355,10 +371,12 @@ impl DeviceKvCache {
 /// block tables (`arbor_ops::paged_attention_op`).
 #[derive(Debug)]
 pub struct DevicePagedAttention<'a> {
-    pub cache: &'a DeviceKvCache,
-    pub meta: arbor_ops::PagedMeta,
-    /// `[t]` u32 slot of each new token.
-    pub slots: Tensor,
+    cache: &'a DeviceKvCache,
+    /// Checked by [`arbor_ops::PagedMeta::new`].
+    meta: arbor_ops::PagedMeta,
+    /// `[t]` u32 slot of each new token, checked against the cache (the
+    /// CUDA write skips slots outside it rather than fail).
+    slots: Tensor,
 }
 
 impl<'a> DevicePagedAttention<'a> {

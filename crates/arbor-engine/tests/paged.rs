@@ -112,3 +112,25 @@ fn paged_chunks_equal_dense_hidden_states() {
         }
     }
 }
+
+/// A copy-on-write naming a block outside the pool, or more slots than a
+/// block holds, is an error on both caches (on a GPU the slot write would
+/// skip it silently), and a valid one copies.
+#[test]
+fn copies_outside_the_pool_are_refused() {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../arbor-model/tests/fixtures/qwen2");
+    let m = LoadedModel::load(p.to_str().unwrap(), &LoadOptions::default())
+        .unwrap()
+        .model;
+    let mut host = PagedKvCache::new(&m.cfg, 4, 8);
+    let device = DeviceKvCache::new(&m.cfg, 4, 8, DType::F32, m.device()).unwrap();
+    let op = |src, dst, len| arbor_kv::CopyOp { src, dst, len };
+    for bad in [op(0, 4, 3), op(4, 0, 3), op(0, 1, 9)] {
+        let e = host.copy(&bad).unwrap_err().to_string();
+        assert!(e.contains("the cache has 4 blocks of 8"), "{e}");
+        let e = device.copy(&bad).unwrap_err().to_string();
+        assert!(e.contains("the cache has 4 blocks of 8"), "{e}");
+    }
+    host.copy(&op(0, 3, 8)).unwrap();
+    device.copy(&op(0, 3, 8)).unwrap();
+}

@@ -13,18 +13,20 @@ use candle_core::{
     CpuStorage, CustomOp3, DType, Device, InplaceOp3, Layout, Result, Shape, Tensor,
 };
 
-/// Block-table metadata of one step, on the compute device.
+/// Block-table metadata of one step, on the compute device. Built only by
+/// [`PagedMeta::new`], which checks every position against its table: the
+/// CUDA kernel reads the tables unchecked, relying on it.
 #[derive(Debug, Clone)]
 pub struct PagedMeta {
     /// `[t]` u32: position of each new token.
-    pub positions: Tensor,
+    positions: Tensor,
     /// `[t]` u32: row of `tables` for each new token.
-    pub token_seq: Tensor,
+    token_seq: Tensor,
     /// `[S, max_blocks]` u32 block tables, padded with 0.
-    pub tables: Tensor,
-    pub block_size: usize,
+    tables: Tensor,
+    block_size: usize,
     /// Largest block id in `tables` (checked against the cache size).
-    pub max_block: u32,
+    max_block: u32,
 }
 
 impl PagedMeta {
