@@ -13,6 +13,8 @@ use candle_nn::VarMap;
 use clap::{Args, Subcommand};
 use serde::Serialize;
 
+use crate::generate::MAX_SAMPLES;
+
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
     /// Training forward and forward+backward of the policy (+ shared value
@@ -161,30 +163,29 @@ fn preset_config(preset: &str) -> Result<ModelConfig> {
     })
 }
 
-/// Most sequences a bench runs (`--batch`, `--n`), as `arbor generate`'s
-/// `--n`.
-const MAX_BENCH_SEQS: usize = 1 << 20;
-
-/// `--prompt-len` plus `--max-tokens` must fit the model's context (a
-/// longer run would stop early and report fewer tokens than asked).
-fn check_lengths(context: usize, prompt_len: usize, max_tokens: usize) -> Result<()> {
-    match prompt_len.checked_add(max_tokens) {
-        Some(n) if n <= context => Ok(()),
-        _ => bail!(
-            "--prompt-len {prompt_len} + --max-tokens {max_tokens} exceed the model's context of \
-             {context} tokens"
-        ),
-    }
-}
-
-/// [`check_lengths`] before loading when the model is a preset (whose
-/// context is known without building it).
-fn check_preset_lengths(m: &BenchModel, prompt_len: usize, max_tokens: usize) -> Result<()> {
+/// The bench's model, once `--prompt-len` plus `--max-tokens` is known to
+/// fit its context (a longer run would stop early and report fewer tokens
+/// than asked); for a preset, checked before building it.
+fn load_fitting(
+    m: &BenchModel,
+    prompt_len: usize,
+    max_tokens: usize,
+) -> Result<(arbor_model::Transformer, String)> {
+    let fits = |context: usize| -> Result<()> {
+        match prompt_len.checked_add(max_tokens) {
+            Some(n) if n <= context => Ok(()),
+            _ => bail!(
+                "--prompt-len {prompt_len} + --max-tokens {max_tokens} exceed the model's \
+                 context of {context} tokens"
+            ),
+        }
+    };
     if m.model.is_none() {
-        let cfg = preset_config(&m.preset)?;
-        check_lengths(cfg.max_position_embeddings, prompt_len, max_tokens)?;
+        fits(preset_config(&m.preset)?.max_position_embeddings)?;
     }
-    Ok(())
+    let (model, name) = load_for_bench(m)?;
+    fits(model.cfg.max_position_embeddings)?;
+    Ok((model, name))
 }
 
 /// Deterministic pseudo-random prompt tokens.
@@ -290,19 +291,10 @@ fn generate_bench(a: GenBenchArgs) -> Result<()> {
     if a.batch == 0 || a.prompt_len == 0 || a.max_tokens == 0 {
         bail!("--batch, --prompt-len and --max-tokens must be >= 1");
     }
-    if a.batch > MAX_BENCH_SEQS {
-        bail!(
-            "--batch {} is more than {MAX_BENCH_SEQS} sequences",
-            a.batch
-        );
+    if a.batch > MAX_SAMPLES {
+        bail!("--batch {} is more than {MAX_SAMPLES} sequences", a.batch);
     }
-    check_preset_lengths(&a.m, a.prompt_len, a.max_tokens)?;
-    let (model, name) = load_for_bench(&a.m)?;
-    check_lengths(
-        model.cfg.max_position_embeddings,
-        a.prompt_len,
-        a.max_tokens,
-    )?;
+    let (model, name) = load_fitting(&a.m, a.prompt_len, a.max_tokens)?;
     let vocab = model.cfg.vocab_size;
     let jobs = (0..a.batch)
         .map(|i| {
@@ -317,16 +309,10 @@ fn fork_bench(a: ForkBenchArgs) -> Result<()> {
     if a.n == 0 || a.prompt_len == 0 || a.max_tokens == 0 {
         bail!("--n, --prompt-len and --max-tokens must be >= 1");
     }
-    if a.n > MAX_BENCH_SEQS {
-        bail!("--n {} is more than {MAX_BENCH_SEQS} samples", a.n);
+    if a.n > MAX_SAMPLES {
+        bail!("--n {} is more than {MAX_SAMPLES} samples", a.n);
     }
-    check_preset_lengths(&a.m, a.prompt_len, a.max_tokens)?;
-    let (model, name) = load_for_bench(&a.m)?;
-    check_lengths(
-        model.cfg.max_position_embeddings,
-        a.prompt_len,
-        a.max_tokens,
-    )?;
+    let (model, name) = load_fitting(&a.m, a.prompt_len, a.max_tokens)?;
     let vocab = model.cfg.vocab_size;
     let samples = (0..a.n)
         .map(|j| arbor_engine::SamplingParams {

@@ -128,9 +128,10 @@ fn read_prompts(path: &Path) -> Result<Vec<(String, PromptIn)>> {
     Ok(out)
 }
 
-/// Most samples of one prompt (`--n`): each is a sequence the engine
-/// keeps, with its own copy of the prompt's tokens.
-const MAX_SAMPLES: usize = 1 << 20;
+/// Most samples of one prompt (`--n`; also the benches' `--batch` and
+/// `--n`): each is a sequence the engine keeps, with its own copy of the
+/// prompt's tokens.
+pub(crate) const MAX_SAMPLES: usize = 1 << 20;
 
 pub fn run(a: GenerateArgs) -> Result<()> {
     if a.n == 0 {

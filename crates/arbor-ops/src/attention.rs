@@ -146,9 +146,6 @@ pub fn paged_attention<E: KvElem>(a: PagedAttentionArgs<'_, E>) -> Vec<f32> {
     let t = a.positions.len();
     let d = a.head_dim;
     let mut out = vec![0f32; t * a.n_heads * d];
-    if t == 0 {
-        return out;
-    }
     #[cfg(target_arch = "x86_64")]
     if avx512_head_dim(d) {
         attend_shared(&a, &mut out, true);
