@@ -227,7 +227,14 @@ impl Engine {
             _ => DType::F32,
         };
         let kv_dtype = if on_device { model.dtype() } else { host_dtype };
-        let per_block = PagedKvCache::bytes_per_token_in(&model.cfg, kv_dtype) * cfg.block_size;
+        let per_block = PagedKvCache::bytes_per_token_in(&model.cfg, kv_dtype)
+            .checked_mul(cfg.block_size)
+            .ok_or_else(|| {
+                EngineError::Config(format!(
+                    "block_size = {} makes a KV block more bytes than this machine can address",
+                    cfg.block_size
+                ))
+            })?;
         let num_blocks = if cfg.num_blocks > 0 {
             cfg.num_blocks
         } else {
@@ -239,10 +246,15 @@ impl Engine {
             })?;
             bytes / per_block
         };
+        let pool = num_blocks.checked_mul(per_block).ok_or_else(|| {
+            EngineError::Config(format!(
+                "a KV pool of {num_blocks} blocks of {per_block} bytes is more bytes than \
+                 this machine can address: lower num_blocks or block_size"
+            ))
+        })?;
         if !on_device {
             // The host pool is one allocation per layer and K/V: one larger
             // than the machine would abort the process, not fail cleanly.
-            let pool = num_blocks.saturating_mul(per_block);
             if let Some(ram) = physical_memory().filter(|&r| pool > r) {
                 return Err(EngineError::Config(format!(
                     "a KV pool of {num_blocks} blocks ({} MiB) exceeds this machine's \
@@ -680,8 +692,13 @@ impl Engine {
     /// the sequences it was computing give their KV back and wait to be
     /// recomputed, so the engine can step again.
     fn step_here(&mut self) -> Result<usize, EngineError> {
+        // The sequences a failed step requeues count their cache hits and
+        // block copies again when readmitted.
+        let (cached, copies) = (self.stats.prefill_cached, self.stats.cow_copies);
         let r = self.try_step();
         if r.is_err() {
+            self.stats.prefill_cached = cached;
+            self.stats.cow_copies = copies;
             let stale: Vec<SeqId> = self
                 .running
                 .iter()
@@ -755,6 +772,7 @@ impl Engine {
         }
 
         // 2. Admit waiting sequences while blocks, slots and budget allow.
+        let mut admitted: Vec<SeqId> = Vec::new();
         while let Some(&id) = self.waiting.front() {
             if self.running.len() >= self.cfg.max_seqs {
                 break;
@@ -776,6 +794,13 @@ impl Engine {
             if !ok {
                 break;
             }
+            let hits = s.tokens.len().div_ceil(self.cfg.block_size) - fresh;
+            if self.computes_next_block_of(&admitted, &s.tokens, hits) {
+                // Its next block is being computed this step: wait one step
+                // and take it from the cache (forks of a sequence not yet
+                // computed, a group of equal prompts sent one by one).
+                break;
+            }
             let work = (fresh * self.cfg.block_size).min(s.tokens.len());
             if work > budget && !scheduled.is_empty() {
                 break;
@@ -793,6 +818,7 @@ impl Engine {
             self.running.push(id);
             self.schedule(id, alloc, &mut batch, &mut ids)?;
             scheduled.push(id);
+            admitted.push(id);
         }
 
         if scheduled.is_empty() {
@@ -843,6 +869,24 @@ impl Engine {
             self.record_and_sample(scheduled, &logits.flatten_all()?.to_vec1::<f32>()?)?;
         }
         Ok(n_tokens)
+    }
+
+    /// Whether a sequence in `admitted` (this step's admissions, computed
+    /// in this step's forward and committed to the prefix cache after it)
+    /// computes the cacheable block after the first `hits` full blocks of
+    /// `tokens`, with the same tokens before it: then `tokens` gains at
+    /// least one more block from the cache by being admitted a step later.
+    fn computes_next_block_of(&self, admitted: &[SeqId], tokens: &[u32], hits: usize) -> bool {
+        let bs = self.cfg.block_size;
+        // Never the block holding the last token (its logits are computed).
+        if hits >= tokens.len().saturating_sub(1) / bs {
+            return false;
+        }
+        let (head, next) = (hits * bs, (hits + 1) * bs);
+        admitted.iter().any(|o| {
+            let t = &self.seqs[o].tokens;
+            t.len() >= next && t[head..next] == tokens[head..next] && t[..head] == tokens[..head]
+        })
     }
 
     /// Step 4: record, sample, fan out, stop. `logits` holds one row per
@@ -1039,10 +1083,17 @@ impl Engine {
 
     /// Step until every queued sequence has finished; returns the completions
     /// in id order. `on_step(finished_so_far)` is called after each step.
+    ///
+    /// A failed step returns its error and leaves every completion gathered
+    /// so far with the engine, for [`Engine::take_finished`].
     pub fn run(&mut self, mut on_step: impl FnMut(usize)) -> Result<Vec<Completion>, EngineError> {
         let mut out = self.take_finished();
         while self.has_pending() {
-            self.step()?;
+            if let Err(e) = self.step() {
+                out.append(&mut self.finished);
+                self.finished = out;
+                return Err(e);
+            }
             out.extend(self.take_finished());
             on_step(out.len());
         }
@@ -1061,6 +1112,84 @@ mod tests {
         arbor_model::LoadedModel::load(p.to_str().unwrap(), &Default::default())
             .unwrap()
             .model
+    }
+
+    fn engine(m: &Transformer) -> Engine {
+        Engine::new(
+            m,
+            None,
+            EngineConfig {
+                block_size: 4,
+                num_blocks: 64,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+    }
+
+    fn greedy(max_tokens: usize) -> SamplingParams {
+        SamplingParams {
+            max_tokens,
+            ..Default::default()
+        }
+    }
+
+    /// `run` stopped by a failed step hands back nothing, but the
+    /// completions it had gathered stay with the engine.
+    #[test]
+    fn a_failed_run_keeps_the_completions_it_gathered() {
+        let m = fixture();
+        let mut e = engine(&m);
+        let a = e.submit((1..10).collect(), vec![greedy(4)]).unwrap()[0];
+        let b = e.submit((20..27).collect(), vec![greedy(4)]).unwrap()[0];
+        e.abort(a).unwrap();
+        e.fail_next_forward = true;
+        assert!(e.run(|_| {}).is_err());
+        let kept = e.take_finished();
+        assert_eq!(kept.len(), 1);
+        assert_eq!(
+            (kept[0].id, kept[0].finish_reason),
+            (a, FinishReason::Abort)
+        );
+        let rest = e.run(|_| {}).unwrap();
+        assert_eq!(rest.len(), 1);
+        assert_eq!((rest[0].id, rest[0].tokens.len()), (b, 4));
+    }
+
+    /// A prompt admitted with cache hits in a step that fails is counted
+    /// once, when the step that computes it succeeds.
+    #[test]
+    fn a_failed_step_does_not_count_cache_hits_twice() {
+        let m = fixture();
+        let mut e = engine(&m);
+        let prompt: Vec<u32> = (1..10).collect();
+        e.submit(prompt.clone(), vec![greedy(1)]).unwrap();
+        e.run(|_| {}).unwrap();
+        assert_eq!(e.stats().prefill_cached, 0);
+        e.submit(prompt, vec![greedy(1)]).unwrap();
+        e.fail_next_forward = true;
+        assert!(e.step().is_err());
+        e.run(|_| {}).unwrap();
+        // 9 tokens: two full blocks of 4 from the cache.
+        assert_eq!(e.stats().prefill_cached, 8);
+    }
+
+    /// A block size whose block (or pool) overflows the address space is a
+    /// config error, not an overflow panic or a short allocation.
+    #[test]
+    fn an_overflowing_block_size_is_a_config_error() {
+        let m = fixture();
+        for (block_size, num_blocks) in [(1usize << 62, 0), (1 << 62, 4), (1 << 40, 1 << 30)] {
+            let cfg = EngineConfig {
+                block_size,
+                num_blocks,
+                ..Default::default()
+            };
+            match Engine::new(&m, None, cfg) {
+                Err(EngineError::Config(msg)) => assert!(msg.contains("address"), "{msg}"),
+                other => panic!("block_size {block_size}: {:?}", other.map(|_| ())),
+            }
+        }
     }
 
     /// A step whose forward fails (as a device error would) after its

@@ -8,7 +8,11 @@
 //! - Paged KV cache ([`arbor_kv`] bookkeeping + [`paged::PagedKvCache`]
 //!   storage) with prefix caching: a prompt whose prefix was computed before
 //!   (a GRPO group, a Prefix-Sampling replay, the next turn of an agent)
-//!   reuses those blocks.
+//!   reuses those blocks. Prompts sharing blocks that arrive together (a
+//!   group sent one request at a time, forks of a sequence whose prompt is
+//!   not yet computed) share them too: a waiting sequence whose next
+//!   cacheable block another sequence computes in this step is admitted
+//!   one step later, and takes it from the cache.
 //! - Continuous batching: sequences join between steps and leave when done;
 //!   all new tokens of a step (prefills and decodes) run as one packed batch
 //!   with per-token positions.

@@ -267,6 +267,38 @@ fn fan_out_computes_prefix_once_and_matches_unshared_runs() {
     assert!(fanned.iter().any(|c| c.tokens != fanned[0].tokens));
 }
 
+/// Equal prompts submitted one by one before any step (a GRPO group sent
+/// as separate requests), and forks of a sequence whose prompt is not yet
+/// computed: the first computes the prompt; the rest wait one step and take
+/// its full blocks from the prefix cache, computing only the block holding
+/// their last token. Every sample still equals an unshared run.
+#[test]
+fn equal_prompts_and_early_forks_compute_the_prefix_once() {
+    let m = fixture("qwen3").model;
+    // 21 tokens: 5 full blocks of 4 are shareable, the 6th holds the last
+    // (three prompts fit one step's token budget of 64).
+    let prompt: Vec<u32> = (3..24).collect();
+    let params = sampled(10);
+    let mut e = engine(&m, 64, 4);
+    for k in 0..3 {
+        e.submit(prompt.clone(), vec![params(k)]).unwrap();
+    }
+    let group = by_id(e.run(|_| {}).unwrap());
+    let st = e.stats();
+    assert_eq!(st.prefill_computed, prompt.len() as u64 + 2);
+    assert_eq!(st.prefill_cached, 2 * 20);
+    assert_samples_equal_unshared_runs(&m, &prompt, &group, &params);
+
+    let mut e = engine(&m, 64, 4);
+    let parent = e.submit(prompt.clone(), vec![params(0)]).unwrap()[0];
+    let children = e.fork(parent, vec![params(1), params(2)]).unwrap();
+    assert_eq!(children.len(), 2);
+    let forked = by_id(e.run(|_| {}).unwrap());
+    assert_eq!(e.stats().prefill_computed, prompt.len() as u64 + 2);
+    assert_eq!(e.stats().prefill_cached, 2 * 20);
+    assert_samples_equal_unshared_runs(&m, &prompt, &forked, &params);
+}
+
 /// Sampling at temperature 1 with seed `k`, at most `max_tokens`.
 fn sampled(max_tokens: usize) -> impl Fn(u64) -> SamplingParams {
     move |seed| SamplingParams {
