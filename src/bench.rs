@@ -185,6 +185,14 @@ fn load_fitting(
     }
     let (model, name) = load_for_bench(m)?;
     fits(model.cfg.max_position_embeddings)?;
+    if model.cfg.vocab_size <= 10 {
+        // `bench_prompt` keeps clear of the first 10 ids (often special).
+        bail!(
+            "{name}: the benches draw prompt tokens from ids 10 and up, and this model's \
+             vocabulary has {} ids",
+            model.cfg.vocab_size
+        );
+    }
     Ok((model, name))
 }
 

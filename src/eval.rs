@@ -121,10 +121,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
         .tokenizer
         .as_ref()
         .with_context(|| format!("`{}` has no tokenizer.json", a.model))?;
-    let tmpl = m
-        .chat_template
-        .as_ref()
-        .with_context(|| format!("`{}` has no chat template", a.model))?;
+    let tmpl = m.chat_template()?;
     let opts = ChatOptions {
         add_generation_prompt: true,
         enable_thinking: a.no_thinking.then_some(false),

@@ -95,30 +95,70 @@ fn read_prompts(path: &Path) -> Result<Vec<(String, PromptIn)>> {
             continue;
         }
         let at = || format!("{}:{}", path.display(), i + 1);
-        let v: serde_json::Value =
-            serde_json::from_str(&line).with_context(|| format!("{}: malformed JSON", at()))?;
-        let p = if let Some(s) = v.get("prompt").and_then(|x| x.as_str()) {
-            PromptIn::Text(s.to_string())
-        } else if let Some(m) = v.get("messages").filter(|m| m.is_array()) {
-            PromptIn::Messages(m.clone())
-        } else if let Some(t) = v.get("tokens").and_then(|t| t.as_array()) {
-            let ids = t
-                .iter()
-                .map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()))
-                .collect::<Option<Vec<_>>>()
-                .with_context(|| {
-                    format!(
-                        "{}: `tokens` must be a list of token ids (integers from 0 to {})",
-                        at(),
-                        u32::MAX
-                    )
-                })?;
-            PromptIn::Tokens(ids)
+        // A byte-order mark (some Windows editors write one) is not JSON.
+        let line = if i == 0 {
+            line.strip_prefix('\u{feff}').unwrap_or(&line)
         } else {
-            bail!(
+            &line
+        };
+        let v: serde_json::Value =
+            serde_json::from_str(line).with_context(|| format!("{}: malformed JSON", at()))?;
+        let obj = v.as_object().with_context(|| {
+            format!(
+                "{}: expected an object with a `prompt`, `messages` or `tokens` key",
+                at()
+            )
+        })?;
+        let keys: Vec<&str> = ["prompt", "messages", "tokens"]
+            .into_iter()
+            .filter(|k| obj.contains_key(*k))
+            .collect();
+        let p = match keys[..] {
+            ["prompt"] => PromptIn::Text(
+                obj["prompt"]
+                    .as_str()
+                    .with_context(|| format!("{}: `prompt` must be a string", at()))?
+                    .to_string(),
+            ),
+            ["messages"] => {
+                let m = &obj["messages"];
+                if !m.is_array() {
+                    bail!(
+                        "{}: `messages` must be a list of {{\"role\", \"content\"}} objects",
+                        at()
+                    );
+                }
+                PromptIn::Messages(m.clone())
+            }
+            ["tokens"] => {
+                let ids = obj["tokens"]
+                    .as_array()
+                    .and_then(|t| {
+                        t.iter()
+                            .map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()))
+                            .collect::<Option<Vec<_>>>()
+                    })
+                    .with_context(|| {
+                        format!(
+                            "{}: `tokens` must be a list of token ids (integers from 0 to {})",
+                            at(),
+                            u32::MAX
+                        )
+                    })?;
+                PromptIn::Tokens(ids)
+            }
+            [] => bail!(
                 "{}: expected a `prompt` string, a `messages` list or a `tokens` list",
                 at()
-            );
+            ),
+            _ => bail!(
+                "{}: give one of `prompt`, `messages` and `tokens`, not {}",
+                at(),
+                keys.iter()
+                    .map(|k| format!("`{k}`"))
+                    .collect::<Vec<_>>()
+                    .join(" and ")
+            ),
         };
         out.push((at(), p));
     }
@@ -168,6 +208,11 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         .map_or("a sampling flag", |(_, flag)| flag);
         bail!("{flag} is invalid: {msg}");
     }
+    let inputs = match (&a.prompt, &a.prompts) {
+        (Some(p), _) => vec![("--prompt".to_string(), PromptIn::Text(p.clone()))],
+        (None, Some(f)) => read_prompts(f)?,
+        (None, None) => bail!("give --prompt or --prompts"),
+    };
     let opts = LoadOptions {
         dtype: parse_dtype(&a.dtype)?,
         device: Device::Cpu,
@@ -180,11 +225,6 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             a.model
         );
     }
-    let inputs = match (&a.prompt, &a.prompts) {
-        (Some(p), _) => vec![("--prompt".to_string(), PromptIn::Text(p.clone()))],
-        (None, Some(f)) => read_prompts(f)?,
-        (None, None) => bail!("give --prompt or --prompts"),
-    };
     let chat_opts = ChatOptions {
         add_generation_prompt: true,
         enable_thinking: a.no_thinking.then_some(false),
@@ -205,10 +245,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
                 };
                 match (msgs, p) {
                     (Some(ms), _) => {
-                        let tmpl = m
-                            .chat_template
-                            .as_ref()
-                            .with_context(|| format!("`{}` has no chat template", a.model))?;
+                        let tmpl = m.chat_template()?;
                         Ok(tok.encode(&tmpl.render(&ms, None, &chat_opts)?, false)?)
                     }
                     (None, PromptIn::Text(t)) => Ok(tok.encode(t, true)?),
@@ -223,6 +260,14 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         m.files.eos_token_ids(&m.config.eos_token_ids)?
     };
     stops.dedup();
+    if let Some(t) = stops.iter().find(|&&t| t as usize >= m.config.vocab_size) {
+        bail!(
+            "`{}`: EOS token {t} (generation_config.json or config.json) is outside the \
+             vocabulary of {}; pass --ignore-eos to generate without it",
+            a.model,
+            m.config.vocab_size
+        );
+    }
     let mut engine = Engine::new(
         &m.model,
         m.tokenizer.clone(),
@@ -252,49 +297,40 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     } else {
         indicatif::ProgressBar::hidden()
     };
-    let start = std::time::Instant::now();
-    let done = engine.run(|n| bar.set_position(n as u64))?;
-    bar.finish_and_clear();
-    let secs = start.elapsed().as_secs_f64();
-    let by_id: std::collections::HashMap<u64, &Completion> =
-        done.iter().map(|c| (c.id, c)).collect();
-    let text = |t: &[u32]| {
-        m.tokenizer
-            .as_ref()
-            .and_then(|tok| tok.decode(t, true).ok())
+    let mut out = Printer {
+        out: std::io::stdout(),
+        json: a.json,
+        tokenizer: m.tokenizer.as_ref(),
+        groups: &groups,
+        next: 0,
+        done: std::collections::HashMap::new(),
+        finished: 0,
     };
-    for (i, ids) in groups.iter().enumerate() {
-        for (j, id) in ids.iter().enumerate() {
-            let c = by_id[id];
-            if a.json {
-                let row = Row {
-                    prompt_index: i,
-                    sample: j,
-                    tokens: &c.tokens,
-                    text: text(&c.tokens),
-                    logprobs: &c.logprobs,
-                    finish_reason: c.finish_reason,
-                    error: &c.error,
-                };
-                println!("{}", serde_json::to_string(&row)?);
-            } else {
-                println!(
-                    "=== prompt {i}, sample {j} ({:?}, {} tokens)",
-                    c.finish_reason,
-                    c.tokens.len()
-                );
-                match (text(&c.tokens), &c.error) {
-                    (_, Some(e)) => println!("error: {e}"),
-                    (Some(t), None) => println!("{t}"),
-                    (None, None) => println!("{:?}", c.tokens),
-                }
-            }
+    let start = std::time::Instant::now();
+    // Rows are printed, in prompt order, as soon as every sample of their
+    // prompt is done, so a run stopped by an error keeps what it finished.
+    while engine.has_pending() {
+        if let Err(e) = engine.step() {
+            bar.finish_and_clear();
+            out.take(engine.take_finished());
+            let missing = out.flush_finished()?;
+            return Err(e).context(format!(
+                "generation stopped: the rows of every prompt whose samples all finished are \
+                 printed; {missing} prompts are missing"
+            ));
         }
+        out.take(engine.take_finished());
+        bar.suspend(|| out.print_ready())?;
+        bar.set_position(out.finished as u64);
     }
+    out.take(engine.take_finished());
+    bar.finish_and_clear();
+    out.print_ready()?;
+    let secs = start.elapsed().as_secs_f64();
     let st = engine.stats();
     eprintln!(
         "{} sequences, {} tokens generated in {secs:.2}s ({:.1} tokens/s); prefill {} computed, {} from cache, {} shared by forks",
-        done.len(),
+        out.finished,
         st.generated,
         st.generated as f64 / secs,
         st.prefill_computed,
@@ -302,4 +338,149 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         st.prefill_forked
     );
     Ok(())
+}
+
+/// Prints completions as rows, prompt by prompt in order, as soon as all of
+/// a prompt's samples are done.
+struct Printer<'a, W: std::io::Write> {
+    out: W,
+    json: bool,
+    tokenizer: Option<&'a arbor_model::Tokenizer>,
+    /// Sequence ids of each prompt's samples, in prompt order.
+    groups: &'a [Vec<u64>],
+    /// First prompt not printed yet.
+    next: usize,
+    /// Finished, not yet printed completions by sequence id.
+    done: std::collections::HashMap<u64, Completion>,
+    /// Completions taken so far.
+    finished: usize,
+}
+
+impl<W: std::io::Write> Printer<'_, W> {
+    fn take(&mut self, completions: Vec<Completion>) {
+        self.finished += completions.len();
+        self.done.extend(completions.into_iter().map(|c| (c.id, c)));
+    }
+
+    fn complete(&self, i: usize) -> bool {
+        self.groups[i].iter().all(|id| self.done.contains_key(id))
+    }
+
+    /// Print the prompts from `next` on whose samples are all done.
+    fn print_ready(&mut self) -> Result<()> {
+        while self.next < self.groups.len() && self.complete(self.next) {
+            self.print(self.next)?;
+            self.next += 1;
+        }
+        Ok(())
+    }
+
+    /// After a failure: print every prompt whose samples are all done,
+    /// skipping unfinished ones. Returns the number of prompts skipped.
+    fn flush_finished(&mut self) -> Result<usize> {
+        let mut skipped = 0;
+        for i in self.next..self.groups.len() {
+            if self.complete(i) {
+                self.print(i)?;
+            } else {
+                skipped += 1;
+            }
+        }
+        self.next = self.groups.len();
+        Ok(skipped)
+    }
+
+    fn print(&mut self, i: usize) -> Result<()> {
+        let w = &mut self.out;
+        for (j, id) in self.groups[i].iter().enumerate() {
+            let c = self.done.remove(id).expect("complete prompt");
+            let text = self.tokenizer.and_then(|t| t.decode(&c.tokens, true).ok());
+            if self.json {
+                let row = Row {
+                    prompt_index: i,
+                    sample: j,
+                    tokens: &c.tokens,
+                    text,
+                    logprobs: &c.logprobs,
+                    finish_reason: c.finish_reason,
+                    error: &c.error,
+                };
+                writeln!(w, "{}", serde_json::to_string(&row)?)?;
+            } else {
+                writeln!(
+                    w,
+                    "=== prompt {i}, sample {j} ({:?}, {} tokens)",
+                    c.finish_reason,
+                    c.tokens.len()
+                )?;
+                match (text, &c.error) {
+                    (_, Some(e)) => writeln!(w, "error: {e}")?,
+                    (Some(t), None) => writeln!(w, "{t}")?,
+                    (None, None) => writeln!(w, "{:?}", c.tokens)?,
+                }
+            }
+        }
+        w.flush()?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arbor_engine::FinishReason;
+
+    fn done(id: u64) -> Completion {
+        Completion {
+            id,
+            prompt: vec![1],
+            tokens: vec![id as u32],
+            logprobs: vec![-0.5],
+            finish_reason: FinishReason::Length,
+            stop_string: None,
+            error: None,
+        }
+    }
+
+    fn printed(p: &Printer<'_, Vec<u8>>) -> Vec<(u64, u64)> {
+        String::from_utf8(p.out.clone())
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                (
+                    v["prompt_index"].as_u64().unwrap(),
+                    v["tokens"][0].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    }
+
+    /// Rows come out in prompt order as soon as a prompt's samples are all
+    /// done; after a failure, every complete prompt is still printed.
+    #[test]
+    fn rows_stream_in_prompt_order_and_survive_a_failure() {
+        let groups = vec![vec![1, 2], vec![3], vec![4, 5], vec![6]];
+        let mut p = Printer {
+            out: Vec::new(),
+            json: true,
+            tokenizer: None,
+            groups: &groups,
+            next: 0,
+            done: Default::default(),
+            finished: 0,
+        };
+        p.take(vec![done(3), done(1)]);
+        p.print_ready().unwrap();
+        assert!(
+            printed(&p).is_empty(),
+            "prompt 0 still has a sample running"
+        );
+        p.take(vec![done(2), done(6), done(4)]);
+        p.print_ready().unwrap();
+        assert_eq!(printed(&p), [(0, 1), (0, 2), (1, 3)]);
+        assert_eq!(p.flush_finished().unwrap(), 1);
+        assert_eq!(printed(&p), [(0, 1), (0, 2), (1, 3), (3, 6)]);
+        assert_eq!(p.finished, 5);
+    }
 }

@@ -55,12 +55,7 @@ pub fn run(a: ScoreArgs) -> Result<()> {
                 )
             })?;
             if a.chat {
-                let tmpl = m.chat_template.as_ref().with_context(|| {
-                    format!(
-                        "--chat needs a chat_template in tokenizer_config.json of `{}`",
-                        a.model
-                    )
-                })?;
+                let tmpl = m.chat_template().context("--chat")?;
                 let msgs = serde_json::json!([{"role": "user", "content": text}]);
                 let rendered = tmpl.render(
                     &msgs,
@@ -101,6 +96,7 @@ pub fn info(a: InfoArgs) -> Result<()> {
     };
     println!("tokenizer:  {}", show(&files.tokenizer));
     println!("tok config: {}", show(&files.tokenizer_config));
+    println!("chat tmpl:  {}", show(&files.chat_template));
     println!("parameters: {:.2}M", cfg.num_parameters() as f64 / 1e6);
     println!("{}", serde_json::to_string_pretty(&cfg)?);
     Ok(())

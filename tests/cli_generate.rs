@@ -121,6 +121,17 @@ fn bad_prompt_files_name_the_file_and_line() {
         ),
         (r#"{"tokens": [1, 2"#.to_string(), "malformed JSON"),
         (r#"{"text": "hi"}"#.to_string(), "expected a `prompt`"),
+        (r#"[1, 2]"#.to_string(), "expected an object"),
+        // One prompt a line: two keys are ambiguous, a mistyped one is named.
+        (
+            r#"{"prompt": "hi", "tokens": [1]}"#.to_string(),
+            "not `prompt` and `tokens`",
+        ),
+        (r#"{"prompt": 5}"#.to_string(), "`prompt` must be a string"),
+        (
+            r#"{"messages": "hi"}"#.to_string(),
+            "`messages` must be a list",
+        ),
         // Text needs a tokenizer, which the fixtures lack.
         (r#"{"prompt": "hi"}"#.to_string(), "tokenizer.json"),
     ];
@@ -130,6 +141,39 @@ fn bad_prompt_files_name_the_file_and_line() {
         assert!(err.contains(&format!("{file}:3")), "{bad}: {err}");
         assert!(err.contains(want), "{bad}: {err}");
     }
+}
+
+/// A byte-order mark before the first line is skipped; a prompt file that
+/// does not exist is reported before the model is loaded.
+#[test]
+fn bom_is_skipped_and_a_missing_file_is_named_first() {
+    let (_dir, file) = prompts_file(&["\u{feff}{\"tokens\": [1, 2, 3]}".to_string()]);
+    let model = fixtures().join("qwen2");
+    let out = arbor(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompts",
+        &file,
+        "--max-tokens",
+        "2",
+        "--json",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 1);
+    let out = arbor(&[
+        "generate",
+        "--model",
+        "/nonexistent/model",
+        "--prompts",
+        "/nonexistent/prompts.jsonl",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("/nonexistent/prompts.jsonl: cannot open"),
+        "{err}"
+    );
 }
 
 #[test]

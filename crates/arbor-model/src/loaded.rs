@@ -50,7 +50,10 @@ pub struct LoadedModel {
     pub config: ModelConfig,
     pub model: Transformer,
     pub tokenizer: Option<Tokenizer>,
-    pub chat_template: Option<ChatTemplate>,
+    /// See [`LoadedModel::chat_template`].
+    chat_template: Option<ChatTemplate>,
+    /// Why there is no chat template, for the error.
+    chat_template_problem: String,
 }
 
 /// Output of [`LoadedModel::score`]: the `arbor score` JSON shape.
@@ -76,14 +79,24 @@ impl LoadedModel {
             .as_ref()
             .map(Tokenizer::from_file)
             .transpose()?;
-        let chat_template = match &files.tokenizer_config {
-            Some(p) => match ChatTemplate::from_tokenizer_config(p) {
-                Ok(t) => Some(t),
-                // A tokenizer_config without a template is normal for base models.
-                Err(ModelError::ConfigKey { key, .. }) if key == "chat_template" => None,
-                Err(e) => return Err(e),
-            },
-            None => None,
+        // A template that does not compile fails only the commands that
+        // use it (`chat_template()` says why), not the model's loading.
+        let (chat_template, chat_template_problem) = match ChatTemplate::from_model_files(
+            files.tokenizer_config.as_deref(),
+            files.chat_template.as_deref(),
+        ) {
+            Ok(Some(t)) => (Some(t), String::new()),
+            Ok(None) => (
+                None,
+                format!(
+                    "`{spec}` has no chat template (no `chat_template` in tokenizer_config.json \
+                     and no chat_template.jinja)"
+                ),
+            ),
+            Err(e) => (
+                None,
+                format!("the chat template of `{spec}` is unusable: {e}"),
+            ),
         };
         Ok(LoadedModel {
             files,
@@ -91,7 +104,18 @@ impl LoadedModel {
             model,
             tokenizer,
             chat_template,
+            chat_template_problem,
         })
+    }
+
+    /// The model's chat template ([`ChatTemplate::from_model_files`]), or
+    /// an error saying there is none or why it cannot be used.
+    pub fn chat_template(&self) -> Result<&ChatTemplate> {
+        self.chat_template
+            .as_ref()
+            .ok_or_else(|| ModelError::Template {
+                msg: self.chat_template_problem.clone(),
+            })
     }
 
     /// Per-position next-token logprobs and greedy tokens of one sequence.

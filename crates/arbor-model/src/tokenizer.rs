@@ -129,6 +129,59 @@ impl ChatTemplate {
                 })
             }
         };
+        Self::new(template, Self::specials(&v)).map_err(|e| match e {
+            ModelError::Template { msg } => ModelError::ConfigKey {
+                path: path.to_path_buf(),
+                key: "chat_template".into(),
+                msg,
+            },
+            other => other,
+        })
+    }
+
+    /// A model's chat template, as transformers finds it: the text of
+    /// `chat_template.jinja` when there is one, else `chat_template` of
+    /// `tokenizer_config.json`, with the special tokens of the latter.
+    /// `Ok(None)` when neither has a template (normal for base models); a
+    /// template that does not compile is an error naming its file.
+    pub fn from_model_files(
+        tokenizer_config: Option<&Path>,
+        jinja: Option<&Path>,
+    ) -> Result<Option<Self>> {
+        let Some(jinja) = jinja else {
+            return match tokenizer_config.map(Self::from_tokenizer_config) {
+                None => Ok(None),
+                Some(Ok(t)) => Ok(Some(t)),
+                Some(Err(ModelError::ConfigKey { key, msg, .. }))
+                    if key == "chat_template" && msg.starts_with("missing") =>
+                {
+                    Ok(None)
+                }
+                Some(Err(e)) => Err(e),
+            };
+        };
+        let template = std::fs::read_to_string(jinja).map_err(|e| ModelError::io(jinja, e))?;
+        let specials = match tokenizer_config {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).map_err(|e| ModelError::io(p, e))?;
+                let v: Value = serde_json::from_str(&text).map_err(|e| ModelError::json(p, &e))?;
+                Self::specials(&v)
+            }
+            None => serde_json::Map::new(),
+        };
+        Self::new(template, specials)
+            .map(Some)
+            .map_err(|e| match e {
+                ModelError::Template { msg } => ModelError::Template {
+                    msg: format!("{}: {msg}", jinja.display()),
+                },
+                other => other,
+            })
+    }
+
+    /// The special tokens of a `tokenizer_config.json` as template
+    /// variables (`bos_token`, ...; a string or an `AddedToken` object).
+    fn specials(v: &Value) -> serde_json::Map<String, Value> {
         let mut specials = serde_json::Map::new();
         for key in ["bos_token", "eos_token", "pad_token", "unk_token"] {
             let tok = match v.get(key) {
@@ -138,14 +191,7 @@ impl ChatTemplate {
             };
             specials.insert(key.into(), tok);
         }
-        Self::new(template, specials).map_err(|e| match e {
-            ModelError::Template { msg } => ModelError::ConfigKey {
-                path: path.to_path_buf(),
-                key: "chat_template".into(),
-                msg,
-            },
-            other => other,
-        })
+        specials
     }
 
     /// Compile `template`; `specials` become template variables (`bos_token`, ...).

@@ -19,6 +19,9 @@ pub struct ModelFiles {
     pub weights: Vec<PathBuf>,
     pub tokenizer: Option<PathBuf>,
     pub tokenizer_config: Option<PathBuf>,
+    /// `chat_template.jinja`: where recent transformers save a model's chat
+    /// template; it takes precedence over `tokenizer_config.json`'s.
+    pub chat_template: Option<PathBuf>,
     /// `generation_config.json` (default stop tokens, sampling defaults).
     pub generation_config: Option<PathBuf>,
 }
@@ -98,6 +101,7 @@ impl ModelFiles {
             weights,
             tokenizer: opt("tokenizer.json"),
             tokenizer_config: opt("tokenizer_config.json"),
+            chat_template: opt("chat_template.jinja"),
             generation_config: opt("generation_config.json"),
         })
     }
@@ -165,6 +169,7 @@ impl ModelFiles {
             weights,
             tokenizer: fetch("tokenizer.json", false)?,
             tokenizer_config: fetch("tokenizer_config.json", false)?,
+            chat_template: fetch("chat_template.jinja", false)?,
             generation_config: fetch("generation_config.json", false)?,
         })
     }

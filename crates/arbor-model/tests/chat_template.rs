@@ -71,3 +71,60 @@ fn missing_template_is_a_clear_error() {
         "{e}"
     );
 }
+
+/// `chat_template.jinja` (where recent transformers save the template)
+/// takes precedence over `tokenizer_config.json`'s template and renders
+/// with that file's special tokens; it works alone too. Neither file with a
+/// template means no template; one that does not compile is an error
+/// naming its file.
+#[test]
+fn chat_template_jinja_is_found_and_takes_precedence() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = d.path().join("tokenizer_config.json");
+    std::fs::write(
+        &cfg,
+        r#"{"chat_template": "config says {{ messages[0].content }}", "bos_token": {"content": "<s>"}}"#,
+    )
+    .unwrap();
+    let jinja = d.path().join("chat_template.jinja");
+    std::fs::write(
+        &jinja,
+        "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}",
+    )
+    .unwrap();
+    let msgs = serde_json::json!([{"role": "user", "content": "hi"}]);
+    let render = |t: ChatTemplate| t.render(&msgs, None, &ChatOptions::default()).unwrap();
+    let both = ChatTemplate::from_model_files(Some(&cfg), Some(&jinja)).unwrap();
+    assert_eq!(render(both.unwrap()), "<s>[user] hi\n");
+    let alone = ChatTemplate::from_model_files(None, Some(&jinja)).unwrap();
+    assert_eq!(render(alone.unwrap()), "[user] hi\n");
+    let config = ChatTemplate::from_model_files(Some(&cfg), None).unwrap();
+    assert_eq!(render(config.unwrap()), "config says hi");
+
+    let base = d.path().join("base_config.json");
+    std::fs::write(&base, r#"{"eos_token": "</s>"}"#).unwrap();
+    assert!(ChatTemplate::from_model_files(Some(&base), None)
+        .unwrap()
+        .is_none());
+    assert!(ChatTemplate::from_model_files(None, None)
+        .unwrap()
+        .is_none());
+
+    let broken = d.path().join("broken.jinja");
+    std::fs::write(&broken, "{% for m in messages %}no end").unwrap();
+    let e = ChatTemplate::from_model_files(Some(&cfg), Some(&broken))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("broken.jinja"), "{e}");
+    let bad_cfg = d.path().join("bad_config.json");
+    std::fs::write(&bad_cfg, r#"{"chat_template": "{% if %}"}"#).unwrap();
+    let e = ChatTemplate::from_model_files(Some(&bad_cfg), None)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("bad_config.json") && e.contains("chat_template"),
+        "{e}"
+    );
+}
