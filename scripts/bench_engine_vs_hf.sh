@@ -16,12 +16,17 @@ PYTHON=${PYTHON:-python3}
 ARBOR=${ARBOR:-target/release/arbor}
 [ -x "$ARBOR" ] || { echo "no $ARBOR: run cargo build --release" >&2; exit 1; }
 out=$(mktemp)
-field='import json,sys; j=json.load(sys.stdin); print(round(j["generated_tokens_per_s"],1), round(j["peak_rss_mib"]))'
+field='import json,sys; j=json.load(sys.stdin); print(round(j["generated_tokens_per_s"],1), round(j["peak_rss_mib"]), j["threads"])'
 for r in $(seq "$ROUNDS"); do
   for b in generate fork; do
     for d in $DTYPES; do
       a=$("$ARBOR" bench "$b" --dtype "$d" --json | "$PYTHON" -c "$field")
-      h=$("$PYTHON" scripts/bench_hf_generate.py "$b" --dtype "$d" | "$PYTHON" -c "$field")
+      # HF gets Arbor's thread count, and must report it back.
+      t=${a##* }
+      a=${a% *}
+      h=$("$PYTHON" scripts/bench_hf_generate.py "$b" --dtype "$d" --threads "$t" | "$PYTHON" -c "$field")
+      [ "${h##* }" = "$t" ] || { echo "thread counts differ: Arbor $t, HF ${h##* }" >&2; exit 1; }
+      h=${h% *}
       echo "round $r $b $d arbor $a hf $h" | tee -a "$out"
     done
   done

@@ -48,7 +48,10 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=None,
                     help="tokens per prompt (default: Arbor's, 64 for generate, 512 for fork)")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    # The CPUs this process may run on (taskset, cgroups' cpusets), as
+    # Rust's available_parallelism counts them for Arbor's thread pool.
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    ap.add_argument("--threads", type=int, default=cpus)
     ap.add_argument("--dtype", choices=["f32", "bf16", "f32-bf16w"], default="f32")
     a = ap.parse_args()
     if a.prompt_len is None:
@@ -56,10 +59,15 @@ def main():
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     cfg = smollm2_135m()
-    model = LlamaForCausalLM(cfg).float().eval()
     if a.dtype == "bf16":
-        model = model.to(torch.bfloat16)
-    elif a.dtype == "f32-bf16w":
+        # Built in bf16, so the peak RSS never holds f32 weights (Arbor's
+        # random weights are made in the target dtype, a matrix at a time).
+        torch.set_default_dtype(torch.bfloat16)
+        model = LlamaForCausalLM(cfg).eval()
+        torch.set_default_dtype(torch.float32)
+    else:
+        model = LlamaForCausalLM(cfg).float().eval()
+    if a.dtype == "f32-bf16w":
         model = model.to(torch.bfloat16).float()
     if a.bench == "generate":
         ids = torch.tensor([bench_prompt(a.prompt_len, i, cfg.vocab_size) for i in range(a.batch)])

@@ -252,9 +252,9 @@ fn run_engine_bench(
         sequences,
         prompt_len,
         new_tokens,
-        threads: std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1),
+        // The pool the kernels run on (RAYON_NUM_THREADS, else the CPUs
+        // this process may use).
+        threads: rayon::current_num_threads(),
         cpu_kernels: arbor_ops::MatmulIsa::detect().name(),
         seconds,
         generated_tokens: st.generated,
@@ -483,9 +483,9 @@ fn model_bench(a: ModelBenchArgs) -> Result<()> {
         batch: b,
         seq: t,
         steps: a.steps,
-        threads: std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1),
+        // The pool the kernels run on (RAYON_NUM_THREADS, else the CPUs
+        // this process may use).
+        threads: rayon::current_num_threads(),
         cpu_kernels: arbor_ops::MatmulIsa::detect().name(),
         forward_tokens_per_s: tokens / fwd,
         forward_backward_tokens_per_s: tokens / fwd_bwd,
