@@ -90,6 +90,11 @@ pub struct GenBenchArgs {
     /// New tokens per sequence (EOS ignored).
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
+    /// Leading tokens every prompt shares (a system prompt; all of
+    /// --prompt-len for a GRPO group sent as separate requests): computed
+    /// once, then served from the prefix cache.
+    #[arg(long, default_value_t = 0)]
+    pub shared_prefix: usize,
 }
 
 #[derive(Debug, Args)]
@@ -114,6 +119,9 @@ struct GenBenchResult {
     device: String,
     sequences: usize,
     prompt_len: usize,
+    /// `bench generate`: leading prompt tokens all prompts share.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    shared_prefix: Option<usize>,
     new_tokens: usize,
     threads: usize,
     /// The CPU matmul kernels (`avx512`, `avx512-bf16`, `avx2`, `portable`).
@@ -211,6 +219,7 @@ fn run_engine_bench(
     model: &arbor_model::Transformer,
     name: String,
     dtype: &str,
+    shared_prefix: Option<usize>,
     jobs: Vec<(Vec<u32>, Vec<arbor_engine::SamplingParams>)>,
     json: bool,
 ) -> Result<()> {
@@ -251,6 +260,7 @@ fn run_engine_bench(
         },
         sequences,
         prompt_len,
+        shared_prefix,
         new_tokens,
         // The pool the kernels run on (RAYON_NUM_THREADS, else the CPUs
         // this process may use).
@@ -276,6 +286,9 @@ fn run_engine_bench(
             "sequences x tokens     {} x ({} prompt + {} new)",
             r.sequences, r.prompt_len, r.new_tokens
         );
+        if let Some(n) = r.shared_prefix.filter(|&n| n > 0) {
+            println!("shared prompt prefix   {n} tokens");
+        }
         println!("threads                {}", r.threads);
         println!("wall time              {:.2} s", r.seconds);
         println!(
@@ -302,15 +315,30 @@ fn generate_bench(a: GenBenchArgs) -> Result<()> {
     if a.batch > MAX_SAMPLES {
         bail!("--batch {} is more than {MAX_SAMPLES} sequences", a.batch);
     }
+    if a.shared_prefix > a.prompt_len {
+        bail!(
+            "--shared-prefix {} is longer than --prompt-len {}",
+            a.shared_prefix,
+            a.prompt_len
+        );
+    }
     let (model, name) = load_fitting(&a.m, a.prompt_len, a.max_tokens)?;
     let vocab = model.cfg.vocab_size;
+    let shared = bench_prompt(a.shared_prefix, u32::MAX as u64, vocab);
     let jobs = (0..a.batch)
         .map(|i| {
             let p = arbor_engine::SamplingParams::greedy(a.max_tokens);
-            (bench_prompt(a.prompt_len, i as u64, vocab), vec![p])
+            let mut prompt = shared.clone();
+            prompt.extend(bench_prompt(
+                a.prompt_len - a.shared_prefix,
+                i as u64,
+                vocab,
+            ));
+            (prompt, vec![p])
         })
         .collect();
-    run_engine_bench("generate", &model, name, &a.m.dtype, jobs, a.m.json)
+    let shared = Some(a.shared_prefix);
+    run_engine_bench("generate", &model, name, &a.m.dtype, shared, jobs, a.m.json)
 }
 
 fn fork_bench(a: ForkBenchArgs) -> Result<()> {
@@ -335,6 +363,7 @@ fn fork_bench(a: ForkBenchArgs) -> Result<()> {
         &model,
         name,
         &a.m.dtype,
+        None,
         vec![(bench_prompt(a.prompt_len, 1, vocab), samples)],
         a.m.json,
     )

@@ -265,3 +265,44 @@ fn benches_refuse_lengths_beyond_the_context() {
         );
     }
 }
+
+/// `bench generate --shared-prefix`: prompts that share their leading
+/// tokens compute the shared full blocks once (block size 16: a 40-token
+/// prompt has two cacheable blocks); a prefix longer than the prompt is
+/// refused.
+#[test]
+fn bench_generate_computes_a_shared_prefix_once() {
+    let model = fixtures().join("qwen2");
+    let m = model.to_str().unwrap();
+    let args = [
+        "bench",
+        "generate",
+        "--model",
+        m,
+        "--batch",
+        "4",
+        "--prompt-len",
+        "40",
+        "--max-tokens",
+        "2",
+        "--json",
+    ];
+    for (shared, computed, cached) in [("0", 160, 0), ("40", 40 + 3 * 8, 3 * 32)] {
+        let mut all = args.to_vec();
+        all.extend(["--shared-prefix", shared]);
+        let out = arbor(&all);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(j["prefill_computed"], computed, "--shared-prefix {shared}");
+        assert_eq!(j["prefill_cached"], cached, "--shared-prefix {shared}");
+    }
+    let mut all = args.to_vec();
+    all.extend(["--shared-prefix", "41"]);
+    let out = arbor(&all);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--shared-prefix 41"));
+}
