@@ -48,8 +48,9 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=None,
                     help="tokens per prompt (default: Arbor's, 64 for generate, 512 for fork)")
     ap.add_argument("--max-tokens", type=int, default=128)
-    # The CPUs this process may run on (taskset, cgroups' cpusets), as
-    # Rust's available_parallelism counts them for Arbor's thread pool.
+    # The CPUs this process may run on (taskset, cgroups' cpusets). Rust's
+    # available_parallelism, Arbor's default, also heeds a cgroup CPU quota
+    # (docker --cpus): scripts/bench_engine_vs_hf.sh passes Arbor's count.
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     ap.add_argument("--threads", type=int, default=cpus)
     ap.add_argument("--dtype", choices=["f32", "bf16", "f32-bf16w"], default="f32")
@@ -87,7 +88,7 @@ def main():
     print(json.dumps({
         "bench": a.bench, "peer": "transformers", "torch": torch.__version__,
         "dtype": a.dtype,
-        "threads": a.threads, "sequences": seqs, "prompt_len": a.prompt_len,
+        "threads": torch.get_num_threads(), "sequences": seqs, "prompt_len": a.prompt_len,
         "new_tokens": a.max_tokens, "seconds": secs, "generated_tokens": gen,
         "generated_tokens_per_s": gen / secs,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

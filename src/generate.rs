@@ -91,16 +91,16 @@ fn read_prompts(path: &Path) -> Result<Vec<(String, PromptIn)>> {
     let mut out = Vec::new();
     for (i, line) in std::io::BufReader::new(f).lines().enumerate() {
         let line = line.with_context(|| format!("{}:{}: cannot read", path.display(), i + 1))?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let at = || format!("{}:{}", path.display(), i + 1);
         // A byte-order mark (some Windows editors write one) is not JSON.
         let line = if i == 0 {
             line.strip_prefix('\u{feff}').unwrap_or(&line)
         } else {
             &line
         };
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at = || format!("{}:{}", path.display(), i + 1);
         let v: serde_json::Value =
             serde_json::from_str(line).with_context(|| format!("{}: malformed JSON", at()))?;
         let obj = v.as_object().with_context(|| {
@@ -316,7 +316,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             let missing = out.flush_finished()?;
             return Err(e).context(format!(
                 "generation stopped: the rows of every prompt whose samples all finished are \
-                 printed; {missing} prompts are missing"
+                 printed; missing: {missing} of {} prompts",
+                groups.len()
             ));
         }
         out.take(engine.take_finished());

@@ -147,21 +147,28 @@ fn bad_prompt_files_name_the_file_and_line() {
 /// does not exist is reported before the model is loaded.
 #[test]
 fn bom_is_skipped_and_a_missing_file_is_named_first() {
-    let (_dir, file) = prompts_file(&["\u{feff}{\"tokens\": [1, 2, 3]}".to_string()]);
-    let model = fixtures().join("qwen2");
-    let out = arbor(&[
-        "generate",
-        "--model",
-        model.to_str().unwrap(),
-        "--prompts",
-        &file,
-        "--max-tokens",
-        "2",
-        "--json",
-    ]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
-    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 1);
+    // Also with the mark alone on a blank first line.
+    let tokens = r#"{"tokens": [1, 2, 3]}"#;
+    for lines in [
+        vec![format!("\u{feff}{tokens}")],
+        vec!["\u{feff}".to_string(), tokens.to_string()],
+    ] {
+        let (_dir, file) = prompts_file(&lines);
+        let model = fixtures().join("qwen2");
+        let out = arbor(&[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompts",
+            &file,
+            "--max-tokens",
+            "2",
+            "--json",
+        ]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{lines:?}: {err}");
+        assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 1);
+    }
     let out = arbor(&[
         "generate",
         "--model",

@@ -692,8 +692,8 @@ impl Engine {
     /// the sequences it was computing give their KV back and wait to be
     /// recomputed, so the engine can step again.
     fn step_here(&mut self) -> Result<usize, EngineError> {
-        // The sequences a failed step requeues count their cache hits and
-        // block copies again when readmitted.
+        // The sequences a failed step requeues count their cache hits again
+        // when readmitted; its block copies are undone with it.
         let (cached, copies) = (self.stats.prefill_cached, self.stats.cow_copies);
         let r = self.try_step();
         if r.is_err() {
@@ -772,8 +772,13 @@ impl Engine {
         }
 
         // 2. Admit waiting sequences while blocks, slots and budget allow.
+        //    A sequence whose next cacheable block another admission
+        //    computes in this step is passed over, keeping its place: next
+        //    step it takes that block from the cache (forks of a sequence
+        //    not yet computed, a group of equal prompts sent one by one).
         let mut admitted: Vec<SeqId> = Vec::new();
-        while let Some(&id) = self.waiting.front() {
+        let mut k = 0;
+        while let Some(&id) = self.waiting.get(k) {
             if self.running.len() >= self.cfg.max_seqs {
                 break;
             }
@@ -781,7 +786,7 @@ impl Engine {
             let (fresh, ok) = self.kv.blocks_needed(&s.tokens);
             let total = self.kv.pool().num_blocks();
             if s.tokens.len().div_ceil(self.cfg.block_size) > total {
-                self.waiting.pop_front();
+                self.waiting.remove(k);
                 let msg = format!(
                     "KV pool too small: {} tokens need {} blocks of {}, the pool has {total}",
                     s.tokens.len(),
@@ -796,16 +801,14 @@ impl Engine {
             }
             let hits = s.tokens.len().div_ceil(self.cfg.block_size) - fresh;
             if self.computes_next_block_of(&admitted, &s.tokens, hits) {
-                // Its next block is being computed this step: wait one step
-                // and take it from the cache (forks of a sequence not yet
-                // computed, a group of equal prompts sent one by one).
-                break;
+                k += 1;
+                continue;
             }
             let work = (fresh * self.cfg.block_size).min(s.tokens.len());
             if work > budget && !scheduled.is_empty() {
                 break;
             }
-            self.waiting.pop_front();
+            self.waiting.remove(k);
             let alloc = self.kv.allocate(id, &self.seqs[&id].tokens)?;
             let s = self.seqs.get_mut(&id).expect("waiting seq exists");
             s.computed = alloc.cached_tokens;

@@ -299,6 +299,36 @@ fn equal_prompts_and_early_forks_compute_the_prefix_once() {
     assert_samples_equal_unshared_runs(&m, &prompt, &forked, &params);
 }
 
+/// GRPO groups sent one sample at a time, group after group: the first
+/// sample of every group starts in the first step and the other samples,
+/// passed over while their prompt's blocks are computed, all start in the
+/// second, from the cache (not one group a step).
+#[test]
+fn interleaved_groups_all_start_by_the_second_step() {
+    let m = fixture("qwen3").model;
+    // 9 tokens: two full blocks of 4 are shareable.
+    let prompts: Vec<Vec<u32>> = (0..4)
+        .map(|t| (10 * t + 1..10 * t + 10).collect())
+        .collect();
+    let mut e = engine(&m, 64, 4);
+    for p in &prompts {
+        for k in 0..4 {
+            e.submit(p.clone(), vec![sampled(5)(k)]).unwrap();
+        }
+    }
+    e.step().unwrap();
+    assert_eq!(e.stats().generated, 4);
+    e.step().unwrap();
+    let st = e.stats();
+    assert_eq!(st.generated, 4 + 16, "every sample runs in step 2");
+    assert_eq!(st.prefill_computed, 4 * 9 + 12);
+    assert_eq!(st.prefill_cached, 12 * 8);
+    let done = by_id(e.run(|_| {}).unwrap());
+    for (t, p) in prompts.iter().enumerate() {
+        assert_samples_equal_unshared_runs(&m, p, &done[4 * t..4 * t + 4], &sampled(5));
+    }
+}
+
 /// Sampling at temperature 1 with seed `k`, at most `max_tokens`.
 fn sampled(max_tokens: usize) -> impl Fn(u64) -> SamplingParams {
     move |seed| SamplingParams {

@@ -89,14 +89,12 @@ impl LoadedModel {
             Ok(None) => (
                 None,
                 format!(
-                    "`{spec}` has no chat template (no `chat_template` in tokenizer_config.json \
-                     and no chat_template.jinja)"
+                    "`{spec}` has none (no `chat_template` in tokenizer_config.json and no \
+                     chat_template.jinja)"
                 ),
             ),
-            Err(e) => (
-                None,
-                format!("the chat template of `{spec}` is unusable: {e}"),
-            ),
+            Err(ModelError::Template { msg }) => (None, format!("`{spec}`'s is unusable: {msg}")),
+            Err(e) => (None, format!("`{spec}`'s is unusable: {e}")),
         };
         Ok(LoadedModel {
             files,

@@ -128,3 +128,39 @@ fn chat_template_jinja_is_found_and_takes_precedence() {
         "{e}"
     );
 }
+
+/// A loaded model says whether it has no chat template or an unusable one
+/// (naming the file), and loads either way.
+#[test]
+fn loaded_models_say_why_they_have_no_template() {
+    let d = tempfile::tempdir().unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixtures().join("qwen2").join(f), d.path().join(f)).unwrap();
+    }
+    let dir = d.path().to_str().unwrap();
+    let load = || arbor_model::LoadedModel::load(dir, &Default::default()).unwrap();
+    let e = load().chat_template().err().unwrap().to_string();
+    assert!(
+        e.contains("has none") && e.contains("chat_template.jinja"),
+        "{e}"
+    );
+    std::fs::write(d.path().join("chat_template.jinja"), "{% if %}").unwrap();
+    let e = load().chat_template().err().unwrap().to_string();
+    assert!(
+        e.contains("unusable") && e.contains("chat_template.jinja:"),
+        "{e}"
+    );
+    assert_eq!(e.matches("chat template").count(), 1, "{e}");
+    std::fs::write(
+        d.path().join("chat_template.jinja"),
+        "[{{ messages[0].content }}]",
+    )
+    .unwrap();
+    let m = load();
+    let msgs = serde_json::json!([{"role": "user", "content": "hi"}]);
+    let t = m.chat_template().unwrap();
+    assert_eq!(
+        t.render(&msgs, None, &ChatOptions::default()).unwrap(),
+        "[hi]"
+    );
+}
