@@ -33,22 +33,20 @@ fn json_rows_match_hf_greedy_generations() {
             .map(|g| serde_json::json!({ "tokens": g["prompt"] }).to_string())
             .collect();
         let (_dir, file) = prompts_file(&lines);
-        let model = fixtures().join(name);
-        let out = arbor(&[
-            "generate",
-            "--model",
-            model.to_str().unwrap(),
-            "--prompts",
+        let out = generate(
+            name,
             &file,
-            "--n",
-            "2",
-            "--temperature",
-            "0",
-            "--max-tokens",
-            "8",
-            "--ignore-eos",
-            "--json",
-        ]);
+            &[
+                "--n",
+                "2",
+                "--temperature",
+                "0",
+                "--max-tokens",
+                "8",
+                "--ignore-eos",
+                "--json",
+            ],
+        );
         assert!(
             out.status.success(),
             "{name}: {}",
@@ -90,6 +88,20 @@ fn json_rows_match_hf_greedy_generations() {
             assert!(row["text"].is_null());
         }
     }
+}
+
+/// Runs `arbor generate` on fixture `name` with the prompts of `file`.
+fn generate(name: &str, file: &str, flags: &[&str]) -> std::process::Output {
+    let model = fixtures().join(name);
+    let mut args = vec![
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompts",
+        file,
+    ];
+    args.extend_from_slice(flags);
+    arbor(&args)
 }
 
 /// Runs `arbor generate` on the qwen2 fixture (context 256) with `args`
@@ -154,17 +166,7 @@ fn bom_is_skipped_and_a_missing_file_is_named_first() {
         vec!["\u{feff}".to_string(), tokens.to_string()],
     ] {
         let (_dir, file) = prompts_file(&lines);
-        let model = fixtures().join("qwen2");
-        let out = arbor(&[
-            "generate",
-            "--model",
-            model.to_str().unwrap(),
-            "--prompts",
-            &file,
-            "--max-tokens",
-            "2",
-            "--json",
-        ]);
+        let out = generate("qwen2", &file, &["--max-tokens", "2", "--json"]);
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{lines:?}: {err}");
         assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 1);
