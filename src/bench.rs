@@ -337,8 +337,15 @@ fn generate_bench(a: GenBenchArgs) -> Result<()> {
             (prompt, vec![p])
         })
         .collect();
-    let shared = Some(a.shared_prefix);
-    run_engine_bench("generate", &model, name, &a.m.dtype, shared, jobs, a.m.json)
+    run_engine_bench(
+        "generate",
+        &model,
+        name,
+        &a.m.dtype,
+        Some(a.shared_prefix),
+        jobs,
+        a.m.json,
+    )
 }
 
 fn fork_bench(a: ForkBenchArgs) -> Result<()> {

@@ -1130,21 +1130,18 @@ mod tests {
         .unwrap()
     }
 
-    fn greedy(max_tokens: usize) -> SamplingParams {
-        SamplingParams {
-            max_tokens,
-            ..Default::default()
-        }
-    }
-
     /// `run` stopped by a failed step hands back nothing, but the
     /// completions it had gathered stay with the engine.
     #[test]
     fn a_failed_run_keeps_the_completions_it_gathered() {
         let m = fixture();
         let mut e = engine(&m);
-        let a = e.submit((1..10).collect(), vec![greedy(4)]).unwrap()[0];
-        let b = e.submit((20..27).collect(), vec![greedy(4)]).unwrap()[0];
+        let a = e
+            .submit((1..10).collect(), vec![SamplingParams::greedy(4)])
+            .unwrap()[0];
+        let b = e
+            .submit((20..27).collect(), vec![SamplingParams::greedy(4)])
+            .unwrap()[0];
         e.abort(a).unwrap();
         e.fail_next_forward = true;
         assert!(e.run(|_| {}).is_err());
@@ -1166,10 +1163,11 @@ mod tests {
         let m = fixture();
         let mut e = engine(&m);
         let prompt: Vec<u32> = (1..10).collect();
-        e.submit(prompt.clone(), vec![greedy(1)]).unwrap();
+        e.submit(prompt.clone(), vec![SamplingParams::greedy(1)])
+            .unwrap();
         e.run(|_| {}).unwrap();
         assert_eq!(e.stats().prefill_cached, 0);
-        e.submit(prompt, vec![greedy(1)]).unwrap();
+        e.submit(prompt, vec![SamplingParams::greedy(1)]).unwrap();
         e.fail_next_forward = true;
         assert!(e.step().is_err());
         e.run(|_| {}).unwrap();
@@ -1203,16 +1201,7 @@ mod tests {
     fn a_failed_step_reserves_nothing_and_the_engine_goes_on() {
         let m = fixture();
         let run = |fail_before: &[usize]| {
-            let mut e = Engine::new(
-                &m,
-                None,
-                EngineConfig {
-                    block_size: 4,
-                    num_blocks: 64,
-                    ..Default::default()
-                },
-            )
-            .unwrap();
+            let mut e = engine(&m);
             for (i, p) in [(1..10).collect::<Vec<u32>>(), (20..27).collect()]
                 .into_iter()
                 .enumerate()

@@ -204,7 +204,22 @@ impl BlockPool {
         tokens: &[u32],
         version: u64,
     ) -> Option<(BlockId, Link)> {
-        let hash = (self.hash)(parent.hash, tokens, version);
+        self.lookup(
+            (self.hash)(parent.hash, tokens, version),
+            parent,
+            tokens,
+            version,
+        )
+    }
+
+    /// [`BlockPool::peek_cached`] with the key's hash already computed.
+    fn lookup(
+        &self,
+        hash: u64,
+        parent: Link,
+        tokens: &[u32],
+        version: u64,
+    ) -> Option<(BlockId, Link)> {
         let &b = self.by_hash.get(&hash)?;
         let k = self.key[b as usize].as_ref()?;
         (k.parent == parent && k.version == version && k.tokens == tokens)
@@ -232,10 +247,10 @@ impl BlockPool {
         version: u64,
     ) -> Option<Link> {
         debug_assert_eq!(tokens.len(), self.block_size);
-        if let Some((_, link)) = self.peek_cached(parent, tokens, version) {
+        let hash = (self.hash)(parent.hash, tokens, version);
+        if let Some((_, link)) = self.lookup(hash, parent, tokens, version) {
             return Some(link);
         }
-        let hash = (self.hash)(parent.hash, tokens, version);
         if self.key[b as usize].is_some() || self.by_hash.contains_key(&hash) {
             return None;
         }

@@ -105,37 +105,10 @@ impl ChatTemplate {
     /// Read `chat_template` and the special tokens from `tokenizer_config.json`.
     pub fn from_tokenizer_config(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
-        let v: Value = serde_json::from_str(&text).map_err(|e| ModelError::json(path, &e))?;
-        let template = match v.get("chat_template") {
-            Some(Value::String(s)) => s.clone(),
-            // Newer configs may hold a list of named templates.
-            Some(Value::Array(list)) => list
-                .iter()
-                .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
-                .and_then(|t| t.get("template"))
-                .and_then(Value::as_str)
-                .map(str::to_string)
-                .ok_or_else(|| ModelError::ConfigKey {
-                    path: path.to_path_buf(),
-                    key: "chat_template".into(),
-                    msg: "a list without a `default` template".into(),
-                })?,
-            _ => {
-                return Err(ModelError::ConfigKey {
-                    path: path.to_path_buf(),
-                    key: "chat_template".into(),
-                    msg: "missing; this tokenizer has no chat template".into(),
-                })
-            }
-        };
-        Self::new(template, Self::specials(&v)).map_err(|e| match e {
-            ModelError::Template { msg } => ModelError::ConfigKey {
-                path: path.to_path_buf(),
-                key: "chat_template".into(),
-                msg,
-            },
-            other => other,
+        Self::from_model_files(Some(path), None)?.ok_or_else(|| ModelError::ConfigKey {
+            path: path.to_path_buf(),
+            key: "chat_template".into(),
+            msg: "missing; this tokenizer has no chat template".into(),
         })
     }
 
@@ -148,33 +121,52 @@ impl ChatTemplate {
         tokenizer_config: Option<&Path>,
         jinja: Option<&Path>,
     ) -> Result<Option<Self>> {
-        let Some(jinja) = jinja else {
-            return match tokenizer_config.map(Self::from_tokenizer_config) {
-                None => Ok(None),
-                Some(Ok(t)) => Ok(Some(t)),
-                Some(Err(ModelError::ConfigKey { key, msg, .. }))
-                    if key == "chat_template" && msg.starts_with("missing") =>
-                {
-                    Ok(None)
-                }
-                Some(Err(e)) => Err(e),
-            };
-        };
-        let template = std::fs::read_to_string(jinja).map_err(|e| ModelError::io(jinja, e))?;
-        let specials = match tokenizer_config {
+        let config = match tokenizer_config {
             Some(p) => {
                 let text = std::fs::read_to_string(p).map_err(|e| ModelError::io(p, e))?;
                 let v: Value = serde_json::from_str(&text).map_err(|e| ModelError::json(p, &e))?;
-                Self::specials(&v)
+                Some((p, v))
             }
-            None => serde_json::Map::new(),
+            None => None,
+        };
+        let specials = config
+            .as_ref()
+            .map_or_else(serde_json::Map::new, |(_, v)| Self::specials(v));
+        if let Some(jinja) = jinja {
+            let template = std::fs::read_to_string(jinja).map_err(|e| ModelError::io(jinja, e))?;
+            return Self::new(template, specials)
+                .map(Some)
+                .map_err(|e| match e {
+                    ModelError::Template { msg } => ModelError::Template {
+                        msg: format!("{}: {msg}", jinja.display()),
+                    },
+                    other => other,
+                });
+        }
+        let Some((path, v)) = config else {
+            return Ok(None);
+        };
+        let bad = |msg: String| ModelError::ConfigKey {
+            path: path.to_path_buf(),
+            key: "chat_template".into(),
+            msg,
+        };
+        let template = match v.get("chat_template") {
+            Some(Value::String(s)) => s.clone(),
+            // Newer configs may hold a list of named templates.
+            Some(Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                .and_then(|t| t.get("template"))
+                .and_then(Value::as_str)
+                .map(str::to_string)
+                .ok_or_else(|| bad("a list without a `default` template".into()))?,
+            _ => return Ok(None),
         };
         Self::new(template, specials)
             .map(Some)
             .map_err(|e| match e {
-                ModelError::Template { msg } => ModelError::Template {
-                    msg: format!("{}: {msg}", jinja.display()),
-                },
+                ModelError::Template { msg } => bad(msg),
                 other => other,
             })
     }
