@@ -70,7 +70,7 @@ fn bench_device(name: &str) -> Result<Device> {
                 bail!("this arbor was built without CUDA; rebuild with `--features cuda` (see scripts/gpu-check.sh)");
             }
             let d = if d == "cuda" { "cuda:0" } else { d };
-            arbor_train::run::parse_device(d)
+            arbor_train::parse_device(d)
                 .map_err(|e| anyhow::anyhow!("no usable CUDA device `{d}`: {e}"))
         }
         other => bail!("--device must be cpu, cuda or cuda:N, not `{other}`"),

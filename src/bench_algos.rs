@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use arbor_model::CriticMode;
-use arbor_train::run::{read_metrics, Algo, TrainConfig, Trainer};
+use arbor_train::{read_metrics, Algo, TrainConfig, Trainer};
 use clap::Args;
 use serde::Serialize;
 

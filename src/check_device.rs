@@ -104,7 +104,7 @@ pub fn run(a: CheckDeviceArgs) -> Result<()> {
             if !cfg!(feature = "cuda") {
                 bail!("this arbor was built without CUDA; rebuild with `--features cuda` (see scripts/gpu-check.sh) or pass --device cpu");
             }
-            arbor_train::run::parse_device(&format!("cuda:{}", a.ordinal)).map_err(|e| {
+            arbor_train::parse_device(&format!("cuda:{}", a.ordinal)).map_err(|e| {
                 anyhow::anyhow!("no usable CUDA device: {e} (is the NVIDIA driver loaded, libcuda.so.1 the driver's?)")
             })?
         }

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use arbor_train::run::{read_metrics, StepMetrics, TrainConfig, Trainer};
+use arbor_train::{read_metrics, StepMetrics, TrainConfig, Trainer};
 use clap::Args;
 
 /// The embedded quickstart config (`configs/quickstart.toml`).
@@ -43,10 +43,10 @@ pub fn run(a: TrainArgs) -> Result<()> {
     };
     let mut cfg = TrainConfig::from_toml(&text, &origin)?;
     if let Some(d) = &a.device {
-        arbor_train::run::parse_device(d).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
+        arbor_train::parse_device(d).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
         cfg.device = d.clone();
     } else {
-        arbor_train::run::parse_device(&cfg.device)
+        arbor_train::parse_device(&cfg.device)
             .map_err(|e| anyhow::anyhow!("{origin}: key `device`: {e}"))?;
     }
     let out = a.out.clone().unwrap_or_else(|| {

@@ -2,21 +2,33 @@
 //!
 //! Arbor's training loop. One step:
 //!
-//! 1. rollouts on [`arbor_engine::Engine`] over the learner's own weights
-//!    (GRPO groups, or a FOCUS tree whose continuations the allocator places
-//!    by expected critic-MSE reduction) — [`rollout`];
-//! 2. credit from [`arbor_rl`] (group-relative, or Eq. 1 backups + TD
-//!    advantages + critic targets), flattened into per-token loss rows;
+//! 1. tasks from the [`tasks::TaskSampler`];
+//! 2. rollouts on [`arbor_engine::Engine`] over the learner's own weights
+//!    and their credit from [`arbor_rl`], by the configured method's
+//!    [`rollout::RolloutPolicy`] (GRPO groups, a FOCUS tree whose
+//!    continuations the allocator places by expected critic-MSE reduction,
+//!    Prefix Sampling, PPO, VinePPO), flattened into per-token loss rows;
 //! 3. the masked clipped-PPO and value update with AdamW — [`learner`],
 //!    [`optim`];
-//! 4. the engine's KV cache is invalidated: the weights changed.
+//! 4. the engine's KV cache is invalidated: the weights changed;
+//! 5. evaluation, [`metrics`] and [`checkpoint`]s.
+//!
+//! [`trainer::Trainer`] runs the loop; [`config::TrainConfig`] is the whole
+//! run's configuration.
 
+pub mod checkpoint;
+pub mod config;
 pub mod learner;
+pub mod metrics;
 pub mod optim;
 pub mod rollout;
-pub mod run;
 pub mod tasks;
 pub mod tensorboard;
+pub mod trainer;
+
+pub use config::{parse_device, Algo, TrainConfig};
+pub use metrics::{read_metrics, StepMetrics, Summary};
+pub use trainer::Trainer;
 
 /// Errors of the trainer.
 #[derive(Debug, thiserror::Error)]
@@ -35,6 +47,8 @@ pub enum TrainError {
     Engine(#[from] arbor_engine::EngineError),
     #[error(transparent)]
     Rl(#[from] arbor_rl::RlError),
+    #[error(transparent)]
+    Env(#[from] arbor_env::EnvError),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
     #[error(transparent)]

@@ -1,7 +1,7 @@
 //! Every algorithm runs through the trainer on the synthetic task and
 //! trains on policy tokens.
 
-use arbor_train::run::{read_metrics, TrainConfig, Trainer};
+use arbor_train::{read_metrics, TrainConfig, Trainer};
 
 fn config(algo: &str, critic: &str) -> String {
     format!(
@@ -163,7 +163,7 @@ fn lora_policy_trains_and_resumes_exactly() {
     t.run(|_| {}).unwrap();
     let got = read_metrics(&part.path().join("metrics.jsonl")).unwrap();
     assert_eq!(got.len(), 3);
-    let strip = |m: &arbor_train::run::StepMetrics| {
+    let strip = |m: &arbor_train::StepMetrics| {
         let mut m = m.clone();
         m.time_generate_s = 0.0;
         m.time_env_s = 0.0;

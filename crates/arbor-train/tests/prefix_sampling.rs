@@ -2,7 +2,7 @@
 //! replay prefixes of their own trajectories (masked), the controller state
 //! is updated and checkpointed.
 
-use arbor_train::run::{read_metrics, TrainConfig, Trainer};
+use arbor_train::{read_metrics, TrainConfig, Trainer};
 
 const CONFIG: &str = r#"
 seed = 1

@@ -1,0 +1,501 @@
+//! The run's configuration: one struct tree read from TOML, every section
+//! with a `Default`, unknown keys refused, and [`TrainConfig::validate`]
+//! naming the key of any value out of range.
+//!
+//! ```toml
+//! seed = 0
+//! steps = 100
+//! algo = "focus"            # focus | grpo | ps | ppo | vineppo
+//! prompts_per_step = 16
+//! samples_per_prompt = 8
+//! [model]      # ModelSpec
+//! [task]       # TaskConfig (tasks.rs)
+//! [warmup]     # WarmupConfig
+//! [optimizer]  # AdamWConfig (optim.rs)
+//! [learner]    # LearnerConfig (learner.rs)
+//! [focus]      # FocusConfig
+//! [ps]         # PsSettings
+//! [ppo]        # PpoSettings
+//! ```
+
+use arbor_model::{Arch, CriticMode, ModelConfig, RopeScaling};
+use candle_core::Device;
+use serde::{Deserialize, Serialize};
+
+use crate::learner::LearnerConfig;
+use crate::optim::AdamWConfig;
+pub use crate::tasks::TaskConfig;
+use crate::TrainError;
+
+/// Rollout allocation / credit method.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Algo {
+    /// FOCUS tree allocation, Eq. 1 backups, TD advantages, critic targets.
+    Focus,
+    /// GRPO groups of `samples_per_prompt` full rollouts.
+    Grpo,
+    /// Prefix Sampling on GRPO groups: skewed groups are replaced by
+    /// re-rollouts from replayed prefixes of their own trajectories.
+    Ps,
+    /// PPO with a per-segment critic and GAE (`ppo.gamma`, `ppo.lambda`);
+    /// `samples_per_prompt` full rollouts per task.
+    Ppo,
+    /// VinePPO: one main rollout per task and `samples_per_prompt`
+    /// Monte-Carlo continuations from each of its states (`ppo.gamma`).
+    Vineppo,
+}
+
+impl Algo {
+    /// Whether the method trains a critic (FOCUS, PPO).
+    pub fn has_critic(self) -> bool {
+        matches!(self, Algo::Focus | Algo::Ppo)
+    }
+}
+
+/// The policy model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelSpec {
+    /// An HF checkpoint to train (directory or `org/name`); when set, the
+    /// size fields below are ignored. Without it, a tiny Qwen3-architecture
+    /// model sized for the built-in vocabulary is randomly initialised from
+    /// the run seed.
+    pub path: Option<String>,
+    /// Width of the residual stream of the tiny model (>= 1).
+    pub hidden_size: usize,
+    /// Decoder layers of the tiny model (>= 1).
+    pub layers: usize,
+    /// Query heads of the tiny model (a multiple of `kv_heads`).
+    pub heads: usize,
+    /// Key/value heads of the tiny model (grouped-query attention, >= 1).
+    pub kv_heads: usize,
+    /// Width of one attention head of the tiny model (even, for RoPE).
+    pub head_dim: usize,
+    /// Hidden width of the tiny model's SwiGLU MLP (>= 1).
+    pub intermediate_size: usize,
+    /// LoRA on the policy (`[model.lora]`: rank, alpha, targets): the base
+    /// weights stay frozen, adapters train; checkpoints keep the adapters
+    /// (`policy_lora.safetensors`) and export the merged model under `policy/`.
+    pub lora: Option<arbor_model::LoraConfig>,
+}
+
+impl Default for ModelSpec {
+    fn default() -> Self {
+        ModelSpec {
+            path: None,
+            hidden_size: 64,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            intermediate_size: 128,
+            lora: None,
+        }
+    }
+}
+
+impl ModelSpec {
+    /// The tiny model's architecture for a vocabulary of `vocab` tokens.
+    pub(crate) fn config(&self, vocab: usize) -> ModelConfig {
+        ModelConfig {
+            arch: Arch::Qwen3,
+            vocab_size: vocab,
+            hidden_size: self.hidden_size,
+            intermediate_size: self.intermediate_size,
+            num_hidden_layers: self.layers,
+            num_attention_heads: self.heads,
+            num_key_value_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            rms_norm_eps: 1e-6,
+            rope_theta: 10000.0,
+            rope_scaling: RopeScaling::Default,
+            max_position_embeddings: 1024,
+            tie_word_embeddings: true,
+            qkv_bias: false,
+            o_bias: false,
+            qk_norm: true,
+            torch_dtype: Some("float32".into()),
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        }
+    }
+}
+
+/// Supervised warm-up on the task's demonstrations (synthetic tasks only).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WarmupConfig {
+    /// Most supervised steps (0: no warm-up).
+    pub steps: u64,
+    /// Demonstrations per supervised step (>= 1).
+    pub batch: usize,
+    /// Learning rate of the warm-up (constant; the RL optimizer starts
+    /// fresh after it).
+    pub lr: f64,
+    /// Stop early once the greedy pass rate on the held-out eval tasks
+    /// reaches this, in `[0, 1]` (checked every `check_every` steps), so RL
+    /// starts from a comparable policy whatever the seed or machine.
+    pub stop_at_eval: Option<f64>,
+    /// Supervised steps between two checks of `stop_at_eval`.
+    pub check_every: u64,
+}
+
+impl Default for WarmupConfig {
+    fn default() -> Self {
+        WarmupConfig {
+            steps: 0,
+            batch: 32,
+            lr: 3e-3,
+            stop_at_eval: None,
+            check_every: 10,
+        }
+    }
+}
+
+/// FOCUS settings (`[focus]`; ../docs: Eq. 1 backups and the allocator).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FocusConfig {
+    /// Prior strength `kappa >= 0` of the critic in the Eq. 1 backup
+    /// `Gbar(s) = (kappa V(s) + sum_c n_c G(c)) / (kappa + sum_c n_c)`.
+    pub kappa: f64,
+    /// Discount `gamma` in `(0, 1]` of the backups and TD advantages.
+    pub gamma: f64,
+    /// TD(lambda) mixing in `[0, 1]` of the advantages (0: one-step TD
+    /// residuals; 1: Monte-Carlo-like returns through the backups).
+    pub lambda: f64,
+    /// Continuations in flight at once (the engine batch, >= 1).
+    pub worker_capacity: u32,
+}
+
+impl Default for FocusConfig {
+    fn default() -> Self {
+        FocusConfig {
+            kappa: 1.0,
+            gamma: 1.0,
+            lambda: 0.0,
+            worker_capacity: 64,
+        }
+    }
+}
+
+/// Discounting of the critic-based baselines (`[ppo]`): PPO's GAE and
+/// VinePPO's Monte-Carlo advantages.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PpoSettings {
+    /// Discount `gamma` in `(0, 1]` per segment.
+    pub gamma: f64,
+    /// GAE `lambda` in `[0, 1]` (PPO only; 0: one-step TD residuals).
+    pub lambda: f64,
+}
+
+impl Default for PpoSettings {
+    fn default() -> Self {
+        PpoSettings {
+            gamma: 1.0,
+            lambda: 0.0,
+        }
+    }
+}
+
+/// Prefix Sampling settings (`[ps]`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PsSettings {
+    /// Half-width in `[0, 0.5]` of the balanced band around 1/2: groups whose
+    /// pass rate is inside are kept as they are.
+    pub band: f64,
+    /// The per-bucket ratio controller (`eta = 0`: fixed ratios).
+    pub controller: arbor_rl::prefix::ControllerConfig,
+    /// Hold each step's generated tokens to the GRPO baseline's budget: the
+    /// first pass runs on `(1 - reserve) * prompts_per_step` prompts, the
+    /// budget is `prompts_per_step * samples_per_prompt` times the first
+    /// pass's mean trajectory length, and re-rollouts spend the rest
+    /// (a skewed group whose re-rollouts would not fit keeps its members).
+    pub match_budget: bool,
+    /// Share of the budget kept for re-rollouts, in `(0, 1)`.
+    pub reserve: f64,
+}
+
+impl Default for PsSettings {
+    fn default() -> Self {
+        PsSettings {
+            band: 0.125,
+            controller: arbor_rl::prefix::ControllerConfig::default(),
+            match_budget: true,
+            reserve: 0.25,
+        }
+    }
+}
+
+/// A whole training run. Unknown keys are errors; omitted keys take the
+/// defaults below (those of the embedded quickstart's scale).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Seed of the model's initialisation, the task order and sampling.
+    pub seed: u64,
+    /// RL steps (>= 1).
+    pub steps: u64,
+    /// Rollout allocation and credit method.
+    pub algo: Algo,
+    /// Tasks per step (>= 1).
+    pub prompts_per_step: usize,
+    /// GRPO group size (>= 2 for GRPO, PS, PPO and VinePPO's Monte-Carlo
+    /// count); FOCUS spends `prompts_per_step * samples_per_prompt`
+    /// continuations, so every method uses the same budget of continuations.
+    pub samples_per_prompt: usize,
+    /// Sampling temperature of the rollouts (> 0).
+    pub temperature: f32,
+    /// The policy model.
+    pub model: ModelSpec,
+    /// The task the policy trains on.
+    pub task: TaskConfig,
+    /// Supervised warm-up before RL.
+    pub warmup: WarmupConfig,
+    /// AdamW and its schedule (`total_steps` is set from `steps * epochs`).
+    pub optimizer: AdamWConfig,
+    /// The PPO / value update.
+    pub learner: LearnerConfig,
+    /// FOCUS allocation and credit.
+    pub focus: FocusConfig,
+    /// Prefix Sampling.
+    pub ps: PsSettings,
+    /// PPO's and VinePPO's discounting.
+    pub ppo: PpoSettings,
+    /// First RL steps that train only the critic (FOCUS, PPO).
+    pub critic_warmup_steps: u64,
+    /// Evaluate (greedy pass rate on held-out tasks) every N steps (>= 1),
+    /// and after the last.
+    pub eval_every: u64,
+    /// Held-out tasks per evaluation (capped by a dataset's size).
+    pub eval_tasks: usize,
+    /// Write a checkpoint every N steps (0: only at the end).
+    pub checkpoint_every: u64,
+    /// Checkpoints kept on disk (the newest; at least 1).
+    pub keep_last: usize,
+    /// KV-cache memory of the rollout engine, MiB.
+    pub kv_memory_mib: usize,
+    /// Where the policy, critic, optimizer state and rollout KV live:
+    /// `cpu` (default), `cuda` or `cuda:N` (needs a `--features cuda`
+    /// build). Resume is bit-exact on the CPU.
+    pub device: String,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            seed: 0,
+            steps: 100,
+            algo: Algo::Focus,
+            prompts_per_step: 16,
+            samples_per_prompt: 8,
+            temperature: 1.0,
+            model: ModelSpec::default(),
+            task: TaskConfig::default(),
+            warmup: WarmupConfig::default(),
+            optimizer: AdamWConfig::default(),
+            learner: LearnerConfig::default(),
+            focus: FocusConfig::default(),
+            ps: PsSettings::default(),
+            ppo: PpoSettings::default(),
+            critic_warmup_steps: 0,
+            eval_every: 10,
+            eval_tasks: 64,
+            checkpoint_every: 10,
+            keep_last: 2,
+            kv_memory_mib: 256,
+            device: "cpu".into(),
+        }
+    }
+}
+
+/// The first line of an error (candle's carry a backtrace).
+fn first_line(e: &dyn std::fmt::Display) -> String {
+    e.to_string().lines().next().unwrap_or_default().to_string()
+}
+
+/// `cpu`, `cuda` or `cuda:N` as a candle device.
+pub fn parse_device(spec: &str) -> Result<Device, String> {
+    match spec {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Device::new_cuda(0)
+            .map_err(|e| format!("cannot open CUDA device 0: {}", first_line(&e))),
+        s => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => Device::new_cuda(n)
+                .map_err(|e| format!("cannot open CUDA device {n}: {}", first_line(&e))),
+            _ => Err(format!("`{s}` is not cpu, cuda or cuda:N")),
+        },
+    }
+}
+
+impl TrainConfig {
+    /// Prompts of a budget-matched PS step's first pass:
+    /// `floor((1 - reserve) * prompts_per_step)`.
+    pub fn ps_first_pass_prompts(&self) -> usize {
+        (self.prompts_per_step as f64 * (1.0 - self.ps.reserve)).floor() as usize
+    }
+
+    /// Parse TOML; errors name the key (and line).
+    pub fn from_toml(text: &str, origin: &str) -> Result<Self, TrainError> {
+        let cfg: TrainConfig =
+            toml::from_str(text).map_err(|e| TrainError::Config(format!("{origin}: {e}")))?;
+        cfg.validate(origin)?;
+        Ok(cfg)
+    }
+
+    /// Check every value's range; the error names `origin` and the key.
+    pub fn validate(&self, origin: &str) -> Result<(), TrainError> {
+        let bad = |k: &str, m: &str| Err(TrainError::Config(format!("{origin}: key `{k}`: {m}")));
+        if self.steps == 0 {
+            return bad("steps", "must be >= 1");
+        }
+        if self.prompts_per_step == 0 {
+            return bad(
+                "prompts_per_step",
+                "must be >= 1 (a budget of 0 generates nothing)",
+            );
+        }
+        if self.samples_per_prompt == 0 || (self.algo != Algo::Focus && self.samples_per_prompt < 2)
+        {
+            return bad(
+                "samples_per_prompt",
+                "must be >= 1 (>= 2 for GRPO and PS groups)",
+            );
+        }
+        if self.temperature.is_nan() || self.temperature <= 0.0 {
+            return bad("temperature", "must be > 0 for RL sampling");
+        }
+        if self.eval_every == 0 {
+            return bad("eval_every", "must be >= 1");
+        }
+        let dev_ok = self.device == "cpu"
+            || self.device == "cuda"
+            || self
+                .device
+                .strip_prefix("cuda:")
+                .is_some_and(|n| n.parse::<usize>().is_ok());
+        if !dev_ok {
+            return bad("device", "must be cpu, cuda or cuda:N");
+        }
+        if self.learner.critic == CriticMode::Separate && !self.algo.has_critic() {
+            return bad(
+                "learner.critic",
+                "GRPO, PS and VinePPO train no critic; use `shared`",
+            );
+        }
+        if let Err(e) = self.ps.controller.validate() {
+            return bad("ps.controller", &e.to_string());
+        }
+        if !(self.ppo.gamma > 0.0 && self.ppo.gamma <= 1.0) {
+            return bad("ppo.gamma", "must be in (0, 1]");
+        }
+        if !(0.0..=1.0).contains(&self.ppo.lambda) {
+            return bad("ppo.lambda", "must be in [0, 1]");
+        }
+        if let Some(l) = &self.model.lora {
+            if let Err(e) = l.validate() {
+                return bad("model.lora", &e);
+            }
+        }
+        if self.algo == Algo::Ps && self.ps.match_budget {
+            if !(self.ps.reserve > 0.0 && self.ps.reserve < 1.0) {
+                return bad("ps.reserve", "must be in (0, 1) with ps.match_budget");
+            }
+            let first = self.ps_first_pass_prompts();
+            if first == 0 || first >= self.prompts_per_step {
+                return bad(
+                    "ps.reserve",
+                    &format!(
+                        "with prompts_per_step = {}, the first pass would run on {first} prompts \
+                         and leave no budget for re-rollouts (need 1..{}); raise \
+                         prompts_per_step or set ps.match_budget = false",
+                        self.prompts_per_step,
+                        self.prompts_per_step - 1
+                    ),
+                );
+            }
+        }
+        let text_task = |what: &str, max_tokens: usize| {
+            if self.model.path.is_none() {
+                return bad(
+                    "model.path",
+                    &format!("{what} tasks need an HF model (with its tokenizer)"),
+                );
+            }
+            if max_tokens == 0 {
+                return bad("task.max_tokens", "must be >= 1");
+            }
+            if self.warmup.steps > 0 {
+                return bad(
+                    "warmup.steps",
+                    "the supervised warm-up only exists for synthetic tasks; set 0",
+                );
+            }
+            Ok(())
+        };
+        match &self.task {
+            TaskConfig::RunningSum { difficulty } | TaskConfig::Register { difficulty, .. } => {
+                if *difficulty == 0 || *difficulty > 64 {
+                    return bad("task.difficulty", "must be in 1..=64");
+                }
+            }
+            TaskConfig::Math { max_tokens, .. } => text_task("math", *max_tokens)?,
+            TaskConfig::Swe {
+                max_tokens,
+                max_turns,
+                holdout_every,
+                ..
+            } => {
+                text_task("SWE", *max_tokens)?;
+                if *max_turns == 0 {
+                    return bad("task.max_turns", "must be >= 1");
+                }
+                if *holdout_every < 2 {
+                    return bad("task.holdout_every", "must be >= 2");
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The defaults are a valid run, and an empty file is the defaults.
+    #[test]
+    fn defaults_are_valid_and_an_empty_file_is_the_defaults() {
+        TrainConfig::default().validate("default").unwrap();
+        assert_eq!(
+            TrainConfig::from_toml("", "empty.toml").unwrap(),
+            TrainConfig::default()
+        );
+    }
+
+    /// The embedded quickstart parses and only sets keys that exist.
+    #[test]
+    fn quickstart_parses() {
+        let text = include_str!("../../../configs/quickstart.toml");
+        let cfg = TrainConfig::from_toml(text, "quickstart.toml").unwrap();
+        assert_eq!(cfg.algo, Algo::Focus);
+    }
+
+    /// PPO's discount lives in `[ppo]`, checked there.
+    #[test]
+    fn ppo_discount_is_its_own_section() {
+        let e = TrainConfig::from_toml("algo = \"ppo\"\n[ppo]\ngamma = 0\n", "c.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("c.toml") && e.contains("ppo.gamma"), "{e}");
+        let e = TrainConfig::from_toml("[ppo]\nlambda = 1.5\n", "c.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("ppo.lambda"), "{e}");
+        let cfg = TrainConfig::from_toml("[ppo]\ngamma = 0.9\nlambda = 0.95\n", "c.toml").unwrap();
+        assert_eq!((cfg.ppo.gamma, cfg.ppo.lambda), (0.9, 0.95));
+    }
+}

@@ -1,0 +1,295 @@
+//! Continuations: each runs from a tree state to the end of its episode,
+//! all live ones batched through the engine together, then recorded as
+//! tree steps.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use arbor_engine::{Engine, SamplingParams};
+use arbor_rl::{NodeId, RolloutTree, Segment, Step, TokenKind};
+
+use super::{RolloutConfig, RolloutStats, TokenEpisode};
+use crate::learner::Learner;
+use crate::TrainError;
+
+/// One finished segment: action tokens, their logprobs, the observation,
+/// the environment state after it, and the terminal reward if it ended.
+pub(crate) struct SegmentRecord {
+    pub(crate) action: Vec<u32>,
+    pub(crate) logprobs: Vec<f32>,
+    pub(crate) observation: Vec<u32>,
+    /// The environment after this segment (kept only where later work
+    /// starts from it: FOCUS, PS sources, VinePPO; a SWE snapshot is a
+    /// workspace copy).
+    pub(crate) env_after: Option<Box<dyn TokenEpisode>>,
+    pub(crate) reward: Option<f64>,
+}
+
+/// One continuation: where it starts in the tree, its context so far, its
+/// environment, and the segments it has generated.
+pub(crate) struct Cont {
+    pub(crate) ticket: Option<arbor_rl::Ticket>,
+    pub(crate) from: NodeId,
+    pub(crate) context: Vec<u32>,
+    pub(crate) env: Box<dyn TokenEpisode>,
+    /// Replayed prefix (Prefix Sampling): (action, observation) per segment,
+    /// already executed in `env`; masked in the loss.
+    pub(crate) replayed: Vec<(Vec<u32>, Vec<u32>)>,
+    pub(crate) steps: Vec<SegmentRecord>,
+    pub(crate) done: bool,
+}
+
+impl Cont {
+    /// A continuation from `from` with `context` and environment `env`
+    /// (`ticket`: the tree's in-flight record, where the tree tracks it).
+    pub(crate) fn new(
+        ticket: Option<arbor_rl::Ticket>,
+        from: NodeId,
+        context: Vec<u32>,
+        env: Box<dyn TokenEpisode>,
+    ) -> Self {
+        Cont {
+            ticket,
+            from,
+            context,
+            env,
+            replayed: Vec::new(),
+            steps: Vec::new(),
+            done: false,
+        }
+    }
+
+    /// Whether the episode ended with reward >= 1.
+    pub(crate) fn succeeded(&self) -> bool {
+        self.steps.last().and_then(|s| s.reward).unwrap_or(0.0) >= 1.0
+    }
+}
+
+/// Run every continuation to the end of its episode, batching all live
+/// continuations' next segments through the engine together.
+pub(crate) fn run_conts(
+    engine: &mut Engine,
+    conts: &mut [Cont],
+    cfg: &RolloutConfig,
+    seed: &mut u64,
+    stats: &mut RolloutStats,
+    keep_snapshots: bool,
+) -> Result<(), TrainError> {
+    loop {
+        // A context that has no room for another token ends truncated
+        // (reward 0) instead of failing the step (long multi-turn episodes).
+        let room = engine.max_context();
+        for c in conts
+            .iter_mut()
+            .filter(|c| !c.done && c.context.len() + 1 >= room)
+        {
+            end_episode(c, stats);
+            match c.steps.last_mut() {
+                Some(last) => last.reward = Some(0.0),
+                None => {
+                    return Err(TrainError::Rollout(format!(
+                        "a prompt of {} tokens leaves no room in the engine's context ({room})",
+                        c.context.len()
+                    )))
+                }
+            }
+        }
+        let live: Vec<usize> = (0..conts.len()).filter(|&i| !conts[i].done).collect();
+        if live.is_empty() {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let mut ids = HashMap::new();
+        let before = engine.stats().clone();
+        for &i in &live {
+            *seed += 1;
+            let p = SamplingParams {
+                temperature: cfg.temperature,
+                max_tokens: cfg.max_segment_tokens,
+                stop_tokens: cfg.segment_stop.clone(),
+                seed: *seed,
+                ..Default::default()
+            };
+            let id = engine.submit(conts[i].context.clone(), vec![p])?[0];
+            ids.insert(id, i);
+        }
+        let done = engine.run(|_| {})?;
+        let after = engine.stats();
+        stats.generated_tokens += after.generated - before.generated;
+        stats.prefill_computed += after.prefill_computed - before.prefill_computed;
+        stats.prefill_cached += after.prefill_cached - before.prefill_cached;
+        stats.generate_s += t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        for c in done {
+            let i = ids[&c.id];
+            if let Some(e) = c.error {
+                return Err(TrainError::Rollout(format!("generation failed: {e}")));
+            }
+            let cont = &mut conts[i];
+            let out = cont.env.step(&c.tokens)?;
+            cont.context.extend(&c.tokens);
+            cont.context.extend(&out.observation);
+            let segments = cont.replayed.len() + cont.steps.len() + 1;
+            let truncated = out.reward.is_none() && segments >= cfg.max_segments;
+            let reward = if truncated { Some(0.0) } else { out.reward };
+            let snapshot = if keep_snapshots && reward.is_none() {
+                Some(cont.env.fork()?)
+            } else {
+                None
+            };
+            cont.steps.push(SegmentRecord {
+                action: c.tokens,
+                logprobs: c.logprobs,
+                observation: out.observation,
+                env_after: snapshot,
+                reward,
+            });
+            if reward.is_some() {
+                end_episode(cont, stats);
+            }
+        }
+        stats.env_s += t1.elapsed().as_secs_f64();
+    }
+}
+
+/// Mark a continuation's episode over and count it (and its tool calls).
+fn end_episode(c: &mut Cont, stats: &mut RolloutStats) {
+    c.done = true;
+    stats.finished_episodes += 1;
+    stats.tool_calls += c.env.tool_calls() as u64;
+}
+
+/// Turn a finished continuation into tree steps, with critic values at each
+/// new intermediate state.
+pub(crate) fn to_steps(c: &Cont, values: &[f64]) -> Result<Vec<Step>, TrainError> {
+    let mut out = Vec::with_capacity(c.replayed.len() + c.steps.len());
+    for (action, obs) in &c.replayed {
+        let mut seg = Segment::new();
+        seg.push(TokenKind::Replayed, action, None)?;
+        if !obs.is_empty() {
+            seg.push(TokenKind::Observation, obs, None)?;
+        }
+        out.push(Step::new(seg).value(0.5));
+    }
+    for (k, r) in c.steps.iter().enumerate() {
+        let mut seg = Segment::new();
+        seg.push(TokenKind::Action, &r.action, Some(&r.logprobs))?;
+        if !r.observation.is_empty() {
+            seg.push(TokenKind::Observation, &r.observation, None)?;
+        }
+        let step = Step::new(seg);
+        out.push(match r.reward {
+            Some(r) => step.terminal(r),
+            None => step.value(values[k]),
+        });
+    }
+    Ok(out)
+}
+
+/// Critic values at the end of each non-final segment of each continuation.
+pub(crate) fn segment_values(
+    learner: &Learner,
+    conts: &[Cont],
+    tree: &RolloutTree,
+) -> Result<Vec<Vec<f64>>, TrainError> {
+    let mut seqs = Vec::new();
+    let mut pos = Vec::new();
+    for c in conts {
+        let mut ctx = tree.context_tokens(c.from)?;
+        let mut p = Vec::new();
+        for (k, r) in c.steps.iter().enumerate() {
+            ctx.extend(&r.action);
+            ctx.extend(&r.observation);
+            if k + 1 < c.steps.len() {
+                p.push(ctx.len() - 1);
+            }
+        }
+        seqs.push(ctx);
+        pos.push(p);
+    }
+    learner.values_at(&seqs, &pos)
+}
+
+/// Environment states kept at tree nodes, where later continuations fork.
+pub(crate) type Snapshots = HashMap<NodeId, Box<dyn TokenEpisode>>;
+
+/// A fresh copy of the environment state kept at node `n`.
+pub(crate) fn fork_at(
+    snapshots: &Snapshots,
+    n: NodeId,
+) -> Result<Box<dyn TokenEpisode>, TrainError> {
+    snapshots
+        .get(&n)
+        .ok_or_else(|| TrainError::Rollout(format!("no environment state kept for node {n:?}")))?
+        .fork()
+}
+
+/// Keep the environment states after each of `records` at the tree nodes
+/// `new` they became (non-terminal states only have one).
+pub(crate) fn keep_snapshots(
+    snapshots: &mut Snapshots,
+    new: Vec<NodeId>,
+    records: Vec<SegmentRecord>,
+) {
+    for (id, s) in new.into_iter().zip(records) {
+        if let Some(env) = s.env_after {
+            snapshots.insert(id, env);
+        }
+    }
+}
+
+/// Continuations from `from` nodes (one per entry), begun in `tree` and
+/// resuming from the kept environment snapshots.
+pub(crate) fn begin_conts(
+    tree: &mut RolloutTree,
+    snapshots: &Snapshots,
+    from: &[NodeId],
+) -> Result<Vec<Cont>, TrainError> {
+    from.iter()
+        .map(|&n| {
+            Ok(Cont::new(
+                Some(tree.begin(n)?),
+                n,
+                tree.context_tokens(n)?,
+                fork_at(snapshots, n)?,
+            ))
+        })
+        .collect()
+}
+
+/// Complete finished continuations in `tree` (values per new state, or 0.5),
+/// keeping the environment snapshots of the new non-terminal states.
+pub(crate) fn complete_conts(
+    tree: &mut RolloutTree,
+    snapshots: &mut Snapshots,
+    conts: Vec<Cont>,
+    values: Option<Vec<Vec<f64>>>,
+) -> Result<(), TrainError> {
+    for (i, c) in conts.into_iter().enumerate() {
+        let v = match &values {
+            Some(v) => v[i].clone(),
+            None => vec![0.5; c.steps.len()],
+        };
+        let steps = to_steps(&c, &v)?;
+        let ticket = c
+            .ticket
+            .ok_or_else(|| TrainError::Rollout("continuation without a ticket".into()))?;
+        let new = tree.complete(ticket, steps)?;
+        keep_snapshots(snapshots, new, c.steps);
+    }
+    Ok(())
+}
+
+/// The critic's value at each task's prompt (the roots' states).
+pub(crate) fn root_values(
+    learner: &Learner,
+    tasks: &[super::TaskInstance],
+) -> Result<Vec<f64>, TrainError> {
+    let prompts: Vec<Vec<u32>> = tasks.iter().map(|t| t.prompt.clone()).collect();
+    let pos: Vec<Vec<usize>> = prompts.iter().map(|p| vec![p.len() - 1]).collect();
+    Ok(learner
+        .values_at(&prompts, &pos)?
+        .into_iter()
+        .map(|v| v[0])
+        .collect())
+}

@@ -1,0 +1,34 @@
+//! Evaluation: one greedy episode per held-out task.
+
+use arbor_engine::Engine;
+use arbor_rl::NodeId;
+
+use super::conts::{run_conts, Cont};
+use super::{RolloutConfig, RolloutStats, TaskInstance};
+use crate::TrainError;
+
+/// Greedy (temperature 0) pass rate over `tasks`: the fraction of episodes
+/// ending with reward 1.
+pub fn evaluate(
+    engine: &mut Engine,
+    tasks: Vec<TaskInstance>,
+    cfg: &RolloutConfig,
+) -> Result<f64, TrainError> {
+    let n = tasks.len();
+    if n == 0 {
+        return Ok(0.0);
+    }
+    let mut conts: Vec<Cont> = tasks
+        .into_iter()
+        .map(|t| Cont::new(None, NodeId(0), t.prompt, t.episode))
+        .collect();
+    let greedy = RolloutConfig {
+        temperature: 0.0,
+        ..cfg.clone()
+    };
+    let mut stats = RolloutStats::default();
+    let mut seed = 0;
+    run_conts(engine, &mut conts, &greedy, &mut seed, &mut stats, false)?;
+    let solved = conts.iter().filter(|c| c.succeeded()).count();
+    Ok(solved as f64 / n as f64)
+}

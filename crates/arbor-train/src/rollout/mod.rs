@@ -1,0 +1,255 @@
+//! Rollouts: multi-turn episodes driven on the engine, recorded into an
+//! [`arbor_rl::RolloutTree`], and the credit each method assigns them.
+//!
+//! A continuation starts at a tree state (a root prompt or a forked
+//! intermediate node) with its environment state, and alternates: the
+//! engine generates one segment (until a stop token or the segment length
+//! limit), the environment answers with an observation, until the episode
+//! ends (terminal reward) or the segment limit truncates it (reward 0).
+//! Each segment becomes one tree edge: the action tokens (trained, with
+//! their sampling logprobs) followed by the observation tokens (masked).
+//! Every state between segments is resumable: its environment snapshot is
+//! kept so FOCUS can fork there, and the engine's prefix cache serves the
+//! shared context. [`conts`] runs continuations; each method is one
+//! [`RolloutPolicy`] in its own module:
+//!
+//! | `algo` | policy | where continuations start | credit |
+//! |---|---|---|---|
+//! | `focus` | [`focus::FocusPolicy`] | any tree state, by expected critic-MSE reduction | Eq. 1 backups, TD(lambda) advantages, critic targets |
+//! | `grpo` | [`grpo::GrpoPolicy`] | the roots, `n` each | group-normalised rewards |
+//! | `ps` | [`ps::PsPolicy`] | roots, then replayed prefixes of skewed groups | group-normalised rewards |
+//! | `ppo` | [`ppo::PpoPolicy`] | the roots, `n` each | GAE over segments, Monte-Carlo critic targets |
+//! | `vineppo` | [`vineppo::VinePpoPolicy`] | a main path, then `k` from each of its states | Monte-Carlo values |
+
+use std::collections::HashMap;
+
+use arbor_engine::Engine;
+use arbor_rl::credit::LossRow;
+use arbor_rl::RolloutTree;
+use serde::{Deserialize, Serialize};
+
+use crate::config::{Algo, TrainConfig};
+use crate::learner::Learner;
+use crate::TrainError;
+
+pub mod conts;
+pub mod eval;
+pub mod focus;
+pub mod grpo;
+pub mod ppo;
+pub mod ps;
+pub mod vineppo;
+
+pub use crate::config::FocusConfig;
+pub use eval::evaluate;
+
+/// What the environment says after a segment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepOut {
+    /// Tokens appended to the context (masked in the loss).
+    pub observation: Vec<u32>,
+    /// `Some(reward)` when the episode is over.
+    pub reward: Option<f64>,
+}
+
+/// One live episode of a token-level environment.
+pub trait TokenEpisode: Send {
+    /// Feed the policy's segment.
+    fn step(&mut self, action: &[u32]) -> Result<StepOut, TrainError>;
+    /// An independent copy of this state (a fork point).
+    fn fork(&self) -> Result<Box<dyn TokenEpisode>, TrainError>;
+    /// Tool calls executed so far in this episode (replayed ones included).
+    fn tool_calls(&self) -> usize {
+        0
+    }
+}
+
+/// A task: its id (group key), prompt tokens and fresh episode.
+pub struct TaskInstance {
+    pub id: String,
+    pub prompt: Vec<u32>,
+    pub episode: Box<dyn TokenEpisode>,
+}
+
+/// How segments are sampled.
+#[derive(Debug, Clone)]
+pub struct RolloutConfig {
+    /// Sampling temperature (0: greedy).
+    pub temperature: f32,
+    /// Tokens that end a segment.
+    pub segment_stop: Vec<u32>,
+    /// Longest segment, tokens.
+    pub max_segment_tokens: usize,
+    /// Segments per episode before it is truncated (reward 0).
+    pub max_segments: usize,
+}
+
+/// Token and time accounting of a step's rollouts.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct RolloutStats {
+    pub episodes: usize,
+    pub continuations: usize,
+    pub generated_tokens: u64,
+    pub replayed_tokens: u64,
+    pub prefill_computed: u64,
+    pub prefill_cached: u64,
+    pub generate_s: f64,
+    pub env_s: f64,
+    /// Episodes that ended in this step's continuations, and the tool calls
+    /// they made in all (per episode, replayed prefixes included).
+    pub finished_episodes: u64,
+    pub tool_calls: u64,
+    /// Generated-token budget of the step, where one is enforced.
+    pub budget_tokens: Option<u64>,
+}
+
+impl RolloutStats {
+    /// The stats of a step that starts `n` episodes, one continuation each.
+    pub(crate) fn started(n: usize) -> Self {
+        RolloutStats {
+            episodes: n,
+            continuations: n,
+            ..Default::default()
+        }
+    }
+}
+
+/// The rollouts of one step, ready for the update.
+pub struct StepRollouts {
+    pub tree: RolloutTree,
+    pub rows: Vec<LossRow>,
+    pub stats: RolloutStats,
+    /// Terminal rewards of every finished trajectory.
+    pub rewards: Vec<f64>,
+    /// Fraction of task groups whose rewards are not all equal.
+    pub effective_group_fraction: f64,
+    /// `(V_phi(s), Gbar(s))` at nodes with children (FOCUS health).
+    pub critic_vs_target: Vec<(f64, f64)>,
+}
+
+impl StepRollouts {
+    pub(crate) fn new(
+        tree: RolloutTree,
+        rows: Vec<LossRow>,
+        stats: RolloutStats,
+        critic_vs_target: Vec<(f64, f64)>,
+    ) -> Self {
+        let (rewards, effective_group_fraction) = group_stats(&tree);
+        StepRollouts {
+            tree,
+            rows,
+            stats,
+            rewards,
+            effective_group_fraction,
+            critic_vs_target,
+        }
+    }
+}
+
+/// Terminal rewards of the tree's finished trajectories, and the share of
+/// tasks whose rewards are not all equal.
+fn group_stats(tree: &RolloutTree) -> (Vec<f64>, f64) {
+    let mut by_task: HashMap<&str, Vec<f64>> = HashMap::new();
+    for leaf in tree.leaves() {
+        let node = tree.node(leaf).expect("leaf exists");
+        if let Some(r) = node.terminal_reward() {
+            let task = tree.episodes()[node.episode()].task.as_str();
+            by_task.entry(task).or_default().push(r);
+        }
+    }
+    let rewards: Vec<f64> = by_task.values().flatten().copied().collect();
+    let mixed = by_task
+        .values()
+        .filter(|g| g.iter().any(|&r| r != g[0]))
+        .count();
+    (rewards, mixed as f64 / by_task.len().max(1) as f64)
+}
+
+/// What a rollout policy gets from the trainer for one step.
+pub struct StepContext<'a> {
+    /// The rollout engine over the learner's current weights.
+    pub engine: &'a mut Engine,
+    /// The learner (critic values for FOCUS and PPO).
+    pub learner: &'a Learner,
+    /// How segments are sampled.
+    pub rollout: &'a RolloutConfig,
+    /// The run's sampling-seed counter, advanced once per segment request.
+    pub seed: &'a mut u64,
+    /// The RL step, from 1.
+    pub step: u64,
+}
+
+impl StepContext<'_> {
+    /// Run `conts` to the ends of their episodes (see [`conts::run_conts`]),
+    /// keeping environment snapshots after each segment if `keep_snapshots`.
+    pub(crate) fn run(
+        &mut self,
+        conts: &mut [conts::Cont],
+        stats: &mut RolloutStats,
+        keep_snapshots: bool,
+    ) -> Result<(), TrainError> {
+        conts::run_conts(
+            self.engine,
+            conts,
+            self.rollout,
+            self.seed,
+            stats,
+            keep_snapshots,
+        )
+    }
+}
+
+/// State a policy carries across steps, saved in checkpoints.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PolicyState {
+    /// Prefix Sampling controller state per bucket.
+    #[serde(default)]
+    pub ps_buckets: Vec<(arbor_rl::prefix::Bucket, arbor_rl::prefix::BucketState)>,
+}
+
+/// One method's rollouts and credit: where continuations start, how many,
+/// and the loss rows they become.
+pub trait RolloutPolicy: Send {
+    /// Tasks drawn for one step.
+    fn tasks_per_step(&self) -> usize;
+    /// Generate the step's rollouts on `tasks` and assign their credit.
+    fn rollouts(
+        &mut self,
+        ctx: StepContext<'_>,
+        tasks: Vec<TaskInstance>,
+    ) -> Result<StepRollouts, TrainError>;
+    /// The state to checkpoint (none by default).
+    fn state(&self) -> PolicyState {
+        PolicyState::default()
+    }
+    /// Continue from a checkpointed state.
+    fn restore(&mut self, _state: &PolicyState) -> Result<(), TrainError> {
+        Ok(())
+    }
+}
+
+/// The rollout policy of `cfg.algo`, configured from `cfg`.
+pub fn policy_for(cfg: &TrainConfig) -> Box<dyn RolloutPolicy> {
+    let n = cfg.samples_per_prompt;
+    let tasks = cfg.prompts_per_step;
+    match cfg.algo {
+        Algo::Grpo => Box::new(grpo::GrpoPolicy { tasks, n }),
+        Algo::Focus => Box::new(focus::FocusPolicy {
+            tasks,
+            budget: (tasks * n) as u64,
+            cfg: cfg.focus,
+        }),
+        Algo::Ppo => Box::new(ppo::PpoPolicy {
+            tasks,
+            n,
+            gamma: cfg.ppo.gamma,
+            lambda: cfg.ppo.lambda,
+        }),
+        Algo::Vineppo => Box::new(vineppo::VinePpoPolicy {
+            tasks,
+            k: n as u32,
+            gamma: cfg.ppo.gamma,
+        }),
+        Algo::Ps => Box::new(ps::PsPolicy::new(cfg)),
+    }
+}
