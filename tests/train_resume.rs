@@ -58,7 +58,24 @@ fn run_to_end(cfg: &Path, out: &Path, resume: bool) {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
-fn kill_and_resume(config: &str, delays: &[u64]) {
+/// When the run is killed.
+#[derive(Clone, Copy, Debug)]
+enum KillAt {
+    /// As soon as checkpoint `step-N` is complete.
+    Checkpoint(u64),
+    /// As soon as `metrics.jsonl` has N lines (step N is logged; its
+    /// checkpoint, if it has one, is being written).
+    Line(usize),
+}
+
+fn metrics_lines(out: &Path) -> usize {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .count()
+}
+
+fn kill_and_resume(config: &str, points: &[KillAt]) {
     let tmp = tempfile::tempdir().unwrap();
     let cfg = tmp.path().join("cfg.toml");
     std::fs::write(&cfg, config).unwrap();
@@ -67,10 +84,10 @@ fn kill_and_resume(config: &str, delays: &[u64]) {
     let want = metrics(&clean);
     assert_eq!(want.len(), 6);
 
-    // Kill at several moments: right when the first checkpoint appears, and
-    // a little after (possibly in the middle of writing the next one).
-    for &delay_ms in delays {
-        let out = tmp.path().join(format!("killed-{delay_ms}"));
+    // Kill at several moments: right when the first checkpoint appears,
+    // between checkpoints, and while the next checkpoint is being written.
+    for &at in points {
+        let out = tmp.path().join(format!("killed-{at:?}"));
         let mut child = arbor()
             .arg("train")
             .arg(&cfg)
@@ -81,26 +98,38 @@ fn kill_and_resume(config: &str, delays: &[u64]) {
             .spawn()
             .unwrap();
         let t0 = Instant::now();
-        let first = out.join("checkpoints/step-00000002/trainer_state.json");
-        while !first.exists() && t0.elapsed() < Duration::from_secs(120) {
-            if child.try_wait().unwrap().is_some() {
-                break;
-            }
+        let reached = || match at {
+            KillAt::Checkpoint(n) => out
+                .join(format!("checkpoints/step-{n:08}/trainer_state.json"))
+                .exists(),
+            KillAt::Line(n) => metrics_lines(&out) >= n,
+        };
+        while !reached() {
+            assert!(
+                child.try_wait().unwrap().is_none(),
+                "{at:?}: the run ended before the kill point"
+            );
+            assert!(
+                t0.elapsed() < Duration::from_secs(120),
+                "{at:?}: not reached in 120 s"
+            );
             std::thread::sleep(Duration::from_millis(2));
         }
-        std::thread::sleep(Duration::from_millis(delay_ms));
         let _ = child.kill(); // SIGKILL
         let _ = child.wait();
-        let before = std::fs::read_to_string(out.join("metrics.jsonl"))
-            .unwrap_or_default()
-            .lines()
-            .count();
-        if delay_ms == 0 {
-            assert!(before < 6, "the run finished before it could be killed");
-        }
+        let before = metrics_lines(&out);
+        assert!(
+            before < 6,
+            "{at:?}: the run finished before it could be killed"
+        );
+        let resumable = std::fs::read_dir(out.join("checkpoints"))
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .any(|e| e.path().join("trainer_state.json").is_file());
+        assert!(resumable, "{at:?}: no complete checkpoint to resume from");
         run_to_end(&cfg, &out, true);
         let got = metrics(&out);
-        assert_eq!(got, want, "after a kill -9 at +{delay_ms} ms");
+        assert_eq!(got, want, "after a kill -9 at {at:?}");
         // Only complete checkpoints remain under their final names.
         for e in std::fs::read_dir(out.join("checkpoints")).unwrap() {
             let p = e.unwrap().path();
@@ -117,7 +146,10 @@ fn kill_and_resume(config: &str, delays: &[u64]) {
 
 #[test]
 fn kill_9_then_resume_is_bit_exact() {
-    kill_and_resume(CONFIG, &[0, 40, 150]);
+    kill_and_resume(
+        CONFIG,
+        &[KillAt::Checkpoint(2), KillAt::Line(3), KillAt::Line(4)],
+    );
 }
 
 #[test]
@@ -126,7 +158,7 @@ fn kill_9_then_resume_is_bit_exact_with_prefix_sampling() {
     let ps = CONFIG
         .replace("algo = \"focus\"", "algo = \"ps\"")
         .replace("critic = \"separate\"", "critic = \"shared\"");
-    kill_and_resume(&ps, &[0]);
+    kill_and_resume(&ps, &[KillAt::Checkpoint(2)]);
 }
 
 #[test]

@@ -2,8 +2,9 @@
 //! HumanEval-derived task layout) through the tool harness and the sandbox,
 //! with the real Qwen3 tokenizer and a random full-vocabulary model: the
 //! plumbing, not the learning (the random policy makes no valid tool call
-//! and the hidden tests fail, so every reward is 0). Skipped without
-//! ../shared/data or python3.
+//! and the hidden tests fail, so every reward is 0). Skipped without the
+//! shared data or python3 (a failure under `CI=true`, where bubblewrap is
+//! required too).
 
 mod common;
 
@@ -35,7 +36,7 @@ fn swe_training_runs_for_focus_ps_grpo() {
         .output()
         .is_err()
     {
-        eprintln!("SKIP: python3 not found");
+        arbor_env::data::skip_or_fail("swe_training_runs_for_focus_ps_grpo", "python3 not found");
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -50,10 +51,11 @@ fn swe_training_runs_for_focus_ps_grpo() {
     }
     let inst = dir.path().join("instances.jsonl");
     std::fs::write(&inst, lines).unwrap();
-    let sandboxed = std::process::Command::new("bwrap")
-        .arg("--version")
-        .output()
-        .is_ok();
+    let sandboxed = arbor_env::swe::bubblewrap_works();
+    assert!(
+        sandboxed || !arbor_env::data::ci(),
+        "bubblewrap cannot run here (CI=true requires it)"
+    );
     for algo in ["focus", "ps", "grpo"] {
         let critic = if algo == "focus" {
             "separate"

@@ -16,13 +16,9 @@ pub fn arbor(args: &[&str]) -> std::process::Output {
 
 /// A random full-vocabulary Qwen3-architecture model (1 layer, hidden 8)
 /// with the real Qwen3 tokenizer and chat template, in a temp dir. `None`
-/// (and a SKIP line) without ../shared/data.
+/// (and a SKIP line; a failure under `CI=true`) without the shared data.
 pub fn tiny_qwen3_with_tokenizer() -> Option<tempfile::TempDir> {
-    let shared = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/data/tokenizers/qwen3");
-    if !shared.join("tokenizer.json").is_file() {
-        eprintln!("SKIP: ../shared/data/tokenizers/qwen3 not present");
-        return None;
-    }
+    let shared = arbor_env::data::shared_data("tokenizers/qwen3", "the real Qwen3 tokenizer")?;
     use arbor_model::{ModelConfig, ParamLoader, ParamSource, Transformer};
     let mut cfg = ModelConfig::qwen3_0_6b();
     cfg.hidden_size = 8;

@@ -80,9 +80,10 @@ impl Row {
     }
 }
 
-/// The project's shared data directory (`../shared/data` next to the
-/// repository, or `$ARBOR_SHARED_DATA`), if present. Tests that need it skip
-/// with a printed `SKIP` line when it is absent.
+/// The one place data paths are resolved: `$ARBOR_SHARED_DATA` when set,
+/// else `shared/data` beside the repository checkout (`<repo>/../shared/data`,
+/// fixed when Arbor is built). Holds the tokenizers, math datasets and
+/// HumanEval (see `docs/data.md`). `None` when that directory is absent.
 pub fn shared_data_dir() -> Option<PathBuf> {
     let p = match std::env::var_os("ARBOR_SHARED_DATA") {
         Some(p) => PathBuf::from(p),
@@ -91,8 +92,24 @@ pub fn shared_data_dir() -> Option<PathBuf> {
     p.is_dir().then_some(p)
 }
 
-/// `shared_data_dir()/rel` if it exists, else prints a SKIP line naming
-/// `what` and returns `None`.
+/// Whether this is a CI run (`CI=true`), where a test's missing
+/// prerequisite (shared data, bubblewrap, python3) is a failure, not a skip.
+pub fn ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+/// For tests: report a missing prerequisite `what` (`why` it is missing).
+/// Under `CI=true` this panics, failing the test; elsewhere it prints a
+/// `SKIP` line and the caller returns early.
+pub fn skip_or_fail(what: &str, why: &str) {
+    if ci() {
+        panic!("{what}: {why} (CI=true: a missing prerequisite fails instead of skipping)");
+    }
+    println!("SKIP {what}: {why}");
+}
+
+/// For tests: `shared_data_dir()/rel` if it exists; else `None` after
+/// [`skip_or_fail`] (a panic under `CI=true`).
 pub fn shared_data(rel: &str, what: &str) -> Option<PathBuf> {
     match shared_data_dir()
         .map(|d| d.join(rel))
@@ -100,7 +117,12 @@ pub fn shared_data(rel: &str, what: &str) -> Option<PathBuf> {
     {
         Some(p) => Some(p),
         None => {
-            println!("SKIP {what}: shared data `{rel}` is not present");
+            skip_or_fail(
+                what,
+                &format!(
+                    "shared data `{rel}` is not present ($ARBOR_SHARED_DATA or ../shared/data)"
+                ),
+            );
             None
         }
     }

@@ -20,8 +20,7 @@
 //!
 //! [`Episode`] wraps an env, records the transcript and exposes it per
 //! segment with token kinds (the loss masks). It is synchronous: the trainer
-//! drives episodes in batches from its own loop. [`crate::asynch`] runs many
-//! episodes at once on tokio.
+//! drives episodes in batches from its own loop.
 //!
 //! ```
 //! use arbor_env::{Action, Episode};

@@ -5,8 +5,6 @@
 //! - [`env`](mod@env): the multi-turn interface ([`Env`]: reset, step, fork, fresh),
 //!   [`Episode`] (transcript, per-segment spans with loss-mask kinds, fork,
 //!   replay-through-execution), [`Trajectory`] records;
-//! - [`asynch`]: many episodes at once on tokio, and a threaded lock-step
-//!   batch step for synchronous trainers;
 //! - [`vocab`]: the fixed 32-token vocabulary of the small synthetic tasks;
 //! - [`synthetic`]: built-in tasks (running sum; a stateful register tool),
 //!   token or text surface, seeded, binary reward;
@@ -24,10 +22,9 @@
 //!   trajectories (`arbor replay`);
 //! - [`data`]: JSONL reading (plain or gzip) with `file:line` errors.
 //!
-//! Specs: `shared/spec/focus.md` (segments, compaction),
-//! `shared/spec/prefix-sampling.md` (replay through execution).
+//! Methods: `docs/focus.md` (segments, compaction),
+//! `docs/prefix-sampling.md` (replay through execution).
 
-pub mod asynch;
 pub mod chat;
 pub mod data;
 pub mod env;

@@ -135,6 +135,19 @@ proptest! {
                             prop_assert_eq!(a.cached_tokens % bs, 0);
                             prop_assert_eq!(a.slots.len(), toks.len() - a.cached_tokens);
                             let start = a.cached_tokens;
+                            // What the cache served was computed under the
+                            // current policy version, never an older one.
+                            let table = h.kv.block_table(id).unwrap().to_vec();
+                            for pos in 0..start {
+                                let slot = table[pos / bs] as usize * bs + pos % bs;
+                                let v = h.store.get(&slot).map(|v| v.2);
+                                prop_assert_eq!(
+                                    v,
+                                    Some(h.kv.version()),
+                                    "pos {} served from a block of another policy version",
+                                    pos
+                                );
+                            }
                             h.write(id, &toks, start, &a);
                             h.seqs.push((id, toks));
                         }
@@ -266,4 +279,19 @@ fn errors_are_clear() {
         kv.allocate(1, &[1]).unwrap_err(),
         KvError::DuplicateSequence(1)
     );
+}
+
+/// A sequence begun before an invalidation and completing its first block
+/// after it never serves that block: its KV is of the old policy.
+#[test]
+fn a_block_completed_after_invalidation_is_not_served() {
+    let mut kv = KvManager::new(16, 4);
+    let toks: Vec<u32> = vec![1, 2, 3, 4, 5];
+    kv.allocate(1, &toks[..2]).unwrap();
+    kv.commit(1, &toks[..2]).unwrap();
+    kv.invalidate();
+    kv.append(1, 2).unwrap();
+    kv.commit(1, &toks[..4]).unwrap();
+    let a = kv.allocate(2, &toks).unwrap();
+    assert_eq!(a.cached_tokens, 0, "a block of the old policy was served");
 }

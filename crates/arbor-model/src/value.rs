@@ -45,8 +45,10 @@ pub enum CriticMode {
     /// policy and value losses both reach the trunk.
     #[default]
     Shared,
-    /// The critic has its own copy of the backbone (initialised from the
-    /// same checkpoint), trained only by the value loss.
+    /// The critic has its own copy of the backbone, trained only by the
+    /// value loss: loaded from the critic's own checkpoint, else from the
+    /// policy's; a randomly initialised policy's critic is initialised
+    /// from another seed.
     Separate,
 }
 

@@ -31,11 +31,14 @@ fn qwen3_template_matches_hf() {
 
 #[test]
 fn qwen3_tokenizer_matches_hf() {
-    let Some(data) = shared_data() else {
-        eprintln!("SKIP: ../shared/data not present (the tokenizer is not committed)");
+    // The tokenizer is not committed: it comes from the shared data.
+    let Some(path) = arbor_env::data::shared_data(
+        "tokenizers/qwen3/tokenizer.json",
+        "qwen3_tokenizer_matches_hf",
+    ) else {
         return;
     };
-    let tok = Tokenizer::from_file(data.join("tokenizers/qwen3/tokenizer.json")).unwrap();
+    let tok = Tokenizer::from_file(path).unwrap();
     let fx = read_json(fixtures().join("chat/qwen3_chat.json"));
     for case in fx["cases"].as_array().unwrap() {
         let ids = tok

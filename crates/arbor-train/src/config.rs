@@ -153,14 +153,15 @@ impl Default for WarmupConfig {
     }
 }
 
-/// FOCUS settings (`[focus]`; ../docs: Eq. 1 backups and the allocator).
+/// FOCUS settings (`[focus]`; docs/focus.md: the allocator and Eq. 1).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct FocusConfig {
-    /// Prior strength `kappa >= 0` of the critic in the Eq. 1 backup
-    /// `Gbar(s) = (kappa V(s) + sum_c n_c G(c)) / (kappa + sum_c n_c)`.
+    /// Prior strength `kappa > 0` of the critic: the Beta prior's weight in
+    /// the allocator's posterior, and in the Eq. 1 backup
+    /// `Vtilde(s) = (kappa V(s) + |C(s)| Gbar(s)) / (kappa + |C(s)|)`.
     pub kappa: f64,
-    /// Discount `gamma` in `(0, 1]` of the backups and TD advantages.
+    /// Discount `gamma` in `[0, 1]` of the backups and TD advantages.
     pub gamma: f64,
     /// TD(lambda) mixing in `[0, 1]` of the advantages (0: one-step TD
     /// residuals; 1: Monte-Carlo-like returns through the backups).
@@ -389,6 +390,22 @@ impl TrainConfig {
         if let Err(e) = self.ps.controller.validate() {
             return bad("ps.controller", &e.to_string());
         }
+        let f = &self.focus;
+        if !(f.kappa > 0.0 && f.kappa.is_finite()) {
+            return bad("focus.kappa", "must be > 0 (finite)");
+        }
+        if !(0.0..=1.0).contains(&f.gamma) {
+            return bad("focus.gamma", "must be in [0, 1]");
+        }
+        if !(0.0..=1.0).contains(&f.lambda) {
+            return bad("focus.lambda", "must be in [0, 1]");
+        }
+        if f.worker_capacity == 0 {
+            return bad("focus.worker_capacity", "must be >= 1");
+        }
+        if !(0.0..=0.5).contains(&self.ps.band) {
+            return bad("ps.band", "must be in [0, 0.5]");
+        }
         if !(self.ppo.gamma > 0.0 && self.ppo.gamma <= 1.0) {
             return bad("ppo.gamma", "must be in (0, 1]");
         }
@@ -476,12 +493,41 @@ mod tests {
         );
     }
 
-    /// The embedded quickstart parses and only sets keys that exist.
+    /// Every shipped config parses and validates (the quickstart is FOCUS).
     #[test]
-    fn quickstart_parses() {
-        let text = include_str!("../../../configs/quickstart.toml");
-        let cfg = TrainConfig::from_toml(text, "quickstart.toml").unwrap();
-        assert_eq!(cfg.algo, Algo::Focus);
+    fn shipped_configs_parse() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+        let mut n = 0;
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.extension().is_some_and(|x| x == "toml") {
+                let text = std::fs::read_to_string(&p).unwrap();
+                let cfg = TrainConfig::from_toml(&text, &p.display().to_string()).unwrap();
+                if p.ends_with("quickstart.toml") {
+                    assert_eq!(cfg.algo, Algo::Focus);
+                }
+                n += 1;
+            }
+        }
+        assert!(n >= 2, "no configs under {}", dir.display());
+    }
+
+    /// `[focus]` and `[ps]` values out of range are refused when the file
+    /// is read, naming the key, not in the middle of the first step.
+    #[test]
+    fn focus_and_ps_ranges_are_checked_on_load() {
+        for (text, key) in [
+            ("[focus]\nkappa = 0\n", "focus.kappa"),
+            ("[focus]\ngamma = 1.5\n", "focus.gamma"),
+            ("[focus]\nlambda = -0.1\n", "focus.lambda"),
+            ("[focus]\nworker_capacity = 0\n", "focus.worker_capacity"),
+            ("[ps]\nband = 0.7\n", "ps.band"),
+        ] {
+            let e = TrainConfig::from_toml(text, "c.toml")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key), "{text}: {e}");
+        }
     }
 
     /// PPO's discount lives in `[ppo]`, checked there.

@@ -94,8 +94,9 @@ pub enum TaskConfig {
     },
     /// Single-turn math: reward 1 iff the `\boxed{}` (or final) answer is
     /// equivalent to the reference. `train` / `eval`: `gsm8k`, `math`
-    /// (Hendrycks), `math500`, `aime` (from `$ARBOR_SHARED_DATA` or
-    /// `../shared/data`) or a JSONL path.
+    /// (Hendrycks), `math500`, `aime` (from
+    /// [`arbor_env::data::shared_data_dir`]: `$ARBOR_SHARED_DATA`, else
+    /// `../shared/data` beside the checkout) or a JSONL path.
     Math {
         train: String,
         eval: String,
@@ -309,22 +310,16 @@ pub fn dataset_file(
             )))
         };
     };
-    let roots: Vec<PathBuf> = std::env::var_os("ARBOR_SHARED_DATA")
-        .map(PathBuf::from)
-        .into_iter()
-        .chain([
-            PathBuf::from("../shared/data"),
-            PathBuf::from("shared/data"),
-        ])
-        .collect();
-    roots
-        .iter()
+    let root = arbor_env::data::shared_data_dir();
+    root.as_ref()
         .map(|r| r.join(&rel))
-        .find(|p| p.is_file())
+        .filter(|p| p.is_file())
         .map(|p| (p, Some(fmt)))
         .ok_or_else(|| {
             TrainError::Config(format!(
-                "dataset `{name}`: {rel} not found under $ARBOR_SHARED_DATA, ../shared/data or shared/data"
+                "dataset `{name}`: {rel} not found under the shared data directory ({}; set \
+                 $ARBOR_SHARED_DATA to where it is)",
+                root.map_or("absent".to_string(), |r| r.display().to_string())
             ))
         })
 }

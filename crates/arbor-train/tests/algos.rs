@@ -1,5 +1,5 @@
-//! Every algorithm runs through the trainer on the synthetic task and
-//! trains on policy tokens.
+//! Every algorithm runs through the trainer on the synthetic task, trains
+//! on policy tokens and moves the policy's weights.
 
 use arbor_train::{read_metrics, TrainConfig, Trainer};
 
@@ -20,7 +20,7 @@ kind = "running_sum"
 difficulty = 3
 
 [warmup]
-steps = 20
+steps = 200
 batch = 8
 
 [learner]
@@ -43,10 +43,25 @@ fn every_algorithm_trains() {
         let cfg = TrainConfig::from_toml(&config(algo, critic), "test").unwrap();
         let mut t = Trainer::new(cfg, dir.path(), false).unwrap();
         t.warmup(|_, _| {}).unwrap();
+        let before = policy_weights(&t);
         t.run(|_| {}).unwrap();
+        let after = policy_weights(&t);
         let ms = read_metrics(&dir.path().join("metrics.jsonl")).unwrap();
         assert_eq!(ms.len(), 2, "{algo}");
         assert!(ms.iter().all(|m| m.generated_tokens > 0), "{algo}: {ms:?}");
+        assert!(
+            ms.iter().any(|m| m.trained_tokens > 0 && m.grad_norm > 0.0),
+            "{algo}: no policy token was trained: {ms:?}"
+        );
+        let moved = before
+            .iter()
+            .zip(&after)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            moved > 0.0,
+            "{algo}: the RL steps left the policy unchanged"
+        );
         if algo == "vineppo" {
             // Main rollouts plus Monte-Carlo continuations at every state.
             assert!(
@@ -171,4 +186,22 @@ fn lora_policy_trains_and_resumes_exactly() {
         m
     };
     assert_eq!(strip(&got[2]), strip(&want[2]), "step 3 after resume");
+}
+
+/// Every policy parameter, flattened in name order.
+fn policy_weights(t: &Trainer) -> Vec<f32> {
+    let data = t.learner.policy_vars.data().lock().unwrap();
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    names
+        .into_iter()
+        .flat_map(|n| {
+            data[n]
+                .as_tensor()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        })
+        .collect()
 }

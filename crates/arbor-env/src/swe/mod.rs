@@ -6,5 +6,5 @@ pub mod humaneval;
 pub mod sandbox;
 pub mod task;
 
-pub use sandbox::{Limits, RunOutput, Sandbox};
+pub use sandbox::{bubblewrap_works, Limits, RunOutput, Sandbox};
 pub use task::{load_instances, swe_env, Evaluation, SweConfig, SweInstance, SweReward, SweTask};

@@ -180,6 +180,14 @@ fn processes_of(uid: u32) -> u64 {
         .count() as u64
 }
 
+/// Whether bubblewrap is installed and can run a command here (it may be
+/// installed while user namespaces are blocked).
+pub fn bubblewrap_works() -> bool {
+    Sandbox::bubblewrap(Limits::default())
+        .and_then(|s| s.probe("true"))
+        .is_ok_and(|o| o.success())
+}
+
 /// Makes `path` (recursively) owned by the sandbox user when running as
 /// root, so the sandbox can write it. A no-op otherwise. Symlinks are not
 /// followed.
@@ -333,6 +341,14 @@ impl Sandbox {
             Isolation::Unsandboxed => {
                 let mut c = Command::new("env");
                 c.current_dir(workspace);
+                // As root the workspace belongs to the sandbox user (see
+                // `chown_for_sandbox`), which git refuses to read as a
+                // repository of someone else's unless told it is safe.
+                if root {
+                    c.env("GIT_CONFIG_COUNT", "1")
+                        .env("GIT_CONFIG_KEY_0", "safe.directory")
+                        .env("GIT_CONFIG_VALUE_0", workspace);
+                }
                 c
             }
         };
@@ -436,32 +452,47 @@ impl Sandbox {
 pub(crate) mod tests {
     use super::*;
 
-    /// The bubblewrap sandbox with tight limits, or `None` with a SKIP line.
-    pub(crate) fn sandbox_or_skip(what: &str) -> Option<Sandbox> {
-        let limits = Limits {
+    /// Tight limits for the tests' commands.
+    fn test_limits() -> Limits {
+        Limits {
             cpu_secs: 2,
             wall_secs: 5.0,
             memory_bytes: 512 << 20,
             processes: 32,
             file_bytes: 8 << 20,
             output_bytes: 16 << 10,
-        };
-        match Sandbox::bubblewrap(limits) {
+        }
+    }
+
+    /// The sandboxes a test of task logic (not of isolation) runs on: the
+    /// host, always (the test's own commands stay in its temporary
+    /// workspace), then bubblewrap where it runs (see [`sandbox_or_skip`]).
+    pub(crate) fn logic_sandboxes(what: &str) -> Vec<Sandbox> {
+        let mut v = vec![Sandbox::unsandboxed(test_limits())];
+        v.extend(sandbox_or_skip(what));
+        v
+    }
+
+    /// The bubblewrap sandbox with tight limits, or `None` with a SKIP line
+    /// (a panic under `CI=true`, which installs bubblewrap).
+    pub(crate) fn sandbox_or_skip(what: &str) -> Option<Sandbox> {
+        match Sandbox::bubblewrap(test_limits()) {
             Ok(s) => {
                 // bwrap may be installed but unusable (no user namespaces);
                 // the tests also need python3 inside the sandbox.
                 match s.probe("python3 -c pass") {
                     Ok(o) if o.success() => Some(s),
                     other => {
-                        println!(
-                            "SKIP {what}: bubblewrap (with python3) cannot run here: {other:?}"
+                        crate::data::skip_or_fail(
+                            what,
+                            &format!("bubblewrap (with python3) cannot run here: {other:?}"),
                         );
                         None
                     }
                 }
             }
             Err(e) => {
-                println!("SKIP {what}: {e}");
+                crate::data::skip_or_fail(what, &e.to_string());
                 None
             }
         }

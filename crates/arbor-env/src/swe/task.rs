@@ -942,7 +942,7 @@ pub fn swe_env(task: SweTask, harness: HarnessConfig) -> Harness {
 mod tests {
     use super::*;
     use crate::env::{Action, Episode};
-    use crate::swe::sandbox::tests::sandbox_or_skip;
+    use crate::swe::sandbox::tests::{logic_sandboxes, sandbox_or_skip};
 
     const BUGGY: &str = "def add(a, b):\n    return a - b\n";
     const FIXED: &str = "def add(a, b):\n    return a + b\n";
@@ -984,24 +984,23 @@ mod tests {
 
     #[test]
     fn oracle_buggy_zero_fixed_one() {
-        let Some(sb) = sandbox_or_skip("swe oracle") else {
-            return;
-        };
-        let src = repo();
-        let mut t = SweTask::new(instance(), src.path(), SweConfig::tests(sb)).unwrap();
-        t.reset().unwrap();
-        let e = t.evaluate().unwrap();
-        assert_eq!(e.reward, 0.0, "{e:?}");
-        assert!(
-            !t.workspace().unwrap().join("test_calc.py").exists(),
-            "tests stay hidden"
-        );
-        assert!(t
-            .apply_patch(&t.instance().patch.clone())
-            .unwrap()
-            .success());
-        assert_eq!(t.evaluate().unwrap().reward, 1.0);
-        assert_eq!(t.instance().gold_files(), vec!["calc.py"]);
+        for sb in logic_sandboxes("swe oracle") {
+            let src = repo();
+            let mut t = SweTask::new(instance(), src.path(), SweConfig::tests(sb)).unwrap();
+            t.reset().unwrap();
+            let e = t.evaluate().unwrap();
+            assert_eq!(e.reward, 0.0, "{e:?}");
+            assert!(
+                !t.workspace().unwrap().join("test_calc.py").exists(),
+                "tests stay hidden"
+            );
+            assert!(t
+                .apply_patch(&t.instance().patch.clone())
+                .unwrap()
+                .success());
+            assert_eq!(t.evaluate().unwrap().reward, 1.0);
+            assert_eq!(t.instance().gold_files(), vec!["calc.py"]);
+        }
     }
 
     #[test]
@@ -1176,9 +1175,12 @@ mod tests {
 
     #[test]
     fn git_repo_at_base_commit_and_instance_files() {
-        let Some(sb) = sandbox_or_skip("swe git") else {
-            return;
-        };
+        for sb in logic_sandboxes("swe git") {
+            git_repo_case(sb);
+        }
+    }
+
+    fn git_repo_case(sb: Sandbox) {
         let src = repo();
         let git = |args: &[&str]| {
             let o = Command::new("git")

@@ -5,12 +5,6 @@ pub fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
 }
 
-/// `../shared/data` next to the checkout, when present (not in CI clones).
-pub fn shared_data() -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data");
-    p.is_dir().then_some(p)
-}
-
 pub fn read_json(p: impl AsRef<std::path::Path>) -> serde_json::Value {
     let text = std::fs::read_to_string(p.as_ref())
         .unwrap_or_else(|e| panic!("{}: {e}", p.as_ref().display()));
