@@ -9,7 +9,7 @@
 # What it does:
 # - `pip install --target` of nvidia-cuda-nvcc and the pieces nvcc and
 #   candle/cudarc need, all pinned to CUDA 13.0 (the cu12 wheels ship no
-#   nvcc; 13.0 matches driver 580 on the lent H200 machines);
+#   nvcc; 13.0 matches NVIDIA driver 580);
 # - unversioned `.so` links (libcublas.so -> libcublas.so.13, ...) so the
 #   linker finds them with -l;
 # - a stub `libcuda.so` (soname libcuda.so.1) that defines every `cu*`

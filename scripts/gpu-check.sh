@@ -4,7 +4,7 @@
 #   scripts/gpu-check.sh build   (here, no GPU needed) installs the CUDA 13.0
 #       toolchain from PyPI (scripts/cuda-toolchain.sh), builds
 #       `cargo build --release --features cuda`, strips the binary and packs
-#       it as dist/arbor-cuda.xz (the lent machine has no Rust).
+#       it as dist/arbor-cuda.xz (the GPU machine needs no Rust).
 #   scripts/gpu-check.sh run     (on the GPU machine) unpacks that binary,
 #       finds the CUDA libraries there (pip's nvidia-* packages of the
 #       machine's Python, or a CUDA toolkit, or the driver's folder), runs

@@ -1,58 +1,86 @@
-//! A counting global allocator: live and peak heap bytes of the process,
-//! for memory benchmarks by allocation accounting (exact, unlike RSS, and
-//! unaffected by the allocator's caching). Two relaxed atomic updates per
-//! allocation.
+//! A counting global allocator for the memory benchmarks: live and peak
+//! heap bytes by allocation accounting (exact, unlike RSS, and unaffected
+//! by the allocator's caching). Counting is off until [`enable`] (only
+//! `arbor bench logprob-memory` turns it on); until then each allocation
+//! costs one relaxed load more than the system allocator.
+//!
+//! Counts are signed bytes allocated minus freed since counting began, so a
+//! block allocated before and freed after [`enable`] lowers them: what a
+//! benchmark reads is the difference from a base ([`live`] before,
+//! [`peak`] after), which is exact either way.
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
 
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
+static ON: AtomicBool = AtomicBool::new(false);
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+static PEAK: AtomicIsize = AtomicIsize::new(0);
 
 pub struct Counting;
 
-// SAFETY: forwards to the system allocator unchanged; only counts.
+fn grow(bytes: usize) {
+    if ON.load(Ordering::Relaxed) {
+        let b = bytes as isize;
+        let now = LIVE.fetch_add(b, Ordering::Relaxed) + b;
+        PEAK.fetch_max(now, Ordering::Relaxed);
+    }
+}
+
+fn shrink(bytes: usize) {
+    if ON.load(Ordering::Relaxed) {
+        LIVE.fetch_sub(bytes as isize, Ordering::Relaxed);
+    }
+}
+
+// SAFETY: every method forwards its arguments to the system allocator
+// unchanged and returns its result; the counters only observe sizes.
 #[allow(unsafe_code)]
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        let p = System.alloc(l);
+        // SAFETY: the caller's contract for `l` is passed on as is.
+        let p = unsafe { System.alloc(l) };
         if !p.is_null() {
-            let now = LIVE.fetch_add(l.size(), Ordering::Relaxed) + l.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
+            grow(l.size());
         }
         p
     }
 
     unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        let p = System.alloc_zeroed(l);
+        // SAFETY: as in `alloc`.
+        let p = unsafe { System.alloc_zeroed(l) };
         if !p.is_null() {
-            let now = LIVE.fetch_add(l.size(), Ordering::Relaxed) + l.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
+            grow(l.size());
         }
         p
     }
 
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        System.dealloc(p, l);
-        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
+        // SAFETY: `p` came from this allocator, i.e. from `System`, with `l`.
+        unsafe { System.dealloc(p, l) };
+        shrink(l.size());
     }
 
     unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        let q = System.realloc(p, l, new);
+        // SAFETY: `p` came from `System` with `l`; `new` is the caller's.
+        let q = unsafe { System.realloc(p, l, new) };
         if !q.is_null() {
             if new >= l.size() {
-                let now = LIVE.fetch_add(new - l.size(), Ordering::Relaxed) + new - l.size();
-                PEAK.fetch_max(now, Ordering::Relaxed);
+                grow(new - l.size());
             } else {
-                LIVE.fetch_sub(l.size() - new, Ordering::Relaxed);
+                shrink(l.size() - new);
             }
         }
         q
     }
 }
 
-/// Heap bytes live now.
-pub fn live() -> usize {
+/// Start counting (for the rest of the process).
+pub fn enable() {
+    ON.store(true, Ordering::Relaxed);
+}
+
+/// Heap bytes live now, relative to when counting began.
+pub fn live() -> isize {
     LIVE.load(Ordering::Relaxed)
 }
 
@@ -62,6 +90,6 @@ pub fn reset_peak() {
 }
 
 /// Peak live heap bytes since the last [`reset_peak`].
-pub fn peak() -> usize {
+pub fn peak() -> isize {
     PEAK.load(Ordering::Relaxed)
 }

@@ -641,25 +641,29 @@ impl Meter {
     /// Peak bytes above what was live before `f`, and `f`'s seconds.
     fn measure(&self, dev: &Device, f: &dyn Fn() -> Result<()>) -> Result<(usize, f64)> {
         use crate::alloc_count;
-        let base = match self {
+        let timed = || -> Result<f64> {
+            let t0 = std::time::Instant::now();
+            f()?;
+            dev.synchronize()?;
+            Ok(t0.elapsed().as_secs_f64())
+        };
+        match self {
             Meter::Heap => {
                 dev.synchronize()?;
-                let b = alloc_count::live();
+                alloc_count::enable();
+                let base = alloc_count::live();
                 alloc_count::reset_peak();
-                b
+                let secs = timed()?;
+                Ok(((alloc_count::peak() - base).max(0) as usize, secs))
             }
             #[cfg(feature = "cuda")]
-            Meter::Pool(_) => self.device_reset(dev)?,
-        };
-        let t0 = std::time::Instant::now();
-        f()?;
-        dev.synchronize()?;
-        let secs = t0.elapsed().as_secs_f64();
-        let above = match self.device_peak(base)? {
-            Some(b) => b,
-            None => alloc_count::peak().saturating_sub(base),
-        };
-        Ok((above, secs))
+            Meter::Pool(_) => {
+                let base = self.device_reset(dev)?;
+                let secs = timed()?;
+                let above = self.device_peak(base)?.unwrap_or(0);
+                Ok((above, secs))
+            }
+        }
     }
 }
 

@@ -6,7 +6,7 @@
 //!
 //! Accuracy is `||out - ref|| / ||ref||` with the reference computed on the
 //! CPU in float64 from the very inputs the device saw (bf16 inputs rounded
-//! first). Tolerances (the device library's METHOD.md): f32 paths 1e-4
+//! first). Tolerances: f32 paths 1e-4
 //! (f32 arithmetic lands far under 1e-3), bf16 paths 1e-2. NaN never
 //! passes; outputs are poisoned (NaN-filled) before every kernel writes them
 //! so an unwritten element fails the check.
@@ -284,7 +284,7 @@ fn rel_err(got: &Tensor, want: &Tensor) -> Result<f64> {
     Ok(if e.is_finite() { e } else { f64::NAN })
 }
 
-/// The tolerance of one operation's output in `dt` (METHOD.md): f32 and
+/// The tolerance of one operation's output in `dt`: f32 and
 /// f64 paths 1e-4, bf16 paths 1e-2.
 fn op_tol(dt: DType) -> f64 {
     if dt == DType::F32 || dt == DType::F64 {
@@ -424,11 +424,19 @@ fn loss_checks(dev: &Device, quick: bool, rng: &mut Rng, out: &mut Vec<Check>) -
     let mask: Vec<f32> = (0..n)
         .map(|_| if rng.next_f64() < 0.8 { 1.0 } else { 0.0 })
         .collect();
-    let seq: Vec<usize> = (0..n).map(|i| i / 97).collect();
-    let w: Vec<f64> = arbor_ops::token_weights(&mask, &seq, arbor_ops::Aggregation::Sequence)
-        .into_iter()
-        .map(f64::from)
-        .collect();
+    // Sequence-mean weights (the trainer's aggregation) over sequences of
+    // up to 97 tokens, rounded to the f32 the kernel reads.
+    let seq_lens: Vec<usize> = (0..n).step_by(97).map(|s| (n - s).min(97)).collect();
+    let w: Vec<f64> = arbor_rl::ppo::aggregation_weights(
+        arbor_rl::ppo::Aggregation::SequenceMean,
+        &arbor_rl::ppo::TokenBatch {
+            mask: &mask,
+            seq_lens: &seq_lens,
+        },
+    )?
+    .into_iter()
+    .map(|x| x as f32 as f64)
+    .collect();
     let aux_rows = |a: &[f64], b: &[f64]| -> Vec<f64> {
         (0..n).flat_map(|i| [a[i], b[i], w[i], 0.0]).collect()
     };

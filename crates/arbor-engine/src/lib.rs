@@ -34,8 +34,8 @@ pub mod sampling;
 pub use engine::{Completion, Engine, EngineConfig, EngineStats, FinishReason};
 pub use sampling::SamplingParams;
 
-/// Identifier of a sequence in the engine.
-pub type SeqId = u64;
+/// Identifier of a sequence in the engine (the KV manager's).
+pub use arbor_kv::SeqId;
 
 /// Errors of the engine. Request errors name the offending field and leave
 /// the engine serving other sequences.

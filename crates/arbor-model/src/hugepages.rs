@@ -10,8 +10,7 @@
 //! instead of leaving it to the kernel's background scan (by default 16 MB
 //! every 10 s). On a 2-core Zen 2, f32, three alternating rounds: `arbor
 //! bench generate --batch 1` 7-13% faster, `arbor bench fork` 3-13%, batch
-//! 32 3-5%, for 0.2-0.7 s spent once on 508 MiB (docs/benchmarks.md,
-//! eleventh session).
+//! 32 3-5%, for 0.2-0.7 s spent once on 508 MiB.
 
 /// Bytes of a huge page on x86-64 and most arm64 kernels.
 const HUGE: usize = 2 << 20;

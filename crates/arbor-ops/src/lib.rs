@@ -8,7 +8,7 @@
 //! - [`fused_logprobs`]: LM head + log-softmax + gather + entropy in chunks,
 //!   with a recomputing backward (no `[N, V]` logits held, ever);
 //! - [`ppo_loss`], [`value_loss`]: masked clipped PPO loss (asymmetric clip,
-//!   token or sequence aggregation through [`token_weights`]) and clipped
+//!   per-token weights carry the mask and the aggregation) and clipped
 //!   value loss, forward and backward;
 //! - [`segment_broadcast`], [`segment_sum`], [`segment_mean`]: per-segment
 //!   advantages to token positions and back;
@@ -44,7 +44,7 @@ pub use matmul::{
     matmul_nt_multi_into_isa, matmul_nt_op, round_bf16, MatmulIsa, WeightRows,
 };
 pub use paged::{cache_write, paged_attention_op, PagedMeta};
-pub use ppo::{pack_aux, ppo_loss, token_weights, value_loss, Aggregation, PpoClip};
+pub use ppo::{pack_aux, ppo_loss, value_loss, PpoClip};
 pub use segment::{segment_broadcast, segment_mean, segment_sum};
 
 /// Run `f` on a rayon worker thread when `device` is the CPU (moved there

@@ -10,7 +10,7 @@
 //! weights are packed for the call ([`WeightRows::F32`]) or were packed
 //! once ([`WeightRows::Packed`], as the engine keeps its static weights).
 //! The outer product needs no lane sums, which cost ~12% of the
-//! dot-product tiles below (docs/benchmarks.md, twelfth session).
+//! dot-product tiles below.
 //!
 //! **bf16 weights** run dot-product tiles. Each output is a dot product
 //! computed the same way whatever the tile it falls in: with AVX-512 BF16,

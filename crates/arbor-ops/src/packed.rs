@@ -19,13 +19,11 @@
 //! row tiles (a decode step of a few sequences, where the product waits on
 //! the stream) the block after it is prefetched into L2 too.
 //!
-//! On a 2-core Zen 2 (docs/benchmarks.md, twelfth session; `PACKED=1
-//! matmul_ab` at commit cb1b884), 32 x 576 x 1536 ran at 155-172 GFLOP/s
-//! against 134-143 for the dot-product tiles that computed f32 weights
-//! before, with the
-//! weights in cache and streaming from memory. It was faster at every row
-//! count from 1 to 64, and even at 2,048 rows. Its C model
-//! (`scripts/cmodels/packed_tiles.c`) reached 86-90% of the FMA peak.
+//! On a 2-core Zen 2, 32 x 576 x 1536 ran at 155-172 GFLOP/s against
+//! 134-143 for dot-product tiles over the same f32 weights, with the
+//! weights in cache and streaming from memory; it was faster at every row
+//! count from 1 to 64, and at 2,048 rows (`cargo bench -p arbor-ops`
+//! measures it on the machine at hand).
 //!
 //! Every f32 product of [`crate::matmul`] runs here (so the training
 //! forward, the engine and `arbor score` agree bit for bit); the engine
@@ -55,7 +53,7 @@ const FAR: usize = KC * PANEL * 4;
 /// of `x` stay in L2 while it runs its panels (64 rows of 1,536 values
 /// are 384 KiB). At 256 rows (590 KiB at `k` = 576), a batch-32 prefill
 /// of 2,048 tokens took ~3% longer on a 2-core Zen 2 with 512 KiB of L2
-/// per core (docs/benchmarks.md, thirteenth session).
+/// per core.
 const MB: usize = 64;
 
 /// A weight matrix `w: [n, k]` repacked into `n.div_ceil(PANEL)` panels of
@@ -485,8 +483,8 @@ unsafe fn panel_rows(
             let tiles = m.div_ceil(MR);
             // Few rows: the block's tiles take less time than fetching the
             // next block, so the stream is also prefetched a block further.
-            // `F32=1 decode_matmuls 8` on a 2-core Zen 4: 22.8-38.9 ->
-            // 16.1-16.8 ms a step (docs/benchmarks.md, fourteenth session).
+            // The decode matmuls of 8 sequences on a 2-core Zen 4: 22.8-38.9
+            // -> 16.1-16.8 ms a step.
             let far = tiles < FAR_TILES;
             // Lines each of the first row tiles prefetches: a line per 4
             // `k` steps, spread over as many tiles as that takes (at most

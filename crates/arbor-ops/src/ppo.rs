@@ -7,8 +7,9 @@
 //! output `[4] = (sum_t w L_t, sum_t w [clipped], sum_t w (r - 1 - log r), sum_t w)`:
 //! the loss, the weighted clip fraction, the k3 KL estimate to the old
 //! policy, and the total weight. The weight carries the mask and the
-//! aggregation ([`token_weights`]): token level `w = m / sum(m)`, sequence
-//! level `w = m / (n_seq * sum_{t in seq} m)`. Gradient:
+//! aggregation, computed by the caller (`arbor_rl::ppo::aggregation_weights`:
+//! token mean `w = m / sum(m)`, sequence mean
+//! `w = m / (n_seq * sum_{t in seq} m)`). Gradient:
 //! `dL_t/dlogp = -A r` where the unclipped term is the minimum, else 0;
 //! `d k3/dlogp = r - 1`.
 //!
@@ -27,51 +28,6 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape
 pub struct PpoClip {
     pub eps_low: f32,
     pub eps_high: f32,
-}
-
-/// How per-token losses are averaged.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Aggregation {
-    /// Mean over all unmasked tokens of the batch.
-    Token,
-    /// Mean over sequences of each sequence's mean over its unmasked tokens.
-    Sequence,
-}
-
-/// Per-token weights `w` for `mask` (0/1) and the sequence of each token.
-pub fn token_weights(mask: &[f32], seq_of_token: &[usize], agg: Aggregation) -> Vec<f32> {
-    match agg {
-        Aggregation::Token => {
-            let total: f64 = mask.iter().map(|&m| m as f64).sum();
-            mask.iter()
-                .map(|&m| {
-                    if total > 0.0 {
-                        (m as f64 / total) as f32
-                    } else {
-                        0.0
-                    }
-                })
-                .collect()
-        }
-        Aggregation::Sequence => {
-            let n_seq = seq_of_token.iter().max().map_or(0, |m| m + 1);
-            let mut per = vec![0f64; n_seq];
-            for (&m, &s) in mask.iter().zip(seq_of_token) {
-                per[s] += m as f64;
-            }
-            let live = per.iter().filter(|&&c| c > 0.0).count() as f64;
-            mask.iter()
-                .zip(seq_of_token)
-                .map(|(&m, &s)| {
-                    if per[s] > 0.0 {
-                        (m as f64 / (live * per[s])) as f32
-                    } else {
-                        0.0
-                    }
-                })
-                .collect()
-        }
-    }
 }
 
 /// `[N, 4]` aux tensor from per-token columns.
@@ -439,9 +395,19 @@ mod tests {
         let mask: Vec<f32> = (0..n)
             .map(|_| if rng.random_bool(0.7) { 1.0 } else { 0.0 })
             .collect();
-        let seq: Vec<usize> = (0..n).map(|i| i / 5).collect();
-        let w = token_weights(&mask, &seq, Aggregation::Sequence);
-        (lp, old, adv, w.into_iter().map(|x| x as f64).collect())
+        // Sequence-mean weights over sequences of 5 tokens.
+        let live: Vec<f64> = mask
+            .chunks(5)
+            .map(|c| c.iter().map(|&m| m as f64).sum())
+            .collect();
+        let n_live = live.iter().filter(|&&s| s > 0.0).count() as f64;
+        let w = (0..n)
+            .map(|i| match live[i / 5] {
+                s if s > 0.0 => mask[i] as f64 / (n_live * s),
+                _ => 0.0,
+            })
+            .collect();
+        (lp, old, adv, w)
     }
 
     fn aux64(a: &[f64], b: &[f64], w: &[f64]) -> Result<Tensor> {
@@ -558,16 +524,5 @@ mod tests {
             }
         }
         Ok(())
-    }
-
-    #[test]
-    fn token_weights_aggregate_as_documented() {
-        let mask = [1.0, 1.0, 0.0, 1.0, 0.0, 0.0];
-        let seq = [0, 0, 0, 1, 2, 2];
-        let t = token_weights(&mask, &seq, Aggregation::Token);
-        assert_eq!(t, vec![1.0 / 3.0, 1.0 / 3.0, 0.0, 1.0 / 3.0, 0.0, 0.0]);
-        let s = token_weights(&mask, &seq, Aggregation::Sequence);
-        // Two live sequences: seq 0 has 2 tokens, seq 1 has 1; seq 2 none.
-        assert_eq!(s, vec![0.25, 0.25, 0.0, 0.5, 0.0, 0.0]);
     }
 }
