@@ -1,97 +1,29 @@
-//! The scheduler: continuous batching over the paged KV cache.
+//! The engine: requests, sequences and their lifecycle. One step is
+//! planned by [`schedule`] (continuous batching over the paged KV cache),
+//! run by [`forward`] (the model over the packed batch), and finished by
+//! [`sample`] (sampling, fan-out, stops); sizing is [`config`].
+
+mod config;
+mod forward;
+mod sample;
+mod schedule;
+
+use config::physical_memory;
+pub use config::EngineConfig;
 
 use std::collections::{HashMap, VecDeque};
 
 use arbor_kv::KvManager;
 use arbor_model::model::with_cpu_f32;
 use arbor_model::{Tokenizer, Transformer};
-use candle_core::{DType, Tensor};
+use candle_core::DType;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
-use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use crate::paged::{DeviceKvCache, DevicePagedAttention, PagedAttention, PagedBatch, PagedKvCache};
-use crate::sampling::{sample, SamplingParams};
+use crate::paged::{DeviceKvCache, PagedKvCache};
+use crate::sampling::SamplingParams;
 use crate::{EngineError, SeqId};
-
-/// Engine sizing.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct EngineConfig {
-    /// Token slots per KV block.
-    pub block_size: usize,
-    /// KV blocks in the pool; 0 derives it from `kv_memory_mib`.
-    pub num_blocks: usize,
-    /// Memory for the KV pool when `num_blocks` is 0.
-    pub kv_memory_mib: usize,
-    /// Most sequences in one forward step: admission stops there, and
-    /// running sequences beyond it (a fan-out wider than `max_seqs`) keep
-    /// their KV and wait for a later step.
-    pub max_seqs: usize,
-    /// Most new tokens in one forward step (a single longer prompt still
-    /// runs, alone).
-    pub max_batch_tokens: usize,
-    /// Longest sequence (prompt + generated); 0 means the model's
-    /// `max_position_embeddings`.
-    pub max_context: usize,
-    /// Keep the KV cache as device tensors in the model's dtype
-    /// ([`crate::paged::DeviceKvCache`]: the CUDA kernels on a GPU) instead
-    /// of host slices (f32, or bf16 for a model whose
-    /// [`Transformer::kv_dtype`] is bf16). `None`: on the device whenever
-    /// the model is not on the CPU.
-    #[serde(default)]
-    pub kv_on_device: Option<bool>,
-    /// Back the model's CPU weight matrices with transparent huge pages
-    /// when the engine is built ([`Transformer::back_weights_with_huge_pages`]:
-    /// 0.2-0.7 s once for 500 MB; generation then ran 3-13% faster on a
-    /// 2-core Zen 2). Best effort; Linux with glibc only.
-    #[serde(default = "yes")]
-    pub huge_pages: bool,
-    /// Keep the engine's f32 CPU weight matrices repacked for the
-    /// outer-product matmul ([`Transformer::pack_weights`]; a copy of
-    /// each, refreshed by [`Engine::invalidate`]). Off, the same bits come
-    /// from packing every matrix on every call.
-    #[serde(default = "yes")]
-    pub pack_weights: bool,
-}
-
-fn yes() -> bool {
-    true
-}
-
-/// Physical memory in bytes (`MemTotal` of `/proc/meminfo`), where known.
-fn physical_memory() -> Option<usize> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let kib: usize = info
-        .lines()
-        .find_map(|l| l.strip_prefix("MemTotal:"))?
-        .trim()
-        .strip_suffix("kB")?
-        .trim()
-        .parse()
-        .ok()?;
-    kib.checked_mul(1024)
-}
-
-/// Bytes of text decoded before the part searched for stop strings
-/// (`Engine::stop_string_hit`).
-const STOP_WINDOW_MARGIN: usize = 16;
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        EngineConfig {
-            block_size: 16,
-            num_blocks: 0,
-            kv_memory_mib: 2048,
-            max_seqs: 256,
-            max_batch_tokens: 2048,
-            max_context: 0,
-            kv_on_device: None,
-            huge_pages: true,
-            pack_weights: true,
-        }
-    }
-}
 
 /// Where the KV lives: host slices (the CPU engine; f32, or bf16 when the
 /// model's K/V are bf16 values) or device tensors.
@@ -716,372 +648,25 @@ impl Engine {
         r
     }
 
+    /// One step: plan it ([`schedule`]), run the model ([`forward`]), then
+    /// record, sample and stop ([`sample`]).
     fn try_step(&mut self) -> Result<usize, EngineError> {
-        let mut batch = PagedBatch::default();
-        let mut ids: Vec<u32> = Vec::new();
-        let mut scheduled: Vec<SeqId> = Vec::new();
-        let mut budget = self.cfg.max_batch_tokens;
-
-        // 1. Running sequences: reserve slots for their uncomputed tokens,
-        //    preempting the most recently admitted ones when blocks run out.
-        //    At most `max_seqs` a step: a wide fan-out (`fork`, `n` samples)
-        //    can leave more running, and the rest wait, KV kept, for a later
-        //    step.
-        let mut i = 0;
-        while i < self.running.len() && scheduled.len() < self.cfg.max_seqs {
-            let id = self.running[i];
-            let need = self.seqs[&id].tokens.len() - self.seqs[&id].computed;
-            let mut preempted_self = false;
-            while !self.kv.can_append(id, need)? {
-                let victim = *self.running.last().expect("non-empty");
-                if victim != id {
-                    self.preempt(victim);
-                } else if i > 0 {
-                    // Sequences admitted earlier hold the blocks: wait for them.
-                    self.preempt(id);
-                    preempted_self = true;
-                    break;
-                } else {
-                    break;
-                }
-            }
-            if preempted_self {
-                break;
-            }
-            if !self.kv.can_append(id, need)? {
-                // Alone and still no room: this sequence cannot be served.
-                let len = self.seqs[&id].tokens.len();
-                self.finish(
-                    id,
-                    FinishReason::Error,
-                    None,
-                    Some(format!(
-                        "KV pool too small: {len} tokens need {} blocks of {}, the pool has {}",
-                        len.div_ceil(self.cfg.block_size),
-                        self.cfg.block_size,
-                        self.kv.pool().num_blocks()
-                    )),
-                );
-                continue;
-            }
-            let alloc = self.kv.append(id, need)?;
-            self.schedule(id, alloc, &mut batch, &mut ids)?;
-            scheduled.push(id);
-            budget = budget.saturating_sub(need);
-            i += 1;
-        }
-
-        // 2. Admit waiting sequences while blocks, slots and budget allow.
-        //    A sequence whose next cacheable block another admission
-        //    computes in this step is passed over, keeping its place: next
-        //    step it takes that block from the cache (forks of a sequence
-        //    not yet computed, a group of equal prompts sent one by one).
-        let mut admitted: Vec<SeqId> = Vec::new();
-        let mut k = 0;
-        while let Some(&id) = self.waiting.get(k) {
-            if self.running.len() >= self.cfg.max_seqs {
-                break;
-            }
-            let s = &self.seqs[&id];
-            let (fresh, ok) = self.kv.blocks_needed(&s.tokens);
-            let total = self.kv.pool().num_blocks();
-            if s.tokens.len().div_ceil(self.cfg.block_size) > total {
-                self.waiting.remove(k);
-                let msg = format!(
-                    "KV pool too small: {} tokens need {} blocks of {}, the pool has {total}",
-                    s.tokens.len(),
-                    s.tokens.len().div_ceil(self.cfg.block_size),
-                    self.cfg.block_size
-                );
-                self.finish(id, FinishReason::Error, None, Some(msg));
-                continue;
-            }
-            if !ok {
-                break;
-            }
-            let hits = s.tokens.len().div_ceil(self.cfg.block_size) - fresh;
-            if self.computes_next_block_of(&admitted, &s.tokens, hits) {
-                k += 1;
-                continue;
-            }
-            let work = (fresh * self.cfg.block_size).min(s.tokens.len());
-            if work > budget && !scheduled.is_empty() {
-                break;
-            }
-            self.waiting.remove(k);
-            let alloc = self.kv.allocate(id, &self.seqs[&id].tokens)?;
-            let s = self.seqs.get_mut(&id).expect("waiting seq exists");
-            s.computed = alloc.cached_tokens;
-            s.has_kv = true;
-            if s.computed > 0 {
-                let cached = s.computed.min(s.prompt_len) as u64;
-                self.stats.prefill_cached += cached;
-            }
-            budget = budget.saturating_sub(alloc.slots.len());
-            self.running.push(id);
-            self.schedule(id, alloc, &mut batch, &mut ids)?;
-            scheduled.push(id);
-            admitted.push(id);
-        }
-
-        if scheduled.is_empty() {
+        let Some(plan) = self.plan_step()? else {
             return Ok(0);
-        }
-        let n_tokens = batch.len();
+        };
+        let n_tokens = plan.batch.len();
         let in_use = self.kv.stats().in_use as u64;
         self.stats.peak_blocks_in_use = self.stats.peak_blocks_in_use.max(in_use);
-
-        // 3. One packed forward over every new token.
-        #[cfg(test)]
-        if std::mem::take(&mut self.fail_next_forward) {
-            return Err(EngineError::InvalidRequest(
-                "injected forward failure".into(),
-            ));
-        }
-        let dev = self.model.device().clone();
-        let input = Tensor::from_vec(ids, (1, n_tokens), &dev)?;
-        let positions = batch.positions.clone();
-        let hidden = match &mut self.cache {
-            KvStore::Host(cache) => {
-                let mut backend = PagedAttention {
-                    cache,
-                    batch: &batch,
-                };
-                self.model.forward_with(&input, &positions, &mut backend)?
-            }
-            KvStore::Device(cache) => {
-                let mut backend = DevicePagedAttention::new(cache, &batch)?;
-                self.model.forward_with(&input, &positions, &mut backend)?
-            }
-        };
-        // Last new token of each scheduled sequence.
-        // Tokens are laid out sequence after sequence.
-        let mut rows = vec![0u32; scheduled.len()];
-        for (i, &k) in batch.token_seq.iter().enumerate() {
-            rows[k] = i as u32;
-        }
-        let rows_t = Tensor::from_vec(rows, scheduled.len(), &dev)?;
-        let h = hidden.squeeze(0)?.index_select(&rows_t, 0)?;
-        // `[scheduled, vocab]`: on the CPU, the product's own buffer (no
-        // copy); a device's, copied to the host.
-        let logits = self.model.lm_head_logits(&h)?.to_dtype(DType::F32)?;
+        let logits = self.forward_logits(&plan)?;
         self.stats.steps += 1;
+        let scheduled = plan.scheduled;
         if logits.device().is_cpu() {
             with_cpu_f32(&logits, |flat| self.record_and_sample(scheduled, flat))??;
         } else {
+            // A device's logits are copied to the host for sampling.
             self.record_and_sample(scheduled, &logits.flatten_all()?.to_vec1::<f32>()?)?;
         }
         Ok(n_tokens)
-    }
-
-    /// Whether a sequence in `admitted` (this step's admissions, computed
-    /// in this step's forward and committed to the prefix cache after it)
-    /// computes the cacheable block after the first `hits` full blocks of
-    /// `tokens`, with the same tokens before it: then `tokens` gains at
-    /// least one more block from the cache by being admitted a step later.
-    fn computes_next_block_of(&self, admitted: &[SeqId], tokens: &[u32], hits: usize) -> bool {
-        let bs = self.cfg.block_size;
-        // Never the block holding the last token (its logits are computed).
-        if hits >= tokens.len().saturating_sub(1) / bs {
-            return false;
-        }
-        let (head, next) = (hits * bs, (hits + 1) * bs);
-        admitted.iter().any(|o| {
-            let t = &self.seqs[o].tokens;
-            t.len() >= next && t[head..next] == tokens[head..next] && t[..head] == tokens[..head]
-        })
-    }
-
-    /// Step 4: record, sample, fan out, stop. `logits` holds one row per
-    /// scheduled sequence, in order.
-    fn record_and_sample(
-        &mut self,
-        scheduled: Vec<SeqId>,
-        logits: &[f32],
-    ) -> Result<(), EngineError> {
-        let vocab = logits.len() / scheduled.len().max(1);
-        let mut todo: Vec<(SeqId, &[f32])> = Vec::new();
-        for (id, row) in scheduled.into_iter().zip(logits.chunks_exact(vocab.max(1))) {
-            let s = self.seqs.get_mut(&id).expect("scheduled seq exists");
-            let computed_now = s.tokens.len() - s.computed;
-            // Prompt prefill and preemption recompute; not the one decode token.
-            if s.generated() == 0 || computed_now > 1 {
-                self.stats.prefill_computed += computed_now as u64;
-            }
-            s.computed = s.tokens.len();
-            let tokens = s.tokens.clone();
-            self.kv.commit(id, &tokens)?;
-            if !self.seqs[&id].fan_out.is_empty() {
-                self.spawn_fan_out(id, row)?;
-            } else {
-                todo.push((id, row));
-            }
-        }
-        self.sample_and_stop(todo);
-        Ok(())
-    }
-
-    fn schedule(
-        &mut self,
-        id: SeqId,
-        alloc: arbor_kv::Allocation,
-        batch: &mut PagedBatch,
-        ids: &mut Vec<u32>,
-    ) -> Result<(), EngineError> {
-        for c in &alloc.copies {
-            match &mut self.cache {
-                KvStore::Host(cache) => cache.copy(c)?,
-                KvStore::Device(cache) => cache.copy(c)?,
-            }
-            self.stats.cow_copies += 1;
-        }
-        let k = batch.tables.len();
-        batch.tables.push(
-            self.kv
-                .block_table(id)
-                .expect("scheduled seq has a table")
-                .to_vec(),
-        );
-        let s = &self.seqs[&id];
-        let start = s.computed;
-        for (j, slot) in alloc.slots.into_iter().enumerate() {
-            let pos = start + j;
-            batch.slots.push(slot);
-            batch.positions.push(pos as u32);
-            batch.token_seq.push(k);
-            ids.push(s.tokens[pos]);
-        }
-        Ok(())
-    }
-
-    /// The parent's prompt is computed: fork its KV into every child, each
-    /// sampling its own first token from the shared logits.
-    fn spawn_fan_out(&mut self, parent: SeqId, logits: &[f32]) -> Result<(), EngineError> {
-        let p = self.seqs.get_mut(&parent).expect("parent exists");
-        let children = std::mem::take(&mut p.fan_out);
-        let (tokens, computed) = (p.tokens.clone(), p.computed);
-        let mut todo = Vec::new();
-        for (cid, params) in children {
-            self.kv.fork(parent, cid)?;
-            let mut c = Seq::new(tokens.clone(), params);
-            c.computed = computed;
-            c.has_kv = true;
-            self.seqs.insert(cid, c);
-            self.running.push(cid);
-            todo.push((cid, logits));
-        }
-        self.stats.prefill_forked += (computed * todo.len().saturating_sub(1)) as u64;
-        // The parent only held the shared prompt.
-        self.seqs.remove(&parent);
-        self.kv.free(parent)?;
-        self.running.retain(|&r| r != parent);
-        self.sample_and_stop(todo);
-        Ok(())
-    }
-
-    fn sample_and_stop(&mut self, todo: Vec<(SeqId, &[f32])>) {
-        // Sample in parallel: each sequence has its own RNG.
-        let mut work: Vec<(SeqId, Seq, &[f32])> = todo
-            .into_iter()
-            .map(|(id, row)| (id, self.seqs.remove(&id).expect("seq exists"), row))
-            .collect();
-        // `false`: the logits held no distribution (NaN or infinite values).
-        let sampled: Vec<bool> = work
-            .par_iter_mut()
-            .map(|(_, s, row)| match sample(row, &s.params, &mut s.rng) {
-                Some((tok, lp)) => {
-                    s.tokens.push(tok);
-                    s.logprobs.push(lp);
-                    true
-                }
-                None => false,
-            })
-            .collect();
-        let mut done = Vec::new();
-        let mut failed = Vec::new();
-        for ((id, s, _), ok) in work.into_iter().zip(sampled) {
-            if !ok {
-                let msg = format!(
-                    "the model's logits at position {} are not finite (NaN or infinite): \
-                     no token can be sampled",
-                    s.tokens.len() - 1
-                );
-                self.seqs.insert(id, s);
-                failed.push((id, msg));
-                continue;
-            }
-            self.stats.generated += 1;
-            let last = *s.tokens.last().expect("just sampled");
-            let reason = if s.params.stop_tokens.contains(&last) {
-                Some((FinishReason::Stop, None))
-            } else if let Some(stop) = self.stop_string_hit(&s) {
-                Some((FinishReason::Stop, Some(stop)))
-            } else if s.generated() >= s.params.max_tokens || s.tokens.len() >= self.max_context {
-                Some((FinishReason::Length, None))
-            } else {
-                None
-            };
-            self.seqs.insert(id, s);
-            if let Some(r) = reason {
-                done.push((id, r));
-            }
-        }
-        for (id, (reason, stop)) in done {
-            self.finish(id, reason, stop, None);
-        }
-        for (id, msg) in failed {
-            self.finish(id, FinishReason::Error, None, Some(msg));
-        }
-    }
-
-    /// A stop string's first match, in the text of the last token plus the
-    /// longest stop string before it.
-    fn stop_string_hit(&self, s: &Seq) -> Option<String> {
-        if s.params.stop_strings.is_empty() {
-            return None;
-        }
-        let tok = self.tokenizer.as_ref()?;
-        // Only the tail can contain a new match: look at the last token's
-        // piece plus the longest stop string.
-        let longest = s
-            .params
-            .stop_strings
-            .iter()
-            .map(|x| x.len())
-            .max()
-            .unwrap_or(0);
-        let generated = &s.tokens[s.prompt_len..];
-        // Special tokens are skipped, as in the text a caller prints.
-        let piece_len = tok
-            .decode(&generated[generated.len() - 1..], true)
-            .map(|p| p.len())
-            .unwrap_or(0);
-        let need = longest + piece_len;
-        // Decode only the last tokens, not the whole output (which made each
-        // token's check linear in the length, a generation quadratic): a
-        // window with [`STOP_WINDOW_MARGIN`] bytes before the tail, doubled
-        // until it has them (tokens outside the tokenizer's vocabulary
-        // decode to nothing). The window's first bytes may differ from the
-        // whole text's (a character cut in two, a leading space dropped);
-        // the margin keeps them out of the tail.
-        let mut w = (need + STOP_WINDOW_MARGIN).min(generated.len());
-        let text = loop {
-            let text = tok.decode(&generated[generated.len() - w..], true).ok()?;
-            if w == generated.len() || text.len() >= need + STOP_WINDOW_MARGIN {
-                break text;
-            }
-            w = (2 * w).min(generated.len());
-        };
-        let mut from = text.len().saturating_sub(need);
-        while !text.is_char_boundary(from) {
-            from -= 1;
-        }
-        let tail = &text[from..];
-        s.params
-            .stop_strings
-            .iter()
-            .find(|stop| tail.contains(stop.as_str()))
-            .cloned()
     }
 
     /// Step until every queued sequence has finished; returns the completions

@@ -1,0 +1,239 @@
+//! The model's logits on the device against float64 on the CPU, and one
+//! PPO training step.
+use arbor_engine::paged::{DeviceKvCache, DevicePagedAttention, PagedBatch};
+use arbor_model::{ModelConfig, ParamLoader, ParamSource, Transformer};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::Optimizer;
+
+use crate::util::{float_dtypes, op_tol, push, push_tol, rel_err, Rng};
+use crate::{bail, Check, CheckError, OrMsg, Result};
+
+pub(crate) fn model_cfg(quick: bool) -> ModelConfig {
+    let mut cfg = ModelConfig::qwen3_0_6b();
+    if quick {
+        cfg.hidden_size = 64;
+        cfg.intermediate_size = 128;
+        cfg.num_hidden_layers = 2;
+        cfg.num_attention_heads = 4;
+        cfg.num_key_value_heads = 2;
+        cfg.head_dim = 16;
+        cfg.vocab_size = 512;
+    }
+    cfg
+}
+
+/// Seed of the random weights of the model checks and decode benchmarks.
+const MODEL_SEED: u64 = 7;
+
+pub(crate) fn model_on(cfg: &ModelConfig, dt: DType, dev: &Device) -> Result<Transformer> {
+    let p = ParamLoader::frozen(ParamSource::Random { seed: MODEL_SEED }, dt, dev);
+    Ok(Transformer::load(cfg, &p)?)
+}
+
+/// Logits of the device model (f32 and bf16) vs the f32 CPU model on the
+/// same random weights, dense forward and the paged decode path.
+pub fn model_checks(dev: &Device, quick: bool, out: &mut Vec<Check>) -> Result<()> {
+    let cfg = model_cfg(quick);
+    let t = if quick { 24 } else { 64 };
+    let ids: Vec<u32> = (0..t as u32)
+        .map(|i| (i * 7919 + 13) % cfg.vocab_size as u32)
+        .collect();
+    let x = Tensor::from_vec(ids.clone(), (1, t), &Device::Cpu)?;
+    for dt in float_dtypes(dev) {
+        // The float64 reference holds the very weights the `dt` model holds
+        // (the f32 draws rounded to `dt`), so the error measured is the
+        // device model's arithmetic, not its weights' rounding.
+        let cpu_model = Transformer::load(
+            &cfg,
+            &ParamLoader::frozen(
+                ParamSource::Random { seed: MODEL_SEED },
+                DType::F64,
+                &Device::Cpu,
+            )
+            .rounded_through(dt),
+        )?;
+        let want = cpu_model.logits(&cpu_model.forward_hidden(&x)?)?;
+        drop(cpu_model);
+        // A whole model in bf16 rounds every activation of every layer, so
+        // its logits drift further from float64 than one bf16 operation's
+        // output does (1e-2). The tolerance is then twice the error of the
+        // same bf16 model computed by an independent implementation,
+        // candle's CPU ops (bf16 storage, f32 reductions, as here), floored
+        // at the one-operation tolerance.
+        let tol = if dt == DType::F32 || dev.is_cpu() {
+            op_tol(dt)
+        } else {
+            let emu = Transformer::load(
+                &cfg,
+                &ParamLoader::frozen(ParamSource::Random { seed: MODEL_SEED }, dt, &Device::Cpu)
+                    .all_in_dtype(),
+            )?;
+            let e = rel_err(&emu.logits(&emu.forward_hidden(&x)?)?, &want)?;
+            eprintln!("  model    CPU {dt:?} model (candle) vs f64: {e:.2e}; tolerance 2x that");
+            (2.0 * e).max(op_tol(dt))
+        };
+        let m = model_on(&cfg, dt, dev)?;
+        let xd = x.to_device(dev)?;
+        let got = m.logits(&m.forward_hidden(&xd)?)?;
+        push_tol(
+            out,
+            "model",
+            "logits, dense forward",
+            dt,
+            rel_err(&got, &want)?,
+            tol,
+        );
+        // Paged path: prefill t-1 tokens then decode the last one.
+        let bs = 16;
+        let cache = DeviceKvCache::new(&cfg, t.div_ceil(bs) + 1, bs, dt, dev)?;
+        let table: Vec<u32> = (0..(t.div_ceil(bs) + 1) as u32).collect();
+        let mut last = None;
+        for (lo, hi) in [(0, t - 1), (t - 1, t)] {
+            let batch = PagedBatch {
+                slots: (lo..hi).collect(),
+                positions: (lo as u32..hi as u32).collect(),
+                token_seq: vec![0; hi - lo],
+                tables: vec![table.clone()],
+            };
+            let input = Tensor::from_vec(ids[lo..hi].to_vec(), (1, hi - lo), dev)?;
+            let mut be = DevicePagedAttention::new(&cache, &batch)?;
+            last = Some(m.forward_with(&input, &batch.positions, &mut be)?);
+        }
+        let h = last.or_msg("decode step")?;
+        let got = m.logits(&h)?.squeeze(0)?;
+        let want_last = want.squeeze(0)?.narrow(0, t - 1, 1)?;
+        push_tol(
+            out,
+            "model",
+            "logits, paged decode",
+            dt,
+            rel_err(&got, &want_last)?,
+            tol,
+        );
+    }
+    Ok(())
+}
+
+/// One PPO step on the device (trainable random model, fused logprobs, PPO
+/// loss, backward): gradients vs the same step on the CPU, then AdamW steps
+/// on the device must lower the loss. When the device is the CPU, the
+/// reference step takes its logprobs by the independent path instead (full
+/// logits, `log_softmax` and a gather, differentiated by candle), so the
+/// comparison is never of a computation with itself.
+pub fn train_check(dev: &Device, quick: bool, rng: &mut Rng, out: &mut Vec<Check>) -> Result<()> {
+    let mut cfg = model_cfg(true);
+    if !quick {
+        cfg.hidden_size = 256;
+        cfg.intermediate_size = 768;
+        cfg.num_hidden_layers = 4;
+        cfg.head_dim = 64;
+        cfg.vocab_size = 151_936;
+    }
+    let (b, t) = (2, if quick { 16 } else { 128 });
+    let ids: Vec<u32> = rng.below(b * t, cfg.vocab_size as u64);
+    let adv = rng.uniform(b * (t - 1), -1.0, 1.0);
+    let mut grads: Vec<Vec<(String, Tensor)>> = Vec::new();
+    let mut losses = Vec::new();
+    let naive_reference = dev.is_cpu();
+    for (d, steps, naive) in [(Device::Cpu, 1, naive_reference), (dev.clone(), 4, false)] {
+        let vm = candle_nn::VarMap::new();
+        let p = ParamLoader::trainable(ParamSource::Random { seed: 3 }, DType::F32, &d, vm.clone());
+        let m = Transformer::load(&cfg, &p)?;
+        let x = Tensor::from_vec(ids.clone(), (b, t), &d)?;
+        let inputs = x.narrow(1, 0, t - 1)?;
+        let targets = x.narrow(1, 1, t - 1)?.flatten_all()?;
+        let loss_of = |m: &Transformer, old: Option<&Tensor>| -> Result<(Tensor, Tensor)> {
+            let hid = m
+                .forward_hidden(&inputs)?
+                .reshape((b * (t - 1), cfg.hidden_size))?;
+            let lp = if naive {
+                let logits = hid.matmul(&m.lm_head.t()?)?;
+                candle_nn::ops::log_softmax(&logits, 1)?
+                    .gather(&targets.unsqueeze(1)?, 1)?
+                    .squeeze(1)?
+            } else {
+                arbor_ops::fused_logprobs(&hid, &m.lm_head, &targets, 1 << 16)?
+                    .narrow(1, 0, 1)?
+                    .squeeze(1)?
+            };
+            let old = old.cloned().unwrap_or_else(|| lp.detach());
+            let w = vec![1.0f32 / (b * (t - 1)) as f32; b * (t - 1)];
+            let oldv: Vec<f32> = old.to_vec1()?;
+            let advv: Vec<f32> = adv.iter().map(|&a| a as f32).collect();
+            let aux = arbor_ops::pack_aux(&oldv, &advv, &w, &d)?;
+            let l = arbor_ops::ppo_loss(
+                &lp,
+                &aux,
+                arbor_ops::PpoClip {
+                    eps_low: 0.2,
+                    eps_high: 0.2,
+                },
+            )?
+            .get(0)?;
+            Ok((l, old))
+        };
+        let (l0, old) = loss_of(&m, None)?;
+        let g = l0.backward()?;
+        let mut named: Vec<(String, Tensor)> = vm
+            .data()
+            .lock()
+            .map_err(|_| CheckError::Msg("varmap lock".into()))?
+            .iter()
+            .filter_map(|(k, v)| g.get(v.as_tensor()).map(|gr| (k.clone(), gr.clone())))
+            .collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        grads.push(named);
+        if steps > 1 {
+            let mut opt = candle_nn::AdamW::new_lr(vm.all_vars(), 1e-3)?;
+            let mut l = l0;
+            losses.push(l.to_scalar::<f32>()?);
+            for _ in 0..steps {
+                opt.backward_step(&l)?;
+                l = loss_of(&m, Some(&old))?.0;
+                losses.push(l.to_scalar::<f32>()?);
+            }
+        }
+    }
+    let (dg, cg) = (&grads[1], &grads[0]);
+    let names = |v: &[(String, Tensor)]| v.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+    if names(dg) != names(cg) {
+        bail!(
+            "the device step has gradients for {:?}, the reference step for {:?}",
+            names(dg),
+            names(cg)
+        );
+    }
+    let flat = |v: &[(String, Tensor)]| -> Result<Tensor> {
+        let parts: Vec<Tensor> = v
+            .iter()
+            .map(|(_, t)| {
+                t.to_device(&Device::Cpu)?
+                    .to_dtype(DType::F64)?
+                    .flatten_all()
+            })
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Tensor::cat(&parts, 0)?)
+    };
+    push(
+        out,
+        "train",
+        &if naive_reference {
+            format!("ppo step grads vs naive logprobs ({} tensors)", dg.len())
+        } else {
+            format!("ppo step grads ({} tensors)", dg.len())
+        },
+        DType::F32,
+        rel_err(&flat(dg)?, &flat(cg)?)?,
+    );
+    let fell = losses.last().copied().unwrap_or(0.0) < losses[0];
+    eprintln!("  train    AdamW losses on device: {losses:?}");
+    out.push(Check {
+        section: "train".into(),
+        name: format!("loss falls over {} AdamW steps", losses.len() - 1),
+        dtype: "f32".into(),
+        rel_err: (losses.last().copied().unwrap_or(0.0) - losses[0]) as f64,
+        tol: 0.0,
+        pass: fell,
+    });
+    Ok(())
+}

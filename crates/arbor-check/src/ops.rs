@@ -1,0 +1,350 @@
+//! The custom ops against float64 references computed on the CPU from the
+//! very inputs the device saw.
+use candle_core::{DType, Device, Tensor};
+
+use crate::util::{float_dtypes, push, rand_t, rel_err, Rng};
+use crate::{Check, OrMsg, Result};
+
+/// Fused logprob gather, forward and backward, f32 and bf16.
+pub fn logprob_checks(
+    dev: &Device,
+    quick: bool,
+    rng: &mut Rng,
+    out: &mut Vec<Check>,
+) -> Result<()> {
+    let cpu = Device::Cpu;
+    let (n, v, h) = if quick {
+        (48, 1000, 32)
+    } else {
+        (256, 151_936, 1024)
+    };
+    for dt in float_dtypes(dev) {
+        let (hd, h64) = rand_t(rng, &[n, h], -1.0, 1.0, dt, dev)?;
+        let (wd, w64) = rand_t(rng, &[v, h], -0.1, 0.1, dt, dev)?;
+        let y = rng.below(n, v as u64);
+        let (yd, yc) = (
+            Tensor::new(y.as_slice(), dev)?,
+            Tensor::new(y.as_slice(), &cpu)?,
+        );
+        let coef = [0.7, -0.3, 0.1];
+        let chunk = if quick {
+            1 << 14
+        } else {
+            arbor_ops::DEFAULT_CHUNK_ELEMS
+        };
+        let run = |hh: &Tensor, ww: &Tensor, yy: &Tensor| -> Result<(Tensor, Tensor, Tensor)> {
+            let hv = candle_core::Var::from_tensor(hh)?;
+            let wv = candle_core::Var::from_tensor(ww)?;
+            let o = arbor_ops::fused_logprobs(hv.as_tensor(), wv.as_tensor(), yy, chunk)?;
+            let c = Tensor::new(&coef, hh.device())?.to_dtype(o.dtype())?;
+            let g = o.broadcast_mul(&c)?.sum_all()?.backward()?;
+            let gh = g.get(hv.as_tensor()).or_msg("no dh")?.clone();
+            let gw = g.get(wv.as_tensor()).or_msg("no dW")?.clone();
+            Ok((o, gh, gw))
+        };
+        let (o, gh, gw) = run(&hd, &wd, &yd)?;
+        let (ro, rgh, rgw) = run(&h64, &w64, &yc)?;
+        push(
+            out,
+            "kernel",
+            "logprob fwd (logp, entropy, lse)",
+            dt,
+            rel_err(&o, &ro)?,
+        );
+        push(
+            out,
+            "kernel",
+            "logprob bwd d hidden",
+            dt,
+            rel_err(&gh, &rgh)?,
+        );
+        push(
+            out,
+            "kernel",
+            "logprob bwd d weight",
+            dt,
+            rel_err(&gw, &rgw)?,
+        );
+    }
+    Ok(())
+}
+
+/// Token count of the loss and segment checks.
+fn loss_len(quick: bool) -> usize {
+    if quick {
+        4096
+    } else {
+        1 << 20
+    }
+}
+
+/// Masked clipped PPO loss and the value loss, forward and backward (f32).
+pub fn loss_checks(dev: &Device, quick: bool, rng: &mut Rng, out: &mut Vec<Check>) -> Result<()> {
+    let cpu = Device::Cpu;
+    let n = loss_len(quick);
+    let clip = arbor_ops::PpoClip {
+        eps_low: 0.2,
+        eps_high: 0.28,
+    };
+    // Inputs rounded to f32 (what the device sees) for both sides, and
+    // log-ratios kept off the clip edges, where the gradient jumps between
+    // -A r and 0 and a last-bit difference would flip a whole token.
+    let f32r = |x: f64| x as f32 as f64;
+    let lp: Vec<f64> = rng.uniform(n, -4.0, -0.05).into_iter().map(f32r).collect();
+    let edges = [
+        (1.0 - clip.eps_low as f64).ln(),
+        (1.0 + clip.eps_high as f64).ln(),
+    ];
+    let old: Vec<f64> = lp
+        .iter()
+        .map(|&x| loop {
+            let o = f32r(x + (rng.next_f64() - 0.5) * 0.6);
+            if edges.iter().all(|e| ((x - o) - e).abs() > 1e-4) {
+                break o;
+            }
+        })
+        .collect();
+    let adv: Vec<f64> = rng
+        .uniform(n, -2.0, 2.0)
+        .into_iter()
+        .map(|x| x as f32 as f64)
+        .collect();
+    let mask: Vec<f32> = (0..n)
+        .map(|_| if rng.next_f64() < 0.8 { 1.0 } else { 0.0 })
+        .collect();
+    // Sequence-mean weights (the trainer's aggregation) over sequences of
+    // up to 97 tokens, rounded to the f32 the kernel reads.
+    let seq_lens: Vec<usize> = (0..n).step_by(97).map(|s| (n - s).min(97)).collect();
+    let w: Vec<f64> = arbor_rl::ppo::aggregation_weights(
+        arbor_rl::ppo::Aggregation::SequenceMean,
+        &arbor_rl::ppo::TokenBatch {
+            mask: &mask,
+            seq_lens: &seq_lens,
+        },
+    )?
+    .into_iter()
+    .map(|x| x as f32 as f64)
+    .collect();
+    let aux_rows = |a: &[f64], b: &[f64]| -> Vec<f64> {
+        (0..n).flat_map(|i| [a[i], b[i], w[i], 0.0]).collect()
+    };
+    let aux = aux_rows(&old, &adv);
+    let both = |x: &[f64],
+                aux: &[f64],
+                f: &dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>|
+     -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+        let mut res = Vec::new();
+        for (d, dt) in [(dev, DType::F32), (&cpu, DType::F64)] {
+            let xv =
+                candle_core::Var::from_tensor(&Tensor::new(x, &cpu)?.to_dtype(dt)?.to_device(d)?)?;
+            let at = Tensor::from_slice(aux, (n, 4), &cpu)?
+                .to_dtype(dt)?
+                .to_device(d)?;
+            let o = f(xv.as_tensor(), &at)?;
+            let g = o.get(0)?.backward()?;
+            res.push((o, g.get(xv.as_tensor()).or_msg("no grad")?.clone()));
+        }
+        let (b, a) = (res.pop().expect("two"), res.pop().expect("two"));
+        Ok((a.0, a.1, b.0, b.1))
+    };
+    let (o, g, ro, rg) = both(&lp, &aux, &|x, a| arbor_ops::ppo_loss(x, a, clip))?;
+    push(
+        out,
+        "kernel",
+        "ppo loss fwd (loss, clip, kl, w)",
+        DType::F32,
+        rel_err(&o, &ro)?,
+    );
+    push(out, "kernel", "ppo loss bwd", DType::F32, rel_err(&g, &rg)?);
+    let vals: Vec<f64> = rng.uniform(n, -1.0, 1.0).into_iter().map(f32r).collect();
+    // Kept off the clip edges v - v_old = +-0.2, where a last-bit
+    // difference would flip a token between clipped and not.
+    let vold: Vec<f64> = vals
+        .iter()
+        .map(|x| loop {
+            let o = f32r(x + (rng.next_f64() - 0.5) * 0.5);
+            if ((x - o).abs() - 0.2).abs() > 1e-4 {
+                break o;
+            }
+        })
+        .collect();
+    let ret: Vec<f64> = rng.uniform(n, -1.0, 1.0).into_iter().map(f32r).collect();
+    let vaux = aux_rows(&ret, &vold);
+    let (o, g, ro, rg) = both(&vals, &vaux, &|x, a| arbor_ops::value_loss(x, a, 0.2))?;
+    push(
+        out,
+        "kernel",
+        "value loss fwd",
+        DType::F32,
+        rel_err(&o, &ro)?,
+    );
+    push(
+        out,
+        "kernel",
+        "value loss bwd",
+        DType::F32,
+        rel_err(&g, &rg)?,
+    );
+    Ok(())
+}
+
+/// Segment broadcast and its reverse, the segment sum (f32, i64 ids).
+pub fn segment_checks(
+    dev: &Device,
+    quick: bool,
+    rng: &mut Rng,
+    out: &mut Vec<Check>,
+) -> Result<()> {
+    let cpu = Device::Cpu;
+    let n = loss_len(quick);
+    let s = n / 13;
+    let seg: Vec<i64> = (0..n)
+        .map(|_| (rng.next_f64() * (s as f64 + 8.0)) as i64 - 4)
+        .collect();
+    let segv = rng.uniform(s, -1.0, 1.0);
+    let x = rng.uniform(n, -1.0, 1.0);
+    let (sd, sc) = (
+        Tensor::new(seg.as_slice(), dev)?,
+        Tensor::new(seg.as_slice(), &cpu)?,
+    );
+    let b = arbor_ops::segment_broadcast(
+        &Tensor::new(segv.as_slice(), &cpu)?
+            .to_dtype(DType::F32)?
+            .to_device(dev)?,
+        &sd,
+    )?;
+    let rb = arbor_ops::segment_broadcast(&Tensor::new(segv.as_slice(), &cpu)?, &sc)?;
+    push(
+        out,
+        "kernel",
+        "segment broadcast",
+        DType::F32,
+        rel_err(&b, &rb)?,
+    );
+    let sm = arbor_ops::segment_sum(
+        &Tensor::new(x.as_slice(), &cpu)?
+            .to_dtype(DType::F32)?
+            .to_device(dev)?,
+        &sd,
+        s,
+    )?;
+    let rs = arbor_ops::segment_sum(&Tensor::new(x.as_slice(), &cpu)?, &sc, s)?;
+    push(out, "kernel", "segment sum", DType::F32, rel_err(&sm, &rs)?);
+    Ok(())
+}
+
+/// Paged attention (decode and chunked prefill over a cached prefix) and the
+/// KV cache write, f32 and bf16.
+pub fn attention_checks(
+    dev: &Device,
+    quick: bool,
+    rng: &mut Rng,
+    out: &mut Vec<Check>,
+) -> Result<()> {
+    let cpu = Device::Cpu;
+    let (nh, nkv, d, bs) = if quick {
+        (4, 2, 32, 16)
+    } else {
+        (16, 8, 128, 16)
+    };
+    let lens: Vec<usize> = if quick {
+        vec![5, 40, 17]
+    } else {
+        vec![1, 300, 2048, 777, 64]
+    };
+    let blocks_per: Vec<usize> = lens.iter().map(|l| l.div_ceil(bs)).collect();
+    let total_blocks: usize = blocks_per.iter().sum::<usize>() + 3;
+    // Shuffled block ids so tables are not contiguous.
+    let mut ids: Vec<u32> = (0..total_blocks as u32).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, (rng.next_f64() * (i + 1) as f64) as usize % (i + 1));
+    }
+    let mut tables = Vec::new();
+    let mut next = 0;
+    for &b in &blocks_per {
+        tables.push(ids[next..next + b].to_vec());
+        next += b;
+    }
+    // Queries: the last 3 positions of every sequence (prefill tail + decode).
+    let (mut positions, mut token_seq) = (Vec::new(), Vec::new());
+    for (si, &l) in lens.iter().enumerate() {
+        for p in l.saturating_sub(3)..l {
+            positions.push(p as u32);
+            token_seq.push(si);
+        }
+    }
+    let t = positions.len();
+    let slots = total_blocks * bs;
+    for dt in float_dtypes(dev) {
+        let (kd, k64) = rand_t(rng, &[slots, nkv, d], -1.0, 1.0, dt, dev)?;
+        let (vd, v64) = rand_t(rng, &[slots, nkv, d], -1.0, 1.0, dt, dev)?;
+        let (qd, q64) = rand_t(rng, &[t, nh, d], -1.0, 1.0, dt, dev)?;
+        let meta = arbor_ops::PagedMeta::new(&positions, &token_seq, &tables, bs, dev)?;
+        let got = arbor_ops::paged_attention_op(&qd, &kd, &vd, &meta)?;
+        let want = brute_attention(&q64, &k64, &v64, &positions, &token_seq, &tables, bs)?;
+        push(out, "kernel", "paged attention", dt, rel_err(&got, &want)?);
+        // KV write: scatter rows into fresh slots and read them back.
+        let rows = Tensor::from_vec(rng.uniform(t * nkv * d, -1.0, 1.0), (t, nkv, d), &cpu)?
+            .to_dtype(dt)?;
+        let dst: Vec<u32> = (0..t as u32)
+            .map(|i| (i * 7) % slots as u32)
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let rows = rows.narrow(0, 0, dst.len())?;
+        let cache = kd.copy()?;
+        arbor_ops::cache_write(
+            &cache,
+            &rows.to_device(dev)?,
+            &Tensor::new(dst.as_slice(), dev)?,
+        )?;
+        let back = cache.index_select(&Tensor::new(dst.as_slice(), dev)?, 0)?;
+        push(out, "kernel", "kv cache write", dt, rel_err(&back, &rows)?);
+    }
+    Ok(())
+}
+
+/// Float64 attention by explicit gathers, `[t, nh, d]`.
+fn brute_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    positions: &[u32],
+    token_seq: &[usize],
+    tables: &[Vec<u32>],
+    bs: usize,
+) -> Result<Tensor> {
+    let (t, nh, d) = q.dims3()?;
+    let nkv = k.dim(1)?;
+    let q = q.flatten_all()?.to_vec1::<f64>()?;
+    let k = k.flatten_all()?.to_vec1::<f64>()?;
+    let v = v.flatten_all()?.to_vec1::<f64>()?;
+    let mut o = vec![0f64; t * nh * d];
+    for i in 0..t {
+        let tab = &tables[token_seq[i]];
+        let ctx = positions[i] as usize + 1;
+        for h in 0..nh {
+            let g = h / (nh / nkv);
+            let qh = &q[(i * nh + h) * d..(i * nh + h + 1) * d];
+            let row = |j: usize| (tab[j / bs] as usize * bs + j % bs) * nkv * d + g * d;
+            let sc: Vec<f64> = (0..ctx)
+                .map(|j| {
+                    qh.iter()
+                        .zip(&k[row(j)..row(j) + d])
+                        .map(|(a, b)| a * b)
+                        .sum::<f64>()
+                        / (d as f64).sqrt()
+                })
+                .collect();
+            let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = sc.iter().map(|s| (s - m).exp()).sum();
+            for (j, s) in sc.iter().enumerate() {
+                let p = (s - m).exp() / z;
+                for e in 0..d {
+                    o[(i * nh + h) * d + e] += p * v[row(j) + e];
+                }
+            }
+        }
+    }
+    Ok(Tensor::from_vec(o, (t, nh, d), &Device::Cpu)?)
+}

@@ -1,0 +1,174 @@
+//! After the forward: record each sequence's computed KV, sample its next
+//! token (or fan a computed prompt out into its samples), and stop the
+//! sequences that are done.
+
+use rayon::prelude::*;
+
+use super::{Engine, FinishReason, Seq};
+use crate::sampling::sample;
+use crate::{EngineError, SeqId};
+
+/// Bytes of text decoded before the part searched for stop strings
+/// (`Engine::stop_string_hit`).
+const STOP_WINDOW_MARGIN: usize = 16;
+
+impl Engine {
+    /// Step 4: record, sample, fan out, stop. `logits` holds one row per
+    /// scheduled sequence, in order.
+    pub(super) fn record_and_sample(
+        &mut self,
+        scheduled: Vec<SeqId>,
+        logits: &[f32],
+    ) -> Result<(), EngineError> {
+        let vocab = logits.len() / scheduled.len().max(1);
+        let mut todo: Vec<(SeqId, &[f32])> = Vec::new();
+        for (id, row) in scheduled.into_iter().zip(logits.chunks_exact(vocab.max(1))) {
+            let s = self.seqs.get_mut(&id).expect("scheduled seq exists");
+            let computed_now = s.tokens.len() - s.computed;
+            // Prompt prefill and preemption recompute; not the one decode token.
+            if s.generated() == 0 || computed_now > 1 {
+                self.stats.prefill_computed += computed_now as u64;
+            }
+            s.computed = s.tokens.len();
+            let tokens = s.tokens.clone();
+            self.kv.commit(id, &tokens)?;
+            if !self.seqs[&id].fan_out.is_empty() {
+                self.spawn_fan_out(id, row)?;
+            } else {
+                todo.push((id, row));
+            }
+        }
+        self.sample_and_stop(todo);
+        Ok(())
+    }
+
+    /// The parent's prompt is computed: fork its KV into every child, each
+    /// sampling its own first token from the shared logits.
+    fn spawn_fan_out(&mut self, parent: SeqId, logits: &[f32]) -> Result<(), EngineError> {
+        let p = self.seqs.get_mut(&parent).expect("parent exists");
+        let children = std::mem::take(&mut p.fan_out);
+        let (tokens, computed) = (p.tokens.clone(), p.computed);
+        let mut todo = Vec::new();
+        for (cid, params) in children {
+            self.kv.fork(parent, cid)?;
+            let mut c = Seq::new(tokens.clone(), params);
+            c.computed = computed;
+            c.has_kv = true;
+            self.seqs.insert(cid, c);
+            self.running.push(cid);
+            todo.push((cid, logits));
+        }
+        self.stats.prefill_forked += (computed * todo.len().saturating_sub(1)) as u64;
+        // The parent only held the shared prompt.
+        self.seqs.remove(&parent);
+        self.kv.free(parent)?;
+        self.running.retain(|&r| r != parent);
+        self.sample_and_stop(todo);
+        Ok(())
+    }
+
+    fn sample_and_stop(&mut self, todo: Vec<(SeqId, &[f32])>) {
+        // Sample in parallel: each sequence has its own RNG.
+        let mut work: Vec<(SeqId, Seq, &[f32])> = todo
+            .into_iter()
+            .map(|(id, row)| (id, self.seqs.remove(&id).expect("seq exists"), row))
+            .collect();
+        // `false`: the logits held no distribution (NaN or infinite values).
+        let sampled: Vec<bool> = work
+            .par_iter_mut()
+            .map(|(_, s, row)| match sample(row, &s.params, &mut s.rng) {
+                Some((tok, lp)) => {
+                    s.tokens.push(tok);
+                    s.logprobs.push(lp);
+                    true
+                }
+                None => false,
+            })
+            .collect();
+        let mut done = Vec::new();
+        let mut failed = Vec::new();
+        for ((id, s, _), ok) in work.into_iter().zip(sampled) {
+            if !ok {
+                let msg = format!(
+                    "the model's logits at position {} are not finite (NaN or infinite): \
+                     no token can be sampled",
+                    s.tokens.len() - 1
+                );
+                self.seqs.insert(id, s);
+                failed.push((id, msg));
+                continue;
+            }
+            self.stats.generated += 1;
+            let last = *s.tokens.last().expect("just sampled");
+            let reason = if s.params.stop_tokens.contains(&last) {
+                Some((FinishReason::Stop, None))
+            } else if let Some(stop) = self.stop_string_hit(&s) {
+                Some((FinishReason::Stop, Some(stop)))
+            } else if s.generated() >= s.params.max_tokens || s.tokens.len() >= self.max_context {
+                Some((FinishReason::Length, None))
+            } else {
+                None
+            };
+            self.seqs.insert(id, s);
+            if let Some(r) = reason {
+                done.push((id, r));
+            }
+        }
+        for (id, (reason, stop)) in done {
+            self.finish(id, reason, stop, None);
+        }
+        for (id, msg) in failed {
+            self.finish(id, FinishReason::Error, None, Some(msg));
+        }
+    }
+
+    /// A stop string's first match, in the text of the last token plus the
+    /// longest stop string before it.
+    fn stop_string_hit(&self, s: &Seq) -> Option<String> {
+        if s.params.stop_strings.is_empty() {
+            return None;
+        }
+        let tok = self.tokenizer.as_ref()?;
+        // Only the tail can contain a new match: look at the last token's
+        // piece plus the longest stop string.
+        let longest = s
+            .params
+            .stop_strings
+            .iter()
+            .map(|x| x.len())
+            .max()
+            .unwrap_or(0);
+        let generated = &s.tokens[s.prompt_len..];
+        // Special tokens are skipped, as in the text a caller prints.
+        let piece_len = tok
+            .decode(&generated[generated.len() - 1..], true)
+            .map(|p| p.len())
+            .unwrap_or(0);
+        let need = longest + piece_len;
+        // Decode only the last tokens, not the whole output (which made each
+        // token's check linear in the length, a generation quadratic): a
+        // window with [`STOP_WINDOW_MARGIN`] bytes before the tail, doubled
+        // until it has them (tokens outside the tokenizer's vocabulary
+        // decode to nothing). The window's first bytes may differ from the
+        // whole text's (a character cut in two, a leading space dropped);
+        // the margin keeps them out of the tail.
+        let mut w = (need + STOP_WINDOW_MARGIN).min(generated.len());
+        let text = loop {
+            let text = tok.decode(&generated[generated.len() - w..], true).ok()?;
+            if w == generated.len() || text.len() >= need + STOP_WINDOW_MARGIN {
+                break text;
+            }
+            w = (2 * w).min(generated.len());
+        };
+        let mut from = text.len().saturating_sub(need);
+        while !text.is_char_boundary(from) {
+            from -= 1;
+        }
+        let tail = &text[from..];
+        s.params
+            .stop_strings
+            .iter()
+            .find(|stop| tail.contains(stop.as_str()))
+            .cloned()
+    }
+}
