@@ -113,7 +113,7 @@ impl SamplingParams {
 /// or `None` when the logits hold no distribution: NaN or `+inf` values (a
 /// diverged model) or none above `-inf`.
 pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> Option<(u32, f32)> {
-    let m = arbor_ops::rows::max(logits);
+    let m = arbor_ops::cpu::rows::max(logits);
     // The normaliser counts the max's own exp(0) = 1: below that (or NaN),
     // some logit was NaN or infinite.
     let valid = |z: f64| m.is_finite() && z >= 1.0 && z.is_finite();
@@ -121,13 +121,13 @@ pub fn sample(logits: &[f32], p: &SamplingParams, rng: &mut StdRng) -> Option<(u
         // Argmax (lowest id on ties) and its untempered log-softmax, the
         // normaliser summed in f64.
         let best = logits.iter().position(|&v| v == m)?;
-        let z = arbor_ops::rows::exp_shifted(logits, m, 1.0, None);
+        let z = arbor_ops::cpu::rows::exp_shifted(logits, m, 1.0, None);
         return valid(z).then(|| (best as u32, (logits[best] - m) - z.ln() as f32));
     }
     let inv_t = 1.0 / p.temperature;
     // Unnormalised probabilities exp((l - max) / T), their sum in f64.
     let mut w = vec![0f32; logits.len()];
-    let total = arbor_ops::rows::exp_shifted(logits, m, inv_t, Some(&mut w));
+    let total = arbor_ops::cpu::rows::exp_shifted(logits, m, inv_t, Some(&mut w));
     if !valid(total) {
         return None;
     }

@@ -11,7 +11,7 @@
 //! backend; the paged engine supplies its own backend over the KV cache and
 //! runs the very same layers, so there is one copy of the weights.
 
-use arbor_ops::packed::PackedWeights;
+use arbor_ops::cpu::packed::PackedWeights;
 use candle_core::{DType, Device, Module, Tensor, D};
 use std::sync::Arc;
 
@@ -309,14 +309,16 @@ fn pack_for<'a>(x: &Tensor, l: &'a Linear) -> Option<&'a PackedWeights> {
 
 /// `r + x W^T` for the generation forward: with a pack ([`pack_for`]) and
 /// a CPU f32 `r` of the output's size, the residual addition fused into
-/// the product ([`arbor_ops::packed::matmul_packed_add`], the same f32
+/// the product ([`arbor_ops::cpu::packed::matmul_packed_add`], the same f32
 /// sums); otherwise [`linear_rows`] then [`add_rows`].
 fn linear_rows_add(x: &Tensor, l: &Linear, r: &Tensor) -> Result<Tensor> {
     if let Some(p) = pack_for(x, l) {
         let m = x.elem_count() / p.k().max(1);
         if r.dtype() == DType::F32 && r.device().is_cpu() && r.elem_count() == m * p.n() {
             let y = with_cpu_f32(x, |xs| {
-                with_cpu_f32(r, |rs| arbor_ops::packed::matmul_packed_add(xs, m, p, rs))
+                with_cpu_f32(r, |rs| {
+                    arbor_ops::cpu::packed::matmul_packed_add(xs, m, p, rs)
+                })
             })??;
             return Ok(Tensor::from_vec(y, r.shape(), x.device())?);
         }
@@ -344,7 +346,7 @@ impl RmsNorm {
     fn forward_rows(&self, x: &Tensor) -> Result<Tensor> {
         let out = with_cpu_f32(x, |xs| {
             with_cpu_f32(&self.weight, |w| {
-                arbor_ops::rows::rms_norm_rows(xs, w, self.eps as f32)
+                arbor_ops::cpu::rows::rms_norm_rows(xs, w, self.eps as f32)
             })
         })??;
         Ok(Tensor::from_vec(out, x.shape(), x.device())?)
@@ -398,8 +400,8 @@ impl Mlp {
     /// The generation forward's MLP plus the residual `r`, that is
     /// `r + down(silu(gate x) u x)`: SwiGLU's product fused into the gate
     /// and up products when both have packs
-    /// ([`arbor_ops::packed::swiglu_packed`]; else
-    /// [`arbor_ops::rows::silu_mul`] after them), and the residual addition
+    /// ([`arbor_ops::cpu::packed::swiglu_packed`]; else
+    /// [`arbor_ops::cpu::rows::silu_mul`] after them), and the residual addition
     /// into the down projection ([`linear_rows_add`]). The same bits either
     /// way.
     fn forward_rows_add(&self, x: &Tensor, r: &Tensor) -> Result<Tensor> {
@@ -407,7 +409,7 @@ impl Mlp {
             (Some(g), Some(u)) if g.n() == u.n() => {
                 let k = g.k();
                 let m = x.elem_count() / k.max(1);
-                let y = with_cpu_f32(x, |xs| arbor_ops::packed::swiglu_packed(xs, m, g, u))?;
+                let y = with_cpu_f32(x, |xs| arbor_ops::cpu::packed::swiglu_packed(xs, m, g, u))?;
                 let mut dims = x.dims().to_vec();
                 *dims.last_mut().expect("rank >= 1") = g.n();
                 Tensor::from_vec(y, dims, x.device())?
@@ -415,7 +417,9 @@ impl Mlp {
             _ => {
                 let gu = linear_rows_group(x, &[&self.gate, &self.up])?;
                 let (g, u) = (&gu[0], &gu[1]);
-                let y = with_cpu_f32(g, |g| with_cpu_f32(u, |u| arbor_ops::rows::silu_mul(g, u)))??;
+                let y = with_cpu_f32(g, |g| {
+                    with_cpu_f32(u, |u| arbor_ops::cpu::rows::silu_mul(g, u))
+                })??;
                 Tensor::from_vec(y, g.shape(), g.device())?
             }
         };
@@ -431,7 +435,7 @@ pub trait AttentionBackend {
 
     /// Whether the forward around this backend is for generation only (no
     /// gradients wanted): on the CPU in f32 the model then runs its fused
-    /// row-wise kernels ([`arbor_ops::rows`]) instead of differentiable
+    /// row-wise kernels ([`arbor_ops::cpu::rows`]) instead of differentiable
     /// candle op chains. The training path's backends keep the default.
     fn inference(&self) -> bool {
         false
@@ -455,10 +459,10 @@ pub fn with_cpu_f32<R>(x: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     }
 }
 
-/// `a + b` for the generation forward ([`arbor_ops::rows::add`]: the same
+/// `a + b` for the generation forward ([`arbor_ops::cpu::rows::add`]: the same
 /// f32 sums as candle's add, on the rayon pool rather than candle's).
 fn add_rows(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let out = with_cpu_f32(a, |a| with_cpu_f32(b, |b| arbor_ops::rows::add(a, b)))??;
+    let out = with_cpu_f32(a, |a| with_cpu_f32(b, |b| arbor_ops::cpu::rows::add(a, b)))??;
     Ok(Tensor::from_vec(out, a.shape(), a.device())?)
 }
 
@@ -616,7 +620,7 @@ impl Attention {
         let heads = |y: &Tensor, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
             let out = with_cpu_f32(y, |ys| {
                 with_norm(norm, |nw| {
-                    arbor_ops::rows::heads_rope(ys, t, n, d, nw, &rope.cos, &rope.sin)
+                    arbor_ops::cpu::rows::heads_rope(ys, t, n, d, nw, &rope.cos, &rope.sin)
                 })
             })??;
             Ok(Tensor::from_vec(out, (1, n, t, d), dev)?)
@@ -863,7 +867,7 @@ impl Transformer {
 
     /// Repack every f32 CPU weight matrix the generation forward reads
     /// (projections without an adapter, the LM head) for
-    /// [`arbor_ops::packed`], replacing any earlier pack: call it again
+    /// [`arbor_ops::cpu::packed`], replacing any earlier pack: call it again
     /// after the weights change. Returns the bytes packed (a copy of each
     /// matrix; device and bf16 weights are skipped).
     pub fn pack_weights(&mut self) -> usize {

@@ -14,7 +14,7 @@
 //!   advantages to token positions and back;
 //! - [`paged_attention_op`], [`cache_write`]: attention over the engine's
 //!   block tables and KV writes into the paged cache;
-//! - [`rows`]: fused row-wise f32 kernels of the generation forward
+//! - [`cpu::rows`]: fused row-wise f32 kernels of the generation forward
 //!   (RMSNorm, head split + q/k-norm + RoPE, `silu(g) * u`);
 //! - [`matmul_nt_op`]: the CPU `x w^T` of every `Linear` (f32 or bf16
 //!   weights; AVX-512, AVX2 or portable kernels, [`MatmulIsa`]),
@@ -25,24 +25,22 @@
 //! The slice-level [`paged_attention`] is the engine's CPU kernel, compiled
 //! for several x86 feature levels and picked at run time (`multiversion`).
 
-mod attention;
+pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod linear;
 pub mod logprob;
-pub mod matmul;
-pub mod packed;
 pub mod paged;
 pub mod ppo;
-pub mod rows;
 pub mod segment;
-mod simd;
 
-pub use attention::{paged_attention, KvElem, PagedAttentionArgs};
-pub use logprob::{fused_logprobs, DEFAULT_CHUNK_ELEMS};
-pub use matmul::{
+pub use cpu::attention::{paged_attention, KvElem, PagedAttentionArgs};
+pub use cpu::matmul::{
     matmul_nt, matmul_nt_bf16, matmul_nt_into, matmul_nt_multi, matmul_nt_multi_into,
-    matmul_nt_multi_into_isa, matmul_nt_op, round_bf16, MatmulIsa, WeightRows,
+    matmul_nt_multi_into_isa, round_bf16, MatmulIsa, WeightRows,
 };
+pub use linear::matmul_nt_op;
+pub use logprob::{fused_logprobs, DEFAULT_CHUNK_ELEMS};
 pub use paged::{cache_write, paged_attention_op, PagedMeta};
 pub use ppo::{pack_aux, ppo_loss, value_loss, PpoClip};
 pub use segment::{segment_broadcast, segment_mean, segment_sum};
@@ -77,7 +75,7 @@ pub fn in_pool<R: Send>(device: &candle_core::Device, f: impl FnOnce() -> R + Se
 /// still compete for cores with other threads that want them, notably
 /// candle's own CPU thread pool (candle >= 0.11 runs elementwise ops on
 /// 64K elements and more on it): use this for steps that make no such
-/// calls (the engine's generation forward, built on [`rows`] and
+/// calls (the engine's generation forward, built on [`cpu::rows`] and
 /// [`matmul_nt_op`]), [`in_pool`] for the rest (a learner update).
 pub fn in_pool_polling<R: Send>(device: &candle_core::Device, f: impl FnOnce() -> R + Send) -> R {
     if !device.is_cpu() || rayon::current_thread_index().is_some() {

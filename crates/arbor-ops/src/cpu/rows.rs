@@ -199,7 +199,7 @@ pub fn silu_mul_into(g: &[f32], u: &[f32], o: &mut [f32]) {
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if crate::simd::avx2_fma() {
+    if crate::cpu::simd::avx2_fma() {
         // SAFETY: AVX2 and FMA detected; `g` and `u` hold `o.len()` values.
         #[allow(unsafe_code)]
         unsafe {
@@ -220,7 +220,7 @@ pub fn silu_mul_into(g: &[f32], u: &[f32], o: &mut [f32]) {
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx512f")]
 unsafe fn silu_mul_avx512(g: &[f32], u: &[f32], o: &mut [f32]) {
-    use crate::simd::exp512;
+    use crate::cpu::simd::exp512;
     use std::arch::x86_64::*;
     let n = o.len();
     assert!(g.len() >= n && u.len() >= n);
@@ -244,7 +244,7 @@ unsafe fn silu_mul_avx512(g: &[f32], u: &[f32], o: &mut [f32]) {
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn silu_mul_avx2(g: &[f32], u: &[f32], o: &mut [f32]) {
-    use crate::simd::{exp256, lanes8, store8};
+    use crate::cpu::simd::{exp256, lanes8, store8};
     use std::arch::x86_64::*;
     assert!(g.len() >= o.len() && u.len() >= o.len());
     let one = _mm256_set1_ps(1.0);
@@ -282,13 +282,13 @@ pub fn max(x: &[f32]) -> f32 {
     if std::is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512F detected.
         #[allow(unsafe_code)]
-        return unsafe { crate::simd::max_f32(x) };
+        return unsafe { crate::cpu::simd::max_f32(x) };
     }
     #[cfg(target_arch = "x86_64")]
-    if crate::simd::avx2_fma() {
+    if crate::cpu::simd::avx2_fma() {
         // SAFETY: AVX2 and FMA detected.
         #[allow(unsafe_code)]
-        return unsafe { crate::simd::max8_f32(x) };
+        return unsafe { crate::cpu::simd::max8_f32(x) };
     }
     x.iter().copied().fold(f32::NEG_INFINITY, f32::max)
 }
@@ -317,7 +317,7 @@ pub fn exp_shifted(x: &[f32], shift: f32, scale: f32, out: Option<&mut [f32]>) -
         return unsafe { exp_shifted_avx512(x, shift, scale, out) };
     }
     #[cfg(target_arch = "x86_64")]
-    if crate::simd::avx2_fma() {
+    if crate::cpu::simd::avx2_fma() {
         // SAFETY: AVX2 and FMA detected; `out`, when given, has `x.len()`
         // elements.
         #[allow(unsafe_code)]
@@ -351,7 +351,7 @@ unsafe fn exp_shifted_avx512(
     scale: f32,
     mut out: Option<&mut [f32]>,
 ) -> f64 {
-    use crate::simd::exp512;
+    use crate::cpu::simd::exp512;
     use std::arch::x86_64::*;
     let (s, c) = (_mm512_set1_ps(shift), _mm512_set1_ps(scale));
     let (mut lo, mut hi) = (_mm512_setzero_pd(), _mm512_setzero_pd());
@@ -378,7 +378,7 @@ unsafe fn exp_shifted_avx512(
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn exp_shifted_avx2(x: &[f32], shift: f32, scale: f32, mut out: Option<&mut [f32]>) -> f64 {
-    use crate::simd::{exp256, first8, lanes8, store8};
+    use crate::cpu::simd::{exp256, first8, lanes8, store8};
     use std::arch::x86_64::*;
     let (s, c) = (_mm256_set1_ps(shift), _mm256_set1_ps(scale));
     let (mut lo, mut hi) = (_mm256_setzero_pd(), _mm256_setzero_pd());

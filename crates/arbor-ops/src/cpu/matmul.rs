@@ -4,7 +4,7 @@
 //! `vdpbf16ps`, f32 sums: [`matmul_nt_bf16`]), with grouped calls
 //! ([`matmul_nt_multi_into`]) for several weights of one input.
 //!
-//! **f32 weights** run in [`crate::packed`]: each output is one FMA chain
+//! **f32 weights** run in [`crate::cpu::packed`]: each output is one FMA chain
 //! over `k` in order, from zero, so every CPU gives the same bits (AVX2
 //! 4 x 24 outer-product tiles, or the portable `f32::mul_add` chains). The
 //! weights are packed for the call ([`WeightRows::F32`]) or were packed
@@ -58,13 +58,12 @@
 //! row-invariant (on a Zen 2, the same row's logprobs moved by an ulp with
 //! the batch around it).
 
-use crate::packed::PackedWeights;
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use crate::cpu::packed::PackedWeights;
 use rayon::prelude::*;
 use std::ops::Range;
 
 #[cfg(target_arch = "x86_64")]
-use crate::simd::{hsum16, hsum8};
+use crate::cpu::simd::{hsum16, hsum8};
 
 /// Rows of `x` per register tile.
 const MR: usize = 4;
@@ -125,7 +124,7 @@ fn sweeps(m: usize) -> bool {
 
 /// The instruction set the kernels use. Every CPU has one
 /// ([`MatmulIsa::detect`]). f32 weights give the same bits on every set
-/// ([`crate::packed`]: the AVX2 kernel on `Avx512` and `Avx2`, the
+/// ([`crate::cpu::packed`]: the AVX2 kernel on `Avx512` and `Avx2`, the
 /// portable chains on `Portable`); bf16 weights' results depend on the
 /// set, never on the batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -158,7 +157,7 @@ impl MatmulIsa {
             #[cfg(target_arch = "x86_64")]
             Self::Avx512 => std::is_x86_feature_detected!("avx512f"),
             #[cfg(target_arch = "x86_64")]
-            Self::Avx2 => crate::simd::avx2_fma(),
+            Self::Avx2 => crate::cpu::simd::avx2_fma(),
             #[cfg(not(target_arch = "x86_64"))]
             Self::Avx512 | Self::Avx2 => false,
             Self::Portable => true,
@@ -201,7 +200,7 @@ impl MatmulIsa {
 }
 
 /// Raw output pointer shared by the tasks, which write disjoint columns
-/// (here and in [`crate::packed`]).
+/// (here and in [`crate::cpu::packed`]).
 #[derive(Clone, Copy)]
 pub(crate) struct OutPtr(pub(crate) *mut f32);
 // SAFETY: every task writes only its own output tiles (columns `n0..n1` of
@@ -220,7 +219,7 @@ impl OutPtr {
 }
 
 /// `x: [m, k]`, `w: [n, k]` (both row-major, contiguous) -> `y: [m, n]`,
-/// each output one FMA chain over `k` ([`crate::packed`]; `w` is packed
+/// each output one FMA chain over `k` ([`crate::cpu::packed`]; `w` is packed
 /// for the call). Panics if the slices are shorter than the shapes.
 pub fn matmul_nt(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
     single(x, WeightRows::F32(w), m, k, n)
@@ -243,7 +242,7 @@ fn single_into(x: &[f32], w: WeightRows<'_>, m: usize, k: usize, n: usize, y: &m
 
 /// One product into a new buffer ([`matmul_nt_multi`]): the first `n`
 /// rows of `w`.
-fn single(x: &[f32], w: WeightRows<'_>, m: usize, k: usize, n: usize) -> Vec<f32> {
+pub(crate) fn single(x: &[f32], w: WeightRows<'_>, m: usize, k: usize, n: usize) -> Vec<f32> {
     assert!(
         w.len() >= n * k,
         "matmul_nt: slices shorter than [{m}, {k}] x [{n}, {k}]^T"
@@ -269,7 +268,7 @@ pub fn matmul_nt_bf16(x: &[f32], w: &[half::bf16], m: usize, k: usize, n: usize)
 /// ([`matmul_nt_bf16`]).
 /// f32 weights, plain or already packed ([`PackedWeights`], which the
 /// engine keeps for its static weights), both computed by
-/// [`crate::packed`]'s FMA chains, the plain ones packed per call.
+/// [`crate::cpu::packed`]'s FMA chains, the plain ones packed per call.
 #[derive(Debug, Clone, Copy)]
 pub enum WeightRows<'a> {
     F32(&'a [f32]),
@@ -424,7 +423,7 @@ unsafe fn products(
     ns: &[usize],
     outs: &[OutPtr],
 ) {
-    // f32 weights: each output one FMA chain over `k` (crate::packed), the
+    // f32 weights: each output one FMA chain over `k` (crate::cpu::packed), the
     // same bits on every CPU; plain ones are packed for this call.
     let packs: Vec<Option<PackedWeights>> = ws
         .iter()
@@ -444,8 +443,8 @@ unsafe fn products(
         pouts.push(*out);
     }
     if !pws.is_empty() {
-        let avx2 = isa != MatmulIsa::Portable && crate::packed::avx2();
-        crate::packed::products(x, m, &pws, &pouts, avx2);
+        let avx2 = isa != MatmulIsa::Portable && crate::cpu::packed::avx2();
+        crate::cpu::packed::products(x, m, &pws, &pouts, avx2);
     }
     // bf16 weights: the dot-product tiles below.
     let ns: Vec<usize> = ws
@@ -494,7 +493,7 @@ unsafe fn products(
                         sweep_avx2(xr.as_ptr().add(i), mr, w, nc, k, y, n)
                     }
                     WeightRows::F32(_) | WeightRows::Packed(_) => {
-                        unreachable!("f32 weights run in crate::packed")
+                        unreachable!("f32 weights run in crate::cpu::packed")
                     }
                 }
             }
@@ -533,7 +532,7 @@ unsafe fn products(
                         at.run::<Bf16Portable>(xr.as_ptr(), w.as_ptr() as *const u16, y, n)
                     }
                     (_, WeightRows::F32(_) | WeightRows::Packed(_)) => {
-                        unreachable!("f32 weights run in crate::packed")
+                        unreachable!("f32 weights run in crate::cpu::packed")
                     }
                 }
             }
@@ -580,7 +579,7 @@ impl Tile {
 /// on one thread.
 fn to_bf16_bits(x: &[f32]) -> Vec<u16> {
     const CH: usize = 1 << 14;
-    crate::rows::new_rows(x.len(), CH, crate::rows::PAR_MIN, |c, o| {
+    crate::cpu::rows::new_rows(x.len(), CH, crate::cpu::rows::PAR_MIN, |c, o| {
         let x = &x[c * CH..c * CH + o.len()];
         #[cfg(target_arch = "x86_64")]
         if std::is_x86_feature_detected!("avx512f") {
@@ -1247,90 +1246,9 @@ unsafe fn tile_portable<W: Lanes8, const R: usize, const C: usize>(
     }
 }
 
-/// `x [m, k] @ w[n, k]^T` as a candle op on the CPU: `x` f32, `w` f32
-/// ([`matmul_nt`]) or bf16 ([`matmul_nt_bf16`]), output f32; with the
-/// matmul backward (`dx = g w`, `dw = g^T x` in `w`'s dtype, both
-/// detached; for bf16 weights the rounding of `x` is taken as the
-/// identity, straight through).
-pub fn matmul_nt_op(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let (_, k) = x.dims2()?;
-    let (_, k2) = w.dims2()?;
-    if k != k2 || x.dtype() != DType::F32 || !matches!(w.dtype(), DType::F32 | DType::BF16) {
-        candle_core::bail!(
-            "matmul_nt: x {:?} {:?} and w {:?} {:?} do not fit (want f32 x, f32 or bf16 w)",
-            x.dims(),
-            x.dtype(),
-            w.dims(),
-            w.dtype()
-        );
-    }
-    x.contiguous()?.apply_op2(&w.contiguous()?, MatmulNt)
-}
-
-#[derive(Debug, Clone, Copy)]
-struct MatmulNt;
-
-impl CustomOp2 for MatmulNt {
-    fn name(&self) -> &'static str {
-        "arbor-matmul-nt"
-    }
-
-    fn cpu_fwd(
-        &self,
-        xs: &CpuStorage,
-        xl: &Layout,
-        ws: &CpuStorage,
-        wl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (m, k) = xl.shape().dims2()?;
-        let n = wl.shape().dims()[0];
-        let (w0, w1) = (wl.start_offset(), wl.start_offset() + n * k);
-        let w = match ws {
-            CpuStorage::F32(w) => WeightRows::F32(&w[w0..w1]),
-            CpuStorage::BF16(w) => WeightRows::Bf16(&w[w0..w1]),
-            _ => candle_core::bail!(
-                "matmul_nt: {:?} weights (want f32 or bf16)",
-                candle_core::backend::BackendStorage::dtype(ws)
-            ),
-        };
-        let CpuStorage::F32(x) = xs else {
-            candle_core::bail!("matmul_nt: x must be f32");
-        };
-        let x = &x[xl.start_offset()..xl.start_offset() + m * k];
-        Ok((CpuStorage::F32(single(x, w, m, k, n)), Shape::from((m, n))))
-    }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _res: &Tensor,
-        g: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        // Only for inputs that want one: a frozen weight (a LoRA base, an
-        // inference model) gets no `g^T x`, which would cost a matmul as
-        // large as the forward's. Detached: `w` is usually a variable
-        // itself, and candle keeps a variable's gradient as returned, so an
-        // attached `g^T x` would hold the whole forward graph alive for as
-        // long as the gradient lives.
-        let dx = if x.track_op() {
-            Some(g.matmul(&w.to_dtype(DType::F32)?)?.detach())
-        } else {
-            None
-        };
-        let dw = if w.track_op() {
-            Some(g.t()?.matmul(x)?.to_dtype(w.dtype())?.detach())
-        } else {
-            None
-        };
-        Ok((dx, dw))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Var};
     use rand::{rngs::StdRng, Rng, SeedableRng};
 
     #[test]
@@ -1546,48 +1464,6 @@ mod tests {
             &matmul_nt_bf16(&x, &wb, m, k, n),
             &kn.run(&x, &w, m, k, n)
         ));
-    }
-
-    #[test]
-    fn op_gradients_equal_candle_matmul() -> Result<()> {
-        let dev = Device::Cpu;
-        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (5, 40), &dev)?)?;
-        let w = Var::from_tensor(&Tensor::randn(0f32, 1.0, (9, 40), &dev)?)?;
-        let c = Tensor::randn(0f32, 1.0, (5, 9), &dev)?;
-        let a = (matmul_nt_op(x.as_tensor(), w.as_tensor())? * &c)?.sum_all()?;
-        let b = (x.as_tensor().matmul(&w.as_tensor().t()?)? * &c)?.sum_all()?;
-        assert!((a.to_scalar::<f32>()? - b.to_scalar::<f32>()?).abs() < 1e-3);
-        let (ga, gb) = (a.backward()?, b.backward()?);
-        for v in [&x, &w] {
-            let d = (ga.get(v.as_tensor()).expect("grad") - gb.get(v.as_tensor()).expect("grad"))?
-                .abs()?
-                .max_all()?
-                .to_scalar::<f32>()?;
-            assert!(d < 1e-5, "{d}");
-        }
-        // The weight's gradient must not hold the forward graph (it would
-        // live on in the optimizer's moments).
-        let h = (x.as_tensor() * 2.0)?;
-        let l = matmul_nt_op(&h, w.as_tensor())?.sum_all()?;
-        let g = l.backward()?;
-        assert!(!g.get(w.as_tensor()).expect("grad").track_op());
-        Ok(())
-    }
-
-    #[test]
-    fn bf16_op_gradients_are_the_straight_through_matmul() -> Result<()> {
-        let dev = Device::Cpu;
-        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (5, 40), &dev)?)?;
-        let w = Tensor::randn(0f32, 1.0, (9, 40), &dev)?.to_dtype(DType::BF16)?;
-        let wf = w.to_dtype(DType::F32)?;
-        let c = Tensor::randn(0f32, 1.0, (5, 9), &dev)?;
-        let a = (matmul_nt_op(x.as_tensor(), &w)? * &c)?.sum_all()?;
-        let ga = a.backward()?;
-        let dx = ga.get(x.as_tensor()).expect("grad");
-        let want = c.matmul(&wf)?;
-        let d = (dx - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        assert!(d < 1e-5, "{d}");
-        Ok(())
     }
 
     /// One grouped call gives bit for bit what separate calls give, for

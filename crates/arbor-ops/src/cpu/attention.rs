@@ -29,7 +29,7 @@
 use multiversion::multiversion;
 
 #[cfg(target_arch = "x86_64")]
-use crate::simd::{exp512, hsum16, max_f32};
+use crate::cpu::simd::{exp512, hsum16, max_f32};
 use rayon::prelude::*;
 
 /// An element type of the KV cache: `f32`, or `bf16` (half the bytes to
@@ -171,7 +171,7 @@ fn avx512_head_dim(d: usize) -> bool {
 /// Whether the AVX2 path serves head size `d` on this CPU.
 #[cfg(target_arch = "x86_64")]
 fn avx2_head_dim(d: usize) -> bool {
-    matches!(d, 16 | 32 | 64 | 128 | 256) && crate::simd::avx2_fma()
+    matches!(d, 16 | 32 | 64 | 128 | 256) && crate::cpu::simd::avx2_fma()
 }
 
 /// Token `i`'s context length (`position + 1`), with the offset of every
@@ -756,7 +756,7 @@ unsafe fn attend_group8<E: KvElem, const DV: usize>(
     next: Option<&Group>,
     o: &mut [f32],
 ) {
-    use crate::simd::{exp256, first8, hsum8, hsum8x8, lanes8, max8_f32, store8};
+    use crate::cpu::simd::{exp256, first8, hsum8, hsum8x8, lanes8, max8_f32, store8};
     use std::arch::x86_64::*;
     let (d, nkv) = (a.head_dim, a.n_kv);
     let t = a.positions.len();

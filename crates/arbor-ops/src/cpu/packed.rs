@@ -25,7 +25,7 @@
 //! count from 1 to 64, and at 2,048 rows (`cargo bench -p arbor-ops`
 //! measures it on the machine at hand).
 //!
-//! Every f32 product of [`crate::matmul`] runs here (so the training
+//! Every f32 product of [`crate::cpu::matmul`] runs here (so the training
 //! forward, the engine and `arbor score` agree bit for bit); the engine
 //! packs its weights once ([`crate::WeightRows::Packed`]), other callers per
 //! call. The generation forward also uses two fused epilogues that give the
@@ -33,7 +33,7 @@
 //! is written) and [`swiglu_packed`] (gate and up panels of the same
 //! columns, combined by SiLU while in cache).
 
-use crate::matmul::{OutPtr, SERIAL_MACS, SERIAL_WEIGHTS};
+use crate::cpu::matmul::{OutPtr, SERIAL_MACS, SERIAL_WEIGHTS};
 use rayon::prelude::*;
 
 /// Weight rows per panel: three 8-lane vectors.
@@ -211,7 +211,7 @@ pub(crate) unsafe fn products(
 /// output widths `ns`, input width `k`) and every block of [`MB`] rows of
 /// `m`: in parallel tasks of a few panels each, or on the calling thread
 /// when the call is small and its weights are not large enough to stream
-/// from memory (as in `crate::matmul`).
+/// from memory (as in `crate::cpu::matmul`).
 fn each_panel(
     m: usize,
     k: usize,
@@ -303,7 +303,7 @@ fn product_add(x: &[f32], m: usize, w: &PackedWeights, r: &[f32], avx2: bool) ->
 /// SwiGLU's `silu(x g^T) * (x u^T)` (`[m, n]`) for gate and up weights of
 /// one shape: a gate panel and the up panel of the same columns are
 /// computed together into a scratch of the task's rows, then combined by
-/// [`crate::rows::silu_mul_into`] while in cache. Every value is that of
+/// [`crate::cpu::rows::silu_mul_into`] while in cache. Every value is that of
 /// `rows::silu_mul` over the two [`matmul_packed`] products, bit for bit;
 /// neither product is ever written out whole.
 ///
@@ -369,7 +369,7 @@ fn product_swiglu(
                         std::slice::from_raw_parts_mut(out.at(i * n + cols.start), width)
                     };
                     let at = r * PANEL;
-                    crate::rows::silu_mul_into(&g[at..at + width], &u[at..at + width], o);
+                    crate::cpu::rows::silu_mul_into(&g[at..at + width], &u[at..at + width], o);
                 }
             });
         });
@@ -406,7 +406,7 @@ thread_local! {
 pub(crate) fn avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        crate::simd::avx2_fma()
+        crate::cpu::simd::avx2_fma()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -749,8 +749,10 @@ mod tests {
                 .map(|v| v * 4.0)
                 .collect();
             for avx in kernels() {
-                let want =
-                    crate::rows::silu_mul(&product(&x, m, &pg, avx), &product(&x, m, &pu, avx));
+                let want = crate::cpu::rows::silu_mul(
+                    &product(&x, m, &pg, avx),
+                    &product(&x, m, &pu, avx),
+                );
                 let got = product_swiglu(&x, m, &pg, &pu, avx);
                 assert_eq!(bits(&got), bits(&want), "m {m} k {k} n {n} avx2 {avx}");
             }
