@@ -120,7 +120,7 @@ fn table(r: &AuditReport) -> String {
         for metric in Metric::ALL {
             let random_final = r
                 .curve(critic, SelectorKind::Random.name(), metric)
-                .map_or(f64::NAN, |c| c.final_mse());
+                .map_or(f64::NAN, arbor_rl::audit::AuditCurve::final_mse);
             let _ = writeln!(
                 s,
                 "\ncritic {}, {} estimate (mean MSE over seeds)",

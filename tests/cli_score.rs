@@ -21,7 +21,7 @@ fn score_json_matches_hf_reference() {
             .as_array()
             .unwrap()
             .iter()
-            .map(|t| t.to_string())
+            .map(std::string::ToString::to_string)
             .collect();
         let model = fixtures().join(name);
         let out = arbor(&[

@@ -124,7 +124,7 @@ fn kill_and_resume(config: &str, points: &[KillAt]) {
         );
         let resumable = std::fs::read_dir(out.join("checkpoints"))
             .unwrap()
-            .filter_map(|e| e.ok())
+            .filter_map(std::result::Result::ok)
             .any(|e| e.path().join("trainer_state.json").is_file());
         assert!(resumable, "{at:?}: no complete checkpoint to resume from");
         run_to_end(&cfg, &out, true);

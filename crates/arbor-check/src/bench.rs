@@ -25,7 +25,7 @@ fn time_ms(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Resu
         dev.synchronize()?;
         v.push(t0.elapsed().as_secs_f64() * 1e3);
     }
-    v.sort_by(|a, b| a.total_cmp(b));
+    v.sort_by(f64::total_cmp);
     Ok(v[v.len() / 2])
 }
 

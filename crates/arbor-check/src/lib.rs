@@ -234,7 +234,10 @@ fn guarded<T>(
         Err(p) => p
             .downcast_ref::<String>()
             .cloned()
-            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .or_else(|| {
+                p.downcast_ref::<&str>()
+                    .map(std::string::ToString::to_string)
+            })
             .map(|s| format!("panic: {s}"))
             .unwrap_or_else(|| "panic".into()),
     };

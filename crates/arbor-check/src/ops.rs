@@ -336,7 +336,7 @@ fn brute_attention(
                         / (d as f64).sqrt()
                 })
                 .collect();
-            let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let m = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let z: f64 = sc.iter().map(|s| (s - m).exp()).sum();
             for (j, s) in sc.iter().enumerate() {
                 let p = (s - m).exp() / z;

@@ -66,7 +66,7 @@ pub(crate) fn op_tol(dt: DType) -> f64 {
 }
 
 pub(crate) fn push(out: &mut Vec<Check>, section: &str, name: &str, dt: DType, err: f64) {
-    push_tol(out, section, name, dt, err, op_tol(dt))
+    push_tol(out, section, name, dt, err, op_tol(dt));
 }
 
 pub(crate) fn push_tol(

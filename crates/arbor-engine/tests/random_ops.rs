@@ -216,7 +216,7 @@ fn run_ops(
                             samples.is_empty() || msg.contains("has not started"),
                             "{}",
                             msg
-                        )
+                        );
                     }
                     // Finished.
                     Err(EngineError::UnknownSequence(id)) => prop_assert_eq!(id, parent),
@@ -233,7 +233,7 @@ fn run_ops(
                     Ok(()) => prop_assert!(!finished, "aborted finished sample {}", id),
                     Err(EngineError::UnknownSequence(x)) => {
                         prop_assert_eq!(x, id);
-                        prop_assert!(finished, "sample {} pending but refused", id)
+                        prop_assert!(finished, "sample {} pending but refused", id);
                     }
                     Err(other) => prop_assert!(false, "{op:?}: {other}"),
                 }

@@ -758,17 +758,17 @@ pub fn from_spec(spec: &str) -> Result<Box<dyn Env>> {
                 k = Some(
                     val.parse()
                         .map_err(|_| bad(format!("k `{val}` is not an integer")))?,
-                )
+                );
             }
             "seed" => {
                 seed = val
                     .parse()
-                    .map_err(|_| bad(format!("seed `{val}` is not an integer")))?
+                    .map_err(|_| bad(format!("seed `{val}` is not an integer")))?;
             }
             "subtract" => {
                 subtract = val
                     .parse()
-                    .map_err(|_| bad(format!("subtract `{val}` is not true/false")))?
+                    .map_err(|_| bad(format!("subtract `{val}` is not true/false")))?;
             }
             "mode" => {
                 mode = match val {

@@ -536,7 +536,7 @@ fn parse_rope(k: &Keys<'_>) -> Result<(f64, RopeScaling)> {
         .unwrap_or("default");
     let num = |name: &str| -> Result<f64> {
         s.get(name)
-            .and_then(|v| v.as_f64())
+            .and_then(serde_json::Value::as_f64)
             .ok_or_else(|| k.err(&format!("{scaling_key}.{name}"), "missing or not a number"))
     };
     let scaling = match ty {

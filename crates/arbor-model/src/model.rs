@@ -467,7 +467,7 @@ fn add_rows(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 }
 
 /// `f` with an optional per-head norm's `(weight, eps)` as f32 values.
-fn with_norm<R>(norm: &Option<RmsNorm>, f: impl FnOnce(Option<(&[f32], f32)>) -> R) -> Result<R> {
+fn with_norm<R>(norm: Option<&RmsNorm>, f: impl FnOnce(Option<(&[f32], f32)>) -> R) -> Result<R> {
     match norm {
         Some(nm) => with_cpu_f32(&nm.weight, |w| f(Some((w, nm.eps as f32)))),
         None => Ok(f(None)),
@@ -619,7 +619,7 @@ impl Attention {
         let qkv = linear_rows_group(x, &[&self.q, &self.k, &self.v])?;
         let heads = |y: &Tensor, n: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
             let out = with_cpu_f32(y, |ys| {
-                with_norm(norm, |nw| {
+                with_norm(norm.as_ref(), |nw| {
                     arbor_ops::cpu::rows::heads_rope(ys, t, n, d, nw, &rope.cos, &rope.sin)
                 })
             })??;

@@ -10,7 +10,9 @@ use common::*;
 fn opts(case: &serde_json::Value) -> ChatOptions {
     ChatOptions {
         add_generation_prompt: case["add_generation_prompt"].as_bool().unwrap(),
-        enable_thinking: case.get("enable_thinking").and_then(|v| v.as_bool()),
+        enable_thinking: case
+            .get("enable_thinking")
+            .and_then(serde_json::Value::as_bool),
     }
 }
 

@@ -27,13 +27,13 @@ fn matmuls(c: &mut Criterion) {
             g.throughput(Throughput::Elements((2 * m * k * n) as u64));
             let id = format!("{m}x{k}x{n}");
             g.bench_with_input(BenchmarkId::new("candle", &id), &x, |b, x| {
-                b.iter(|| x.matmul(&w.t().unwrap()).unwrap())
+                b.iter(|| x.matmul(&w.t().unwrap()).unwrap());
             });
             g.bench_with_input(BenchmarkId::new("f32", &id), &x, |b, x| {
-                b.iter(|| arbor_ops::matmul_nt_op(x, &w).unwrap())
+                b.iter(|| arbor_ops::matmul_nt_op(x, &w).unwrap());
             });
             g.bench_with_input(BenchmarkId::new("bf16", &id), &x, |b, x| {
-                b.iter(|| arbor_ops::matmul_nt_op(x, &w16).unwrap())
+                b.iter(|| arbor_ops::matmul_nt_op(x, &w16).unwrap());
             });
         }
     }

@@ -192,7 +192,7 @@ mod tests {
             in_pool_polling(&cpu, || {
                 let _ = work(1);
                 panic!("step failed")
-            })
+            });
         });
         assert!(r.is_err());
         // The pool still serves later steps.

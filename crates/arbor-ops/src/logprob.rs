@@ -518,7 +518,7 @@ mod tests {
                 let z: Vec<f64> = (0..v)
                     .map(|j| (0..h).map(|k| hid[r * h + k] * w[j * h + k]).sum())
                     .collect();
-                let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let m = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let lse = m + z.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
                 let ent = -z.iter().map(|x| (x - lse).exp() * (x - lse)).sum::<f64>();
                 [z[y[r] as usize] - lse, ent, lse]

@@ -463,7 +463,7 @@ mod tests {
                         qh.iter().zip(kk).map(|(a, b)| a * b).sum::<f64>() / (d as f64).sqrt()
                     })
                     .collect();
-                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let z: f64 = scores.iter().map(|x| (x - m).exp()).sum();
                 for e in 0..d {
                     let want: f64 = (0..=p)

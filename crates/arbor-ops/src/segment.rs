@@ -77,9 +77,8 @@ fn host(
     seg: &CpuStorage,
     sl: &Layout,
 ) -> Result<(Vec<f64>, Vec<i64>)> {
-    let xs = match x.to_dtype(xl, DType::F64)? {
-        CpuStorage::F64(v) => v,
-        _ => unreachable!("to_dtype(F64) gives F64"),
+    let CpuStorage::F64(xs) = x.to_dtype(xl, DType::F64)? else {
+        unreachable!("to_dtype(F64) gives F64")
     };
     let ids = match seg {
         CpuStorage::I64(v) => {

@@ -246,7 +246,10 @@ impl EdgeTokens {
         let Some(v) = self.get(id) else {
             return Ok(None);
         };
-        let len = tree.node(id)?.segment().map_or(0, |s| s.len());
+        let len = tree
+            .node(id)?
+            .segment()
+            .map_or(0, super::tree::Segment::len);
         if v.len() != len {
             return Err(RlError::input(
                 "per-token values",
@@ -491,7 +494,7 @@ mod tests {
         let expected: usize = t
             .nodes()
             .filter_map(|(_, n)| n.segment())
-            .map(|s| s.generated_tokens())
+            .map(super::super::tree::Segment::generated_tokens)
             .sum();
         assert_eq!(trained as usize, expected);
         let targets: usize = rows.iter().map(|x| x.value_targets.len()).sum();

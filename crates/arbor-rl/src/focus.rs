@@ -736,7 +736,7 @@ mod tests {
             a.fill(&mut t)
                 .unwrap()
                 .iter()
-                .map(|t| t.node())
+                .map(super::super::tree::Ticket::node)
                 .collect::<Vec<_>>()
         };
         assert_eq!(run(1), run(1));

@@ -881,7 +881,7 @@ impl RolloutTree {
             while st.nodes[cur].origin == Some(o) {
                 onp[cur].0 += 1;
                 onp[cur].1 += r;
-                cur = st.nodes[cur].parent.map_or(o.index(), |p| p.index());
+                cur = st.nodes[cur].parent.map_or(o.index(), NodeId::index);
             }
             onp[o.index()].0 += 1;
             onp[o.index()].1 += r;

@@ -61,7 +61,7 @@ impl TrainerState {
 /// `trainer_state.json`, which is written last).
 pub(crate) fn latest(run_dir: &Path) -> Option<(u64, PathBuf)> {
     let rd = std::fs::read_dir(run_dir.join("checkpoints")).ok()?;
-    rd.filter_map(|e| e.ok())
+    rd.filter_map(std::result::Result::ok)
         .filter_map(|e| {
             let name = e.file_name().to_string_lossy().to_string();
             let n = name.strip_prefix(CKPT_PREFIX)?.parse::<u64>().ok()?;
@@ -121,7 +121,7 @@ pub(crate) fn write(
     std::fs::File::open(&root)?.sync_all()?;
     // Keep the newest `keep_last`.
     let mut kept: Vec<(u64, PathBuf)> = std::fs::read_dir(&root)?
-        .filter_map(|e| e.ok())
+        .filter_map(std::result::Result::ok)
         .filter_map(|e| {
             let n = e
                 .file_name()
@@ -212,7 +212,12 @@ mod tests {
     fn trainer_state_json_is_flat() {
         let s = TrainerState::fresh(3);
         let v = serde_json::to_value(&s).unwrap();
-        let keys: Vec<&str> = v.as_object().unwrap().keys().map(|k| k.as_str()).collect();
+        let keys: Vec<&str> = v
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(std::string::String::as_str)
+            .collect();
         assert!(
             keys.contains(&"ps_buckets") && keys.contains(&"seed_counter"),
             "{keys:?}"

@@ -210,7 +210,7 @@ impl Engine {
         let mut own = model.clone();
         let cpu = own.device().is_cpu();
         let report = |what: &str, t0: std::time::Instant, bytes: usize| {
-            tracing::debug!("{what}: {} MiB in {:.2?}", bytes >> 20, t0.elapsed())
+            tracing::debug!("{what}: {} MiB in {:.2?}", bytes >> 20, t0.elapsed());
         };
         if cfg.pack_weights && cpu {
             let t0 = std::time::Instant::now();

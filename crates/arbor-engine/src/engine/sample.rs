@@ -135,7 +135,7 @@ impl Engine {
             .params
             .stop_strings
             .iter()
-            .map(|x| x.len())
+            .map(std::string::String::len)
             .max()
             .unwrap_or(0);
         let generated = &s.tokens[s.prompt_len..];

@@ -129,7 +129,7 @@ pub fn normalize(answer: &str) -> Normalized {
     if let Some(c) = UNIT_WORDS.captures(&t2) {
         let unit: String = c["unit"]
             .chars()
-            .filter(|c| c.is_ascii_alphabetic())
+            .filter(char::is_ascii_alphabetic)
             .collect();
         if unit.len() >= 2 && !matches!(unit.as_str(), "pi" | "i") {
             t = c["num"].to_string();
@@ -192,7 +192,7 @@ fn squeeze_spaces(s: &str) -> String {
             while j < chars.len() && chars[j].is_whitespace() {
                 j += 1;
             }
-            let next_letter = chars.get(j).is_some_and(|c| c.is_ascii_alphabetic());
+            let next_letter = chars.get(j).is_some_and(char::is_ascii_alphabetic);
             if next_letter && ends_with_command(&out) {
                 out.push(' ');
             }
@@ -209,7 +209,7 @@ fn ends_with_command(s: &str) -> bool {
     let letters = s
         .chars()
         .rev()
-        .take_while(|c| c.is_ascii_alphabetic())
+        .take_while(char::is_ascii_alphabetic)
         .count();
     letters > 0 && s[..s.len() - letters].ends_with('\\')
 }

@@ -162,7 +162,7 @@ fn processes_of(uid: u32) -> u64 {
     let Ok(rd) = std::fs::read_dir("/proc") else {
         return 0;
     };
-    rd.filter_map(|e| e.ok())
+    rd.filter_map(std::result::Result::ok)
         .filter(|e| {
             e.file_name()
                 .to_string_lossy()

@@ -310,9 +310,9 @@ fn attend_shared<E: KvElem>(a: &PagedAttentionArgs<'_, E>, out: &mut [f32], avx5
             #[allow(unsafe_code)]
             unsafe {
                 if avx512 {
-                    attend_group_avx512(a, grp, groups.get(x + 1), &mut o)
+                    attend_group_avx512(a, grp, groups.get(x + 1), &mut o);
                 } else {
-                    attend_group_avx2(a, grp, groups.get(x + 1), &mut o)
+                    attend_group_avx2(a, grp, groups.get(x + 1), &mut o);
                 }
             };
             o
@@ -527,7 +527,7 @@ unsafe fn attend_group<E: KvElem, const DV: usize>(
     let shared = grp.shared;
     let w = grp.kv.len() * g * d;
     let scale = _mm512_set1_ps(1.0 / (d as f32).sqrt());
-    let (mut srows, mut trows, mut scores) = SCRATCH.with(|sc| sc.take());
+    let (mut srows, mut trows, mut scores) = SCRATCH.with(std::cell::RefCell::take);
     let GroupLayout {
         ctx,
         padded,
@@ -765,7 +765,7 @@ unsafe fn attend_group8<E: KvElem, const DV: usize>(
     let shared = grp.shared;
     let w = grp.kv.len() * g * d;
     let scale = _mm256_set1_ps(1.0 / (d as f32).sqrt());
-    let (mut srows, mut trows, mut scores) = SCRATCH.with(|sc| sc.take());
+    let (mut srows, mut trows, mut scores) = SCRATCH.with(std::cell::RefCell::take);
     let GroupLayout {
         ctx,
         padded,

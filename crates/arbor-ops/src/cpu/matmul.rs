@@ -207,6 +207,7 @@ pub(crate) struct OutPtr(pub(crate) *mut f32);
 // one product, in its own block of rows).
 #[allow(unsafe_code)]
 unsafe impl Send for OutPtr {}
+// SAFETY: as for `Send`: tasks sharing it write disjoint tiles.
 #[allow(unsafe_code)]
 unsafe impl Sync for OutPtr {}
 
@@ -227,7 +228,7 @@ pub fn matmul_nt(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32>
 
 /// [`matmul_nt`] into a caller's buffer `y` (`m * n`, overwritten).
 pub fn matmul_nt_into(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, y: &mut [f32]) {
-    single_into(x, WeightRows::F32(w), m, k, n, y)
+    single_into(x, WeightRows::F32(w), m, k, n, y);
 }
 
 /// One product through [`matmul_nt_multi_into`]: the first `n` rows of `w`
@@ -314,7 +315,7 @@ pub fn matmul_nt_multi_into(
     k: usize,
     ys: &mut [&mut [f32]],
 ) {
-    matmul_nt_multi_into_isa(MatmulIsa::detect(), x, ws, m, k, ys)
+    matmul_nt_multi_into_isa(MatmulIsa::detect(), x, ws, m, k, ys);
 }
 
 /// [`matmul_nt_multi_into`] with the kernels of `isa` rather than this
@@ -351,7 +352,7 @@ pub fn matmul_nt_multi_into_isa(
     // ns[g]` values (asserted above).
     #[allow(unsafe_code)]
     unsafe {
-        products(isa, x, ws, m, k, &ns, &outs)
+        products(isa, x, ws, m, k, &ns, &outs);
     }
 }
 
@@ -490,7 +491,7 @@ unsafe fn products(
                 match ws[g] {
                     WeightRows::Bf16(w) => {
                         let w = (w.as_ptr() as *const u16).add(j);
-                        sweep_avx2(xr.as_ptr().add(i), mr, w, nc, k, y, n)
+                        sweep_avx2(xr.as_ptr().add(i), mr, w, nc, k, y, n);
                     }
                     WeightRows::F32(_) | WeightRows::Packed(_) => {
                         unreachable!("f32 weights run in crate::cpu::packed")
@@ -522,21 +523,21 @@ unsafe fn products(
                 match (isa, ws[g]) {
                     #[cfg(target_arch = "x86_64")]
                     (MatmulIsa::Avx512, WeightRows::Bf16(w)) if dot => {
-                        at.run::<Bf16Avx512>(xb.as_ptr(), w.as_ptr() as *const u16, y, n)
+                        at.run::<Bf16Avx512>(xb.as_ptr(), w.as_ptr() as *const u16, y, n);
                     }
                     #[cfg(target_arch = "x86_64")]
                     (MatmulIsa::Avx512 | MatmulIsa::Avx2, WeightRows::Bf16(w)) => {
-                        at.run::<Bf16Avx2>(xr.as_ptr(), w.as_ptr() as *const u16, y, n)
+                        at.run::<Bf16Avx2>(xr.as_ptr(), w.as_ptr() as *const u16, y, n);
                     }
                     (_, WeightRows::Bf16(w)) => {
-                        at.run::<Bf16Portable>(xr.as_ptr(), w.as_ptr() as *const u16, y, n)
+                        at.run::<Bf16Portable>(xr.as_ptr(), w.as_ptr() as *const u16, y, n);
                     }
                     (_, WeightRows::F32(_) | WeightRows::Packed(_)) => {
                         unreachable!("f32 weights run in crate::cpu::packed")
                     }
                 }
             }
-        })
+        });
     });
 }
 
@@ -566,7 +567,7 @@ impl Tile {
     unsafe fn run<T: Tiles>(self, x: *const T::X, w: *const T::W, y: *mut f32, ldy: usize) {
         let pf = (w.wrapping_add(self.pf_at), self.npf);
         let (x, w) = (x.add(self.i * self.k), w.add(self.j * self.k));
-        dispatch::<T>(self.mr, self.nr, x, w, self.k, y, ldy, pf, self.far)
+        dispatch::<T>(self.mr, self.nr, x, w, self.k, y, ldy, pf, self.far);
     }
 }
 
@@ -586,7 +587,7 @@ fn to_bf16_bits(x: &[f32]) -> Vec<u16> {
             // SAFETY: AVX-512F detected; `x` and `o` have the same length.
             #[allow(unsafe_code)]
             unsafe {
-                bf16_bits_avx512(x, o)
+                bf16_bits_avx512(x, o);
             };
             return;
         }
@@ -676,7 +677,7 @@ fn drive(
             g,
             mt * mc..((mt + 1) * mc).min(m),
             nt * nb..((nt + 1) * nb).min(n),
-        )
+        );
     };
     let tasks = first[ns.len()];
     if m * n_all * k < SERIAL_MACS && n_all * k < SERIAL_WEIGHTS {
@@ -837,7 +838,7 @@ unsafe fn dispatch<T: Tiles>(
         2: 1 2 3 4 5 6;
         3: 1 2 3 4 5 6;
         4: 1 2 3 4 5 6;
-    )
+    );
 }
 
 /// `y[i * ldy + j] = ` the sum of `acc[i][j]`'s 16 lanes in the fixed tree
@@ -1022,15 +1023,15 @@ unsafe fn tile_avx2<W: Lanes8, const R: usize, const C: usize, const PF: usize>(
         3 => cols_avx2::<W, R, 3, 0, PF>(x, w, k, y, ldy, pf, far),
         4 => {
             cols_avx2::<W, R, 2, 0, PF>(x, w, k, y, ldy, pf, far);
-            cols_avx2::<W, R, 2, 2, PF>(x, w2, k, y2, ldy, pf, far)
+            cols_avx2::<W, R, 2, 2, PF>(x, w2, k, y2, ldy, pf, far);
         }
         5 => {
             cols_avx2::<W, R, 3, 0, PF>(x, w, k, y, ldy, pf, far);
-            cols_avx2::<W, R, 2, 3, PF>(x, w3, k, y3, ldy, pf, far)
+            cols_avx2::<W, R, 2, 3, PF>(x, w3, k, y3, ldy, pf, far);
         }
         _ => {
             cols_avx2::<W, R, 3, 0, PF>(x, w, k, y, ldy, pf, far);
-            cols_avx2::<W, R, 3, 3, PF>(x, w3, k, y3, ldy, pf, far)
+            cols_avx2::<W, R, 3, 3, PF>(x, w3, k, y3, ldy, pf, far);
         }
     }
 }

@@ -157,7 +157,7 @@ fn product(x: &[f32], m: usize, w: &PackedWeights, avx2: bool) -> Vec<f32> {
     // SAFETY: y holds [m, n] and nothing else touches it during the call.
     #[allow(unsafe_code)]
     unsafe {
-        products(x, m, &[w], &[OutPtr(y.as_mut_ptr())], avx2)
+        products(x, m, &[w], &[OutPtr(y.as_mut_ptr())], avx2);
     };
     y
 }
@@ -358,7 +358,7 @@ fn product_swiglu(
                         #[allow(unsafe_code)]
                         unsafe {
                             let out = OutPtr(s.as_mut_ptr());
-                            panel_rows(xr, k, panel, then, 0..len, 0..width, out, PANEL, avx2)
+                            panel_rows(xr, k, panel, then, 0..len, 0..width, out, PANEL, avx2);
                         };
                     }
                 }

@@ -37,7 +37,7 @@ pub(crate) fn new_rows<T: Copy + Default + Send>(
         // `MaybeUninit<T>` has `T`'s layout.
         #[allow(unsafe_code)]
         let o = unsafe { &mut *(o as *mut [MaybeUninit<T>] as *mut [T]) };
-        f(i, o)
+        f(i, o);
     };
     let spare = &mut out.spare_capacity_mut()[..len];
     if len >= par_min {
@@ -49,7 +49,7 @@ pub(crate) fn new_rows<T: Copy + Default + Send>(
     // initialised above (a panic in `f` leaves the length 0).
     #[allow(unsafe_code)]
     unsafe {
-        out.set_len(len)
+        out.set_len(len);
     };
     out
 }
@@ -93,7 +93,7 @@ pub fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
         x.len()
     );
     new_rows(x.len(), h, PAR_MIN, |i, o| {
-        rms_row(&x[i * h..(i + 1) * h], w, eps, o)
+        rms_row(&x[i * h..(i + 1) * h], w, eps, o);
     })
 }
 
@@ -194,7 +194,7 @@ pub fn silu_mul_into(g: &[f32], u: &[f32], o: &mut [f32]) {
         // SAFETY: AVX-512F detected; `g` and `u` hold `o.len()` values.
         #[allow(unsafe_code)]
         unsafe {
-            silu_mul_avx512(g, u, o)
+            silu_mul_avx512(g, u, o);
         };
         return;
     }
@@ -203,7 +203,7 @@ pub fn silu_mul_into(g: &[f32], u: &[f32], o: &mut [f32]) {
         // SAFETY: AVX2 and FMA detected; `g` and `u` hold `o.len()` values.
         #[allow(unsafe_code)]
         unsafe {
-            silu_mul_avx2(g, u, o)
+            silu_mul_avx2(g, u, o);
         };
         return;
     }
@@ -271,7 +271,7 @@ fn zip_chunks(
     assert_eq!(a.len(), b.len(), "elementwise kernel: lengths");
     new_rows(a.len(), ch, par_min, |c, o| {
         let r = c * ch..c * ch + o.len();
-        f(&a[r.clone()], &b[r], o)
+        f(&a[r.clone()], &b[r], o);
     })
 }
 
