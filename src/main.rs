@@ -30,9 +30,9 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Train with RL (FOCUS or GRPO) on a built-in task. Without a config,
-    /// runs the embedded quickstart (tiny Qwen3-architecture model, CPU, a
-    /// few minutes).
+    /// Train with RL (FOCUS, Prefix Sampling, GRPO, PPO or VinePPO) on a
+    /// synthetic, math or SWE task. Without a config, runs the embedded
+    /// quickstart (tiny Qwen3-architecture model, CPU, under a minute).
     Train(train::TrainArgs),
     /// Render a run directory's metrics as PNG curves and a markdown table.
     Report(train::ReportArgs),

@@ -82,8 +82,8 @@ impl Row {
 
 /// The one place data paths are resolved: `$ARBOR_SHARED_DATA` when set,
 /// else `shared/data` beside the repository checkout (`<repo>/../shared/data`,
-/// fixed when Arbor is built). Holds the tokenizers, math datasets and
-/// HumanEval (see `docs/data.md`). `None` when that directory is absent.
+/// fixed when Arbor is built). Holds the Qwen3 tokenizer, the math
+/// datasets and HumanEval. `None` when that directory is absent.
 pub fn shared_data_dir() -> Option<PathBuf> {
     let p = match std::env::var_os("ARBOR_SHARED_DATA") {
         Some(p) => PathBuf::from(p),

@@ -52,7 +52,9 @@ pub struct LoraAdapter {
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LoraConfig {
+    /// Rank `r` of each adapter `B A` (`A: [r, in]`, `B: [out, r]`, >= 1).
     pub rank: usize,
+    /// Scale numerator: the adapter adds `(alpha / rank) B A x`.
     pub alpha: f64,
     /// Projection names (`q_proj`, `k_proj`, `v_proj`, `o_proj`,
     /// `gate_proj`, `up_proj`, `down_proj`).

@@ -23,7 +23,7 @@
 //! vocabulary chunks in f32. Known limit of the CUDA bf16/f16 path: each
 //! chunk's logits leave cuBLAS in the input dtype (f32 accumulation inside,
 //! one rounding at the end), so a log-probability carries an error of about
-//! `|z| 2^-9`; an f32-output GEMM (`cublasGemmEx`) is the planned fix.
+//! `|z| 2^-9` (an f32-output GEMM, `cublasGemmEx`, would remove it).
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};

@@ -19,7 +19,7 @@
 //! - [`audit`]: the synthetic audit-tree diagnostic of `arbor bench audit`;
 //! - [`sim`]: a simulated Prefix Sampling run.
 //!
-//! Specs: `shared/spec/focus.md`, `shared/spec/prefix-sampling.md`.
+//! The methods as implemented: `docs/focus.md`, `docs/prefix-sampling.md`.
 //!
 //! One FOCUS step, end to end:
 //!

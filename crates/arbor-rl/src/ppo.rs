@@ -70,7 +70,9 @@ impl KlEstimator {
 /// KL penalty `beta * k` added to every trained token's loss.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct KlPenalty {
+    /// How the per-token KL is estimated.
     pub estimator: KlEstimator,
+    /// Weight `beta >= 0` of the penalty.
     pub beta: f64,
 }
 
@@ -82,7 +84,9 @@ pub struct PolicyLossConfig {
     /// Upper clip `eps_high` (ratio ceiling `1 + eps_high`); larger than
     /// `eps_low` is DAPO's clip-higher.
     pub eps_high: f64,
+    /// How per-token losses become one batch loss.
     pub aggregation: Aggregation,
+    /// Optional KL penalty to the behaviour policy.
     pub kl: Option<KlPenalty>,
 }
 

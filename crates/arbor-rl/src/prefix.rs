@@ -248,7 +248,9 @@ pub struct ControllerConfig {
     pub ema_decay: f64,
     /// Proportional gain `eta >= 0` (0: fixed ratio).
     pub eta: f64,
+    /// Smallest replay ratio, in `[0, 1]`.
     pub r_min: f64,
+    /// Largest replay ratio, in `[r_min, 1]`.
     pub r_max: f64,
     /// Ratio of a bucket before its first update.
     pub initial_ratio: f64,

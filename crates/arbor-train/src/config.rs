@@ -387,6 +387,13 @@ impl TrainConfig {
                 "GRPO, PS and VinePPO train no critic; use `shared`",
             );
         }
+        if self.learner.policy.aggregation != arbor_rl::ppo::Aggregation::TokenMean {
+            return bad(
+                "learner.policy.aggregation",
+                "the learner averages over the step's trained tokens: only `token_mean` is \
+                 implemented",
+            );
+        }
         if let Err(e) = self.ps.controller.validate() {
             return bad("ps.controller", &e.to_string());
         }
@@ -522,6 +529,10 @@ mod tests {
             ("[focus]\nlambda = -0.1\n", "focus.lambda"),
             ("[focus]\nworker_capacity = 0\n", "focus.worker_capacity"),
             ("[ps]\nband = 0.7\n", "ps.band"),
+            (
+                "[learner.policy]\neps_low = 0.2\neps_high = 0.2\naggregation = \"sequence_mean\"\n",
+                "learner.policy.aggregation",
+            ),
         ] {
             let e = TrainConfig::from_toml(text, "c.toml")
                 .unwrap_err()

@@ -28,6 +28,9 @@ pub const VALUE_EPS: f64 = 0.01;
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LearnerConfig {
+    /// The clipped policy loss (`[learner.policy]`). The learner averages
+    /// it over the step's trained tokens, so `aggregation` must be
+    /// `token_mean` (checked on load).
     pub policy: PolicyLossConfig,
     /// Weight of the value loss.
     pub value_coef: f64,
@@ -35,6 +38,8 @@ pub struct LearnerConfig {
     pub micro_batch_tokens: usize,
     /// Passes over the step's rows (each pass: one optimizer step).
     pub epochs: usize,
+    /// `shared`: the value head reads the policy's hidden state; `separate`:
+    /// the critic has its own backbone (FOCUS and PPO only).
     pub critic: CriticMode,
 }
 

@@ -16,20 +16,29 @@ use serde::{Deserialize, Serialize};
 
 use crate::TrainError;
 
-/// Optimizer settings.
+/// Optimizer settings (`[optimizer]`): AdamW with decoupled weight decay,
+/// a linear warm-up, then a cosine decay to `min_lr_ratio * lr`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AdamWConfig {
+    /// Peak learning rate (> 0).
     pub lr: f64,
+    /// First-moment decay, in `[0, 1)`.
     pub beta1: f64,
+    /// Second-moment decay, in `[0, 1)`.
     pub beta2: f64,
+    /// Added to the second moment's square root (> 0).
     pub eps: f64,
+    /// Decoupled weight decay per step, as a fraction of `lr` (>= 0).
     pub weight_decay: f64,
     /// Clip the global gradient norm to this (none when 0).
     pub grad_clip: f64,
+    /// Optimizer steps of the linear warm-up from 0 to `lr`.
     pub warmup_steps: u64,
-    /// Steps of the cosine schedule (0: constant after warm-up).
+    /// Steps of the cosine schedule (0: constant after warm-up). The
+    /// trainer sets it to `steps * learner.epochs`.
     pub total_steps: u64,
+    /// Floor of the cosine decay, as a fraction of `lr`, in `[0, 1]`.
     pub min_lr_ratio: f64,
 }
 

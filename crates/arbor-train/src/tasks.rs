@@ -1,7 +1,7 @@
-//! Built-in tasks of `arbor-env` as token-level episodes for the trainer:
-//! the small-vocabulary running-sum task (no tokenizer), and math datasets
-//! (GSM8K, MATH, or a JSONL) through the model's tokenizer and the Qwen chat
-//! format.
+//! The tasks of `arbor-env` as token-level episodes for the trainer: the
+//! small-vocabulary running-sum and register tasks (no tokenizer), math
+//! datasets (GSM8K, MATH, MATH-500, AIME, or a JSONL) and SWE repository
+//! tasks through the model's tokenizer and the Qwen chat format.
 
 use std::path::PathBuf;
 
