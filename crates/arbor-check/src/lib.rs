@@ -133,6 +133,15 @@ pub struct Report {
     pub benches: Vec<Bench>,
     pub all_pass: bool,
 }
+/// `cpu` or `cuda:N`.
+fn device_name(dev: &Device) -> String {
+    match dev.location() {
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+        other => format!("{other:?}"),
+    }
+}
+
 /// Run every check (then the benchmarks) on `cfg.device`, rewriting
 /// `cfg.json` after each section so a run cut short keeps what it measured.
 pub fn run(cfg: &CheckConfig) -> Result<Report> {
@@ -141,7 +150,8 @@ pub fn run(cfg: &CheckConfig) -> Result<Report> {
     let quick = cfg.quick || dev.is_cpu();
     let cpu_kernels = arbor_ops::MatmulIsa::detect().name();
     eprintln!(
-        "check-device: {dev:?} (seed {seed}{}; CPU kernels {cpu_kernels})",
+        "check-device: {} (seed {seed}{}; CPU kernels {cpu_kernels})",
+        device_name(&dev),
         if quick { ", quick sizes" } else { "" }
     );
     arbor_ops::set_poison(true);

@@ -186,7 +186,7 @@ impl Default for FocusConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PpoSettings {
-    /// Discount `gamma` in `(0, 1]` per segment.
+    /// Discount `gamma` in `[0, 1]` per segment.
     pub gamma: f64,
     /// GAE `lambda` in `[0, 1]` (PPO only; 0: one-step TD residuals).
     pub lambda: f64,
@@ -231,8 +231,10 @@ impl Default for PsSettings {
     }
 }
 
-/// A whole training run. Unknown keys are errors; omitted keys take the
-/// defaults below (those of the embedded quickstart's scale).
+/// A whole training run. Unknown keys are errors; `seed`, `steps`, `algo`,
+/// `prompts_per_step` and `samples_per_prompt` are required, every other key
+/// takes its default (`TrainConfig::default()`, the embedded quickstart's
+/// scale).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainConfig {
@@ -339,10 +341,26 @@ impl TrainConfig {
         (self.prompts_per_step as f64 * (1.0 - self.ps.reserve)).floor() as usize
     }
 
+    /// Keys a config file must set: what a run is (the rest has defaults).
+    pub const REQUIRED: [&'static str; 5] = [
+        "seed",
+        "steps",
+        "algo",
+        "prompts_per_step",
+        "samples_per_prompt",
+    ];
+
     /// Parse TOML; errors name the key (and line).
     pub fn from_toml(text: &str, origin: &str) -> Result<Self, TrainError> {
-        let cfg: TrainConfig =
-            toml::from_str(text).map_err(|e| TrainError::Config(format!("{origin}: {e}")))?;
+        let syntax = |e: toml::de::Error| TrainError::Config(format!("{origin}: {e}"));
+        let table: toml::Table = toml::from_str(text).map_err(syntax)?;
+        if let Some(k) = Self::REQUIRED.iter().find(|k| !table.contains_key(**k)) {
+            return Err(TrainError::Config(format!(
+                "{origin}: missing key `{k}` (every config sets {})",
+                Self::REQUIRED.join(", ")
+            )));
+        }
+        let cfg: TrainConfig = toml::from_str(text).map_err(syntax)?;
         cfg.validate(origin)?;
         Ok(cfg)
     }
@@ -363,7 +381,7 @@ impl TrainConfig {
         {
             return bad(
                 "samples_per_prompt",
-                "must be >= 1 (>= 2 for GRPO and PS groups)",
+                "must be >= 1 (>= 2 for every method but FOCUS)",
             );
         }
         if self.temperature.is_nan() || self.temperature <= 0.0 {
@@ -413,8 +431,23 @@ impl TrainConfig {
         if !(0.0..=0.5).contains(&self.ps.band) {
             return bad("ps.band", "must be in [0, 0.5]");
         }
-        if !(self.ppo.gamma > 0.0 && self.ppo.gamma <= 1.0) {
-            return bad("ppo.gamma", "must be in (0, 1]");
+        if matches!(self.algo, Algo::Ppo | Algo::Vineppo) {
+            let d = FocusConfig::default();
+            for (key, set, default) in [
+                ("focus.gamma", f.gamma, d.gamma),
+                ("focus.lambda", f.lambda, d.lambda),
+            ] {
+                if set != default {
+                    return bad(
+                        key,
+                        "PPO and VinePPO take their discount from [ppo] (gamma, lambda); \
+                         [focus] is FOCUS's own",
+                    );
+                }
+            }
+        }
+        if !(0.0..=1.0).contains(&self.ppo.gamma) {
+            return bad("ppo.gamma", "must be in [0, 1]");
         }
         if !(0.0..=1.0).contains(&self.ppo.lambda) {
             return bad("ppo.lambda", "must be in [0, 1]");
@@ -490,14 +523,31 @@ impl TrainConfig {
 mod tests {
     use super::*;
 
-    /// The defaults are a valid run, and an empty file is the defaults.
+    /// The defaults are a valid run; a file with only the required keys
+    /// is the defaults, and a file without one of them names it.
     #[test]
-    fn defaults_are_valid_and_an_empty_file_is_the_defaults() {
+    fn defaults_are_valid_and_required_keys_are_named() {
         TrainConfig::default().validate("default").unwrap();
+        let minimal = "seed = 0\nsteps = 100\nalgo = \"focus\"\nprompts_per_step = 16\n\
+                       samples_per_prompt = 8\n";
         assert_eq!(
-            TrainConfig::from_toml("", "empty.toml").unwrap(),
+            TrainConfig::from_toml(minimal, "min.toml").unwrap(),
             TrainConfig::default()
         );
+        for k in TrainConfig::REQUIRED {
+            let text: String = minimal
+                .lines()
+                .filter(|l| !l.starts_with(k))
+                .map(|l| format!("{l}\n"))
+                .collect();
+            let e = TrainConfig::from_toml(&text, "c.toml")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("c.toml") && e.contains(&format!("missing key `{k}`")),
+                "{e}"
+            );
+        }
     }
 
     /// Every shipped config parses and validates (the quickstart is FOCUS).
@@ -534,25 +584,37 @@ mod tests {
                 "learner.policy.aggregation",
             ),
         ] {
-            let e = TrainConfig::from_toml(text, "c.toml")
+            let head = "seed = 0\nsteps = 1\nalgo = \"grpo\"\nprompts_per_step = 2\n\
+                        samples_per_prompt = 2\n";
+            let e = TrainConfig::from_toml(&format!("{head}{text}"), "c.toml")
                 .unwrap_err()
                 .to_string();
             assert!(e.contains(key), "{text}: {e}");
         }
     }
 
-    /// PPO's discount lives in `[ppo]`, checked there.
+    /// PPO's discount lives in `[ppo]`, checked there; a PPO config that
+    /// still sets it under `[focus]` is refused, not silently ignored.
     #[test]
     fn ppo_discount_is_its_own_section() {
-        let e = TrainConfig::from_toml("algo = \"ppo\"\n[ppo]\ngamma = 0\n", "c.toml")
+        let head = "seed = 0\nsteps = 1\nprompts_per_step = 2\nsamples_per_prompt = 2\n";
+        let parse = |rest: &str| TrainConfig::from_toml(&format!("{head}{rest}"), "c.toml");
+        let e = parse("algo = \"ppo\"\n[ppo]\ngamma = 1.5\n")
             .unwrap_err()
             .to_string();
         assert!(e.contains("c.toml") && e.contains("ppo.gamma"), "{e}");
-        let e = TrainConfig::from_toml("[ppo]\nlambda = 1.5\n", "c.toml")
+        let e = parse("algo = \"ppo\"\n[ppo]\nlambda = 1.5\n")
             .unwrap_err()
             .to_string();
         assert!(e.contains("ppo.lambda"), "{e}");
-        let cfg = TrainConfig::from_toml("[ppo]\ngamma = 0.9\nlambda = 0.95\n", "c.toml").unwrap();
+        for algo in ["ppo", "vineppo"] {
+            let e = parse(&format!("algo = \"{algo}\"\n[focus]\ngamma = 0.99\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("focus.gamma") && e.contains("[ppo]"), "{e}");
+        }
+        let cfg = parse("algo = \"ppo\"\n[ppo]\ngamma = 0.9\nlambda = 0.95\n").unwrap();
         assert_eq!((cfg.ppo.gamma, cfg.ppo.lambda), (0.9, 0.95));
+        parse("algo = \"focus\"\n[focus]\ngamma = 0.99\n").unwrap();
     }
 }

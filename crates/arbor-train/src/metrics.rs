@@ -211,7 +211,9 @@ impl MetricsLog {
     /// A fresh run: no earlier lines.
     pub(crate) fn clear(&self) -> Result<(), TrainError> {
         match std::fs::remove_file(&self.jsonl) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.into()),
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(TrainError::Io(
+                std::io::Error::new(e.kind(), format!("{}: {e}", self.jsonl.display())),
+            )),
             _ => Ok(()),
         }
     }

@@ -343,11 +343,16 @@ impl Sandbox {
                 c.current_dir(workspace);
                 // As root the workspace belongs to the sandbox user (see
                 // `chown_for_sandbox`), which git refuses to read as a
-                // repository of someone else's unless told it is safe.
+                // repository of someone else's unless a protected (global)
+                // config says it is safe: the command gets one of its own.
                 if root {
-                    c.env("GIT_CONFIG_COUNT", "1")
-                        .env("GIT_CONFIG_KEY_0", "safe.directory")
-                        .env("GIT_CONFIG_VALUE_0", workspace);
+                    let gitconfig = scratch.path().join("gitconfig");
+                    std::fs::write(
+                        &gitconfig,
+                        format!("[safe]\n\tdirectory = {}\n", workspace.display()),
+                    )
+                    .map_err(|e| EnvError::io(&gitconfig, e))?;
+                    c.env("GIT_CONFIG_GLOBAL", &gitconfig);
                 }
                 c
             }

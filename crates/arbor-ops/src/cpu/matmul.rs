@@ -77,7 +77,7 @@ const MB: usize = 64;
 /// weight stream of a decode step ran at 16 GB/s of a 2-core Zen 4's
 /// ~29: the L1 miss queues bound it. Two tiles ahead in L2: m = 8, f32
 /// 33 -> 18 ms a SmolLM2-135M step, bf16 16.7 -> 10.5 ms; m = 1 and 32 gain
-/// 23-38% and 7-9% (`decode_matmuls`).
+/// 23-38% and 7-9% (the decode step's matmuls timed alone).
 const FAR_TILES: usize = 2;
 /// Elements past the next weight tile's rows from which a tile of a call
 /// of `m` rows also prefetches into L2 (0 = none): [`FAR_TILES`] tiles on
@@ -115,8 +115,8 @@ const SWEEP_AHEAD: usize = 4608;
 /// Whether the AVX2 kernel sweeps ([`sweep_avx2`]) a call of `m` rows of
 /// bf16 weights: bf16 weights are half the bytes, so bound by the
 /// arithmetic, where full 4-row tiles load fewer vectors per FMA; the
-/// sweep serves the row counts the tiles leave ragged. `decode_matmuls`,
-/// Zen 2, ms a step, tiles vs sweep: m = 1 15.4 / 13.2, m = 4 14.9 / 15.8,
+/// sweep serves the row counts the tiles leave ragged. A decode step's
+/// matmuls on a Zen 2, ms a step, tiles vs sweep: m = 1 15.4 / 13.2, m = 4 14.9 / 15.8,
 /// m = 5 22 / 16.1, m = 8 22.7 / 24.4.
 fn sweeps(m: usize) -> bool {
     m <= SWEEP_ROWS && !m.is_multiple_of(MR)
