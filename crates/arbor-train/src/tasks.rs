@@ -49,10 +49,7 @@ impl TokenEpisode for EnvEpisode {
             }
             _ => Action::Tokens(action.to_vec()),
         };
-        let out = self
-            .env
-            .step(&act)
-            .map_err(|e| TrainError::Rollout(e.to_string()))?;
+        let out = self.env.step(&act)?;
         let reward = out.done.then_some(out.reward);
         Ok(StepOut {
             observation: self.observation_tokens(out.observation)?,
@@ -269,9 +266,7 @@ impl SwePool {
                 "key `task.holdout_every`: leaves no tasks".into(),
             ));
         }
-        list[(i % list.len() as u64) as usize]
-            .fresh()
-            .map_err(|e| TrainError::Rollout(e.to_string()))
+        Ok(list[(i % list.len() as u64) as usize].fresh()?)
     }
 }
 
@@ -361,7 +356,7 @@ impl TaskSampler {
             }
             let load = |name: &str, split: &str| -> Result<Vec<MathProblem>, TrainError> {
                 let (p, fmt) = dataset_file(name, split)?;
-                load_problems(&p, fmt.as_ref()).map_err(|e| TrainError::Config(e.to_string()))
+                Ok(load_problems(&p, fmt.as_ref())?)
             };
             train = load(tr, "train")?;
             eval = load(ev, "test")?;
@@ -461,9 +456,7 @@ impl TaskSampler {
     }
 
     fn instance(&self, mut env: Box<dyn Env>) -> Result<TaskInstance, TrainError> {
-        let first = env
-            .reset()
-            .map_err(|e| TrainError::Rollout(e.to_string()))?;
+        let first = env.reset()?;
         let ep = EnvEpisode {
             env,
             tokenizer: self.tokenizer.clone(),
@@ -523,9 +516,7 @@ impl TaskSampler {
     /// row: action tokens trained, prompt and observations masked.
     pub fn demonstration(&self, i: u64) -> Result<LossRow, TrainError> {
         let (mut env, actions) = self.synthetic(self.base_seed.wrapping_add(2 * i))?;
-        let first = env
-            .reset()
-            .map_err(|e| TrainError::Rollout(e.to_string()))?;
+        let first = env.reset()?;
         let mut tokens = first.tokens.unwrap_or_default();
         let mut mask = vec![0.0f32; tokens.len()];
         for a in &actions {
@@ -536,9 +527,7 @@ impl TaskSampler {
             };
             tokens.extend(t);
             mask.extend(std::iter::repeat_n(1.0, t.len()));
-            let out = env
-                .step(a)
-                .map_err(|e| TrainError::Rollout(e.to_string()))?;
+            let out = env.step(a)?;
             let obs = out.observation.tokens.unwrap_or_default();
             mask.extend(std::iter::repeat_n(0.0, obs.len()));
             tokens.extend(obs);
