@@ -1,11 +1,15 @@
 //! Criterion benchmarks of the CPU generation kernels, on SmolLM2-135M's
-//! shapes: `matmul_nt_op` (f32 and bf16 weights) against candle's matmul at
-//! decode (m = 1, 32) and prefill (m = 512) sizes, and one decode step's
+//! shapes: the row-invariant matmuls against candle's matmul at decode
+//! (m = 1, 32) and prefill (m = 512) sizes: f32 weights packed once (the
+//! engine's path, `packed::matmul_packed`), f32 weights packed per call
+//! (the training forward's `matmul_nt_op`) and bf16 weights; and one decode
+//! step's
 //! paged attention for a fork (8 children of a 512-token prompt, sharing
 //! its blocks) against the same 8 sequences sharing nothing.
 //!
 //! `cargo bench -p arbor-ops --bench cpu_kernels`
 
+use arbor_ops::cpu::packed::{matmul_packed, PackedWeights};
 use arbor_ops::{paged_attention, PagedAttentionArgs};
 use candle_core::{DType, Device, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
@@ -22,6 +26,7 @@ fn matmuls(c: &mut Criterion) {
     for (k, n) in SHAPES {
         let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
         let w16 = w.to_dtype(DType::BF16).unwrap();
+        let packed = PackedWeights::pack(&w.flatten_all().unwrap().to_vec1::<f32>().unwrap(), n, k);
         for m in [1usize, 32, 512] {
             let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
             g.throughput(Throughput::Elements((2 * m * k * n) as u64));
@@ -29,7 +34,11 @@ fn matmuls(c: &mut Criterion) {
             g.bench_with_input(BenchmarkId::new("candle", &id), &x, |b, x| {
                 b.iter(|| x.matmul(&w.t().unwrap()).unwrap());
             });
-            g.bench_with_input(BenchmarkId::new("f32", &id), &x, |b, x| {
+            let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            g.bench_with_input(BenchmarkId::new("f32 packed", &id), &xs, |b, xs| {
+                b.iter(|| matmul_packed(xs, m, &packed));
+            });
+            g.bench_with_input(BenchmarkId::new("f32 op", &id), &x, |b, x| {
                 b.iter(|| arbor_ops::matmul_nt_op(x, &w).unwrap());
             });
             g.bench_with_input(BenchmarkId::new("bf16", &id), &x, |b, x| {
