@@ -14,8 +14,8 @@
 #       directory gpu-smoke/, nvidia-smi.txt.
 #
 # With no argument: `run` where nvidia-smi sees a GPU, else `build`.
-# dist/ is git-ignored: carry it to the GPU machine with the working tree
-# (the device tool's `carry: ["dist"]`).
+# dist/ is git-ignored: copy it to the GPU machine along with the working
+# tree.
 # On your own GPU box with Rust installed, `scripts/gpu-check.sh build &&
 # scripts/gpu-check.sh run` does both.
 set -euo pipefail
@@ -32,8 +32,8 @@ build)
   cargo build --release --features cuda
   mkdir -p dist
   strip -o dist/arbor-cuda target/release/arbor
-  # Only the .xz stays: the device tool carries at most 64 MiB with the
-  # working tree, and the stripped binary alone is about that size.
+  # Only the .xz stays: the stripped binary alone is about 64 MiB, the
+  # compressed one a fraction of that to copy.
   xz -T0 -6 -f dist/arbor-cuda
   ls -l dist/arbor-cuda.xz >&2
   echo "built dist/arbor-cuda.xz; on the GPU machine: scripts/gpu-check.sh run" >&2

@@ -1,7 +1,8 @@
 //! The command executor: every command runs in a bubblewrap sandbox.
 //!
 //! - No network (`--unshare-all` includes the network namespace), its own
-//!   PID namespace (everything it started dies with it), a new session.
+//!   PID namespace (everything it started dies with it), and no
+//!   controlling terminal (`setsid`).
 //! - Read-only system: the root is an empty tmpfs remounted read-only, with
 //!   `/usr`, `/etc` and the library directories bound read-only (home
 //!   directories and the project are not visible); only the task's
