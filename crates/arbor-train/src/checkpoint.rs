@@ -37,9 +37,25 @@ pub(crate) struct TrainerState {
     pub(crate) optimizer_step: u64,
     pub(crate) warmup_nll: Vec<f64>,
     pub(crate) initial_eval: Option<f64>,
-    /// The rollout policy's own state (Prefix Sampling's controller).
+}
+
+/// `trainer_state.json` as written: the trainer's state and the rollout
+/// policy's (Prefix Sampling's controller), side by side at the top level.
+#[derive(Serialize)]
+struct Saving<'a> {
     #[serde(flatten)]
-    pub(crate) policy: PolicyState,
+    trainer: &'a TrainerState,
+    #[serde(flatten)]
+    policy: &'a PolicyState,
+}
+
+/// `trainer_state.json` as read back.
+#[derive(Deserialize)]
+struct Saved {
+    #[serde(flatten)]
+    trainer: TrainerState,
+    #[serde(flatten)]
+    policy: PolicyState,
 }
 
 impl TrainerState {
@@ -52,7 +68,6 @@ impl TrainerState {
             optimizer_step: 0,
             warmup_nll: Vec::new(),
             initial_eval: None,
-            policy: PolicyState::default(),
         }
     }
 }
@@ -85,6 +100,7 @@ pub(crate) fn write(
     run_dir: &Path,
     learner: &Learner,
     state: &TrainerState,
+    policy: &PolicyState,
     lora: bool,
     keep_last: usize,
 ) -> Result<PathBuf, TrainError> {
@@ -110,8 +126,11 @@ pub(crate) fn write(
     }
     let (opt, _) = learner.opt.state();
     save_tensors(opt, &tmp.join("optimizer.safetensors"))?;
-    let json =
-        serde_json::to_vec_pretty(state).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+    let json = serde_json::to_vec_pretty(&Saving {
+        trainer: state,
+        policy,
+    })
+    .map_err(|e| TrainError::Checkpoint(e.to_string()))?;
     let sp = tmp.join("trainer_state.json");
     std::fs::write(&sp, json)?;
     std::fs::File::open(&sp)?.sync_all()?;
@@ -142,7 +161,8 @@ pub(crate) fn write(
     Ok(fin)
 }
 
-/// The learner and trainer state saved in checkpoint `dir`. With LoRA the
+/// The learner, trainer state and rollout-policy state saved in checkpoint
+/// `dir`. With LoRA the
 /// base is the original (frozen) model `hf_base` and the adapters come from
 /// the checkpoint (`policy/` is the merged export).
 pub(crate) fn restore(
@@ -152,7 +172,7 @@ pub(crate) fn restore(
     hf_base: Option<&Checkpoint>,
     dev: &Device,
     ocfg: AdamWConfig,
-) -> Result<(Learner, TrainerState), TrainError> {
+) -> Result<(Learner, TrainerState, PolicyState), TrainError> {
     let policy = Checkpoint::open(&[dir.join("policy/model.safetensors")])?;
     let critic = Checkpoint::open(&[dir.join("critic.safetensors")])?;
     let lora = cfg.model.lora.as_ref();
@@ -194,11 +214,11 @@ pub(crate) fn restore(
     }
     let sp = dir.join("trainer_state.json");
     let text = std::fs::read_to_string(&sp)?;
-    let state: TrainerState = serde_json::from_str(&text)
+    let saved: Saved = serde_json::from_str(&text)
         .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", sp.display())))?;
     let opt = candle_core::safetensors::load(dir.join("optimizer.safetensors"), dev)?;
-    learner.opt.load_state(&opt, state.optimizer_step)?;
-    Ok((learner, state))
+    learner.opt.load_state(&opt, saved.trainer.optimizer_step)?;
+    Ok((learner, saved.trainer, saved.policy))
 }
 
 #[cfg(test)]
@@ -211,7 +231,11 @@ mod tests {
     #[test]
     fn trainer_state_json_is_flat() {
         let s = TrainerState::fresh(3);
-        let v = serde_json::to_value(&s).unwrap();
+        let v = serde_json::to_value(Saving {
+            trainer: &s,
+            policy: &PolicyState::default(),
+        })
+        .unwrap();
         let keys: Vec<&str> = v
             .as_object()
             .unwrap()
@@ -224,8 +248,8 @@ mod tests {
         );
         let old = r#"{"step":2,"cursor":32,"seed_counter":9,"optimizer_step":2,
                      "warmup_nll":[],"initial_eval":0.5}"#;
-        let back: TrainerState = serde_json::from_str(old).unwrap();
-        assert_eq!((back.step, back.cursor), (2, 32));
+        let back: Saved = serde_json::from_str(old).unwrap();
+        assert_eq!((back.trainer.step, back.trainer.cursor), (2, 32));
         assert!(back.policy.ps_buckets.is_empty());
     }
 }

@@ -94,9 +94,9 @@ impl Trainer {
         let mut policy = policy_for(&cfg);
         let (learner, state) = match latest {
             Some((_, dir)) => {
-                let (learner, state) =
+                let (learner, state, policy_state) =
                     checkpoint::restore(&dir, &cfg, &mcfg, hf_ckpt.as_ref(), &dev, ocfg)?;
-                policy.restore(&state.policy)?;
+                policy.restore(&policy_state)?;
                 // Metrics after the checkpoint were not kept in the weights: drop them.
                 metrics.truncate(state.step)?;
                 (learner, state)
@@ -245,7 +245,6 @@ impl Trainer {
             step,
         };
         let r = self.policy.rollouts(ctx, tasks)?;
-        self.state.policy = self.policy.state();
         self.state.seed_counter = seed;
         let t0 = Instant::now();
         let policy_on = !self.cfg.algo.has_critic() || step > self.cfg.critic_warmup_steps;
@@ -299,6 +298,7 @@ impl Trainer {
             &self.out_dir,
             &self.learner,
             &self.state,
+            &self.policy.state(),
             self.cfg.model.lora.is_some(),
             self.cfg.keep_last,
         )

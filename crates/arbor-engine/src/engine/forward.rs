@@ -4,25 +4,29 @@
 
 use candle_core::{DType, Tensor};
 
-use super::schedule::StepPlan;
 use super::{Engine, KvStore};
-use crate::paged::{DevicePagedAttention, PagedAttention};
+use crate::paged::{DevicePagedAttention, PagedAttention, PagedBatch};
 use crate::EngineError;
 
 impl Engine {
-    /// `[scheduled, vocab]` f32 logits of `plan`'s sequences, in order: on
-    /// the CPU the product's own buffer (no copy); a device's stay there.
-    pub(super) fn forward_logits(&mut self, plan: &StepPlan) -> Result<Tensor, EngineError> {
+    /// `[n_seqs, vocab]` f32 logits of the last new token of each of the
+    /// `n_seqs` sequences of `batch` (token ids `ids`), in order: on the CPU
+    /// the product's own buffer (no copy); a device's stay there.
+    pub(super) fn forward_logits(
+        &mut self,
+        batch: &PagedBatch,
+        ids: Vec<u32>,
+        n_seqs: usize,
+    ) -> Result<Tensor, EngineError> {
         #[cfg(test)]
         if std::mem::take(&mut self.fail_next_forward) {
             return Err(EngineError::InvalidRequest(
                 "injected forward failure".into(),
             ));
         }
-        let batch = &plan.batch;
         let n_tokens = batch.len();
         let dev = self.model.device().clone();
-        let input = Tensor::from_vec(plan.ids.clone(), (1, n_tokens), &dev)?;
+        let input = Tensor::from_vec(ids, (1, n_tokens), &dev)?;
         let positions = batch.positions.clone();
         let hidden = match &mut self.cache {
             KvStore::Host(cache) => {
@@ -36,7 +40,7 @@ impl Engine {
         };
         // Last new token of each scheduled sequence (tokens are laid out
         // sequence after sequence).
-        let n = plan.scheduled.len();
+        let n = n_seqs;
         let mut rows = vec![0u32; n];
         for (i, &k) in batch.token_seq.iter().enumerate() {
             rows[k] = i as u32;

@@ -10,6 +10,7 @@ mod schedule;
 
 use config::physical_memory;
 pub use config::EngineConfig;
+use schedule::StepPlan;
 
 use std::collections::{HashMap, VecDeque};
 
@@ -651,15 +652,19 @@ impl Engine {
     /// One step: plan it ([`schedule`]), run the model ([`forward`]), then
     /// record, sample and stop ([`sample`]).
     fn try_step(&mut self) -> Result<usize, EngineError> {
-        let Some(plan) = self.plan_step()? else {
+        let Some(StepPlan {
+            batch,
+            ids,
+            scheduled,
+        }) = self.plan_step()?
+        else {
             return Ok(0);
         };
-        let n_tokens = plan.batch.len();
+        let n_tokens = batch.len();
         let in_use = self.kv.stats().in_use as u64;
         self.stats.peak_blocks_in_use = self.stats.peak_blocks_in_use.max(in_use);
-        let logits = self.forward_logits(&plan)?;
+        let logits = self.forward_logits(&batch, ids, scheduled.len())?;
         self.stats.steps += 1;
-        let scheduled = plan.scheduled;
         if logits.device().is_cpu() {
             with_cpu_f32(&logits, |flat| self.record_and_sample(scheduled, flat))??;
         } else {

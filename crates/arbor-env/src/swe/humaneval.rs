@@ -357,7 +357,7 @@ pub fn build_task(
     };
     write("solution.py", &canonical)?;
     write("test_solution.py", &test)?;
-    super::sandbox::chown_for_sandbox(probe.path())?;
+    sandbox.own(probe.path())?;
     let o = sandbox.run(probe.path(), "python3 -B test_solution.py")?;
     if !o.success() {
         return Ok(BuildOutcome::Skipped(format!(

@@ -247,6 +247,26 @@ impl Sandbox {
         }
     }
 
+    /// Gives `path` (recursively, links not followed) to the user this
+    /// sandbox runs commands as, so they can write it: the sandbox user
+    /// when bubblewrap runs as root; a no-op otherwise (unsandboxed commands
+    /// run as the caller, who owns the files already).
+    pub fn own(&self, path: &Path) -> Result<()> {
+        if self.is_sandboxed() {
+            chown_for_sandbox(path)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// [`Sandbox::own`] for one entry, best effort (a file a tool just
+    /// wrote and its new parent directories).
+    pub fn own_entry(&self, path: &Path) {
+        if self.is_sandboxed() && effective_uid() == Some(0) {
+            let _ = std::os::unix::fs::lchown(path, Some(NOBODY), Some(NOBODY));
+        }
+    }
+
     /// True for bubblewrap isolation.
     pub fn is_sandboxed(&self) -> bool {
         matches!(self.isolation, Isolation::Bubblewrap(_))
@@ -317,7 +337,7 @@ impl Sandbox {
     /// are blocked).
     pub fn probe(&self, command: &str) -> Result<RunOutput> {
         let dir = tempfile::tempdir().map_err(|e| EnvError::Sandbox(format!("probe dir: {e}")))?;
-        chown_for_sandbox(dir.path())?;
+        self.own(dir.path())?;
         self.run(dir.path(), command)
     }
 
@@ -342,19 +362,6 @@ impl Sandbox {
             Isolation::Unsandboxed => {
                 let mut c = Command::new("env");
                 c.current_dir(workspace);
-                // As root the workspace belongs to the sandbox user (see
-                // `chown_for_sandbox`), which git refuses to read as a
-                // repository of someone else's unless a protected (global)
-                // config says it is safe: the command gets one of its own.
-                if root {
-                    let gitconfig = scratch.path().join("gitconfig");
-                    std::fs::write(
-                        &gitconfig,
-                        format!("[safe]\n\tdirectory = {}\n", workspace.display()),
-                    )
-                    .map_err(|e| EnvError::io(&gitconfig, e))?;
-                    c.env("GIT_CONFIG_GLOBAL", &gitconfig);
-                }
                 c
             }
         };

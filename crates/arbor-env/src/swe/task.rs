@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tempfile::TempDir;
 
-use super::sandbox::{chown_for_sandbox, Sandbox, WORKDIR};
+use super::sandbox::{Sandbox, WORKDIR};
 use crate::data::{read_jsonl, Row};
 use crate::error::{EnvError, Result};
 use crate::harness::{truncate_middle, Harness, HarnessConfig, ToolReply, ToolTask};
@@ -239,7 +239,7 @@ struct Base {
 }
 
 impl Base {
-    fn materialize(inst: &SweInstance, source: &Path) -> Result<Base> {
+    fn materialize(inst: &SweInstance, source: &Path, sandbox: &Sandbox) -> Result<Base> {
         let dir = tempfile::Builder::new()
             .prefix("arbor-swe-base")
             .tempdir()
@@ -271,7 +271,7 @@ impl Base {
         } else {
             copy_tree(source, &path)?;
         }
-        chown_for_sandbox(&path)?;
+        sandbox.own(&path)?;
         Ok(Base { _dir: dir, path })
     }
 }
@@ -317,7 +317,7 @@ impl SweTask {
                 format!("repository directory {} does not exist", source.display()),
             ));
         }
-        let base = Base::materialize(&inst, source)?;
+        let base = Base::materialize(&inst, source, &cfg.sandbox)?;
         Ok(SweTask {
             inst: Arc::new(inst),
             cfg: Arc::new(cfg),
@@ -545,7 +545,7 @@ impl SweTask {
         let ws = self.ws().map_err(|e| e.to_string())?;
         let mut p = path.clone();
         while p != ws {
-            chown_for_sandbox_one(&p);
+            self.cfg.sandbox.own_entry(&p);
             if !p.pop() {
                 break;
             }
@@ -716,21 +716,11 @@ impl SweTask {
     }
 }
 
-fn chown_for_sandbox_one(p: &Path) {
-    if super::sandbox::effective_uid() == Some(0) {
-        let _ = std::os::unix::fs::lchown(
-            p,
-            Some(super::sandbox::NOBODY),
-            Some(super::sandbox::NOBODY),
-        );
-    }
-}
-
 fn apply_in(sb: &Sandbox, dir: &Path, patch: &str) -> Result<super::sandbox::RunOutput> {
     let name = ".arbor.patch";
     let pf = dir.join(name);
     std::fs::write(&pf, patch).map_err(|e| EnvError::io(&pf, e))?;
-    chown_for_sandbox_one(&pf);
+    sb.own_entry(&pf);
     let o = sb.run(
         dir,
         &format!("git apply --whitespace=nowarn {name}; s=$?; rm -f {name}; exit $s"),

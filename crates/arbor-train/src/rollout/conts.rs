@@ -160,8 +160,8 @@ fn end_episode(c: &mut Cont, stats: &mut RolloutStats) {
 }
 
 /// Turn a finished continuation into tree steps, with critic values at each
-/// new intermediate state.
-pub(crate) fn to_steps(c: &Cont, values: &[f64]) -> Result<Vec<Step>, TrainError> {
+/// new intermediate state (`None`: a method without a critic, 0.5 each).
+pub(crate) fn to_steps(c: &Cont, values: Option<&[f64]>) -> Result<Vec<Step>, TrainError> {
     let mut out = Vec::with_capacity(c.replayed.len() + c.steps.len());
     for (action, obs) in &c.replayed {
         let mut seg = Segment::new();
@@ -180,7 +180,7 @@ pub(crate) fn to_steps(c: &Cont, values: &[f64]) -> Result<Vec<Step>, TrainError
         let step = Step::new(seg);
         out.push(match r.reward {
             Some(r) => step.terminal(r),
-            None => step.value(values[k]),
+            None => step.value(values.map_or(0.5, |v| v[k])),
         });
     }
     Ok(out)
@@ -214,10 +214,7 @@ pub(crate) fn segment_values(
 pub(crate) type Snapshots = HashMap<NodeId, Box<dyn TokenEpisode>>;
 
 /// A fresh copy of the environment state kept at node `n`.
-pub(crate) fn fork_at(
-    snapshots: &Snapshots,
-    n: NodeId,
-) -> Result<Box<dyn TokenEpisode>, TrainError> {
+fn fork_at(snapshots: &Snapshots, n: NodeId) -> Result<Box<dyn TokenEpisode>, TrainError> {
     snapshots
         .get(&n)
         .ok_or_else(|| TrainError::Rollout(format!("no environment state kept for node {n:?}")))?
@@ -238,6 +235,18 @@ pub(crate) fn keep_snapshots(
     }
 }
 
+/// The continuation of an in-flight `ticket`: its node's context, and a
+/// copy of the environment state kept there.
+pub(crate) fn cont_for(
+    tree: &RolloutTree,
+    snapshots: &Snapshots,
+    ticket: arbor_rl::Ticket,
+) -> Result<Cont, TrainError> {
+    let n = ticket.node();
+    let (context, env) = (tree.context_tokens(n)?, fork_at(snapshots, n)?);
+    Ok(Cont::new(Some(ticket), n, context, env))
+}
+
 /// Continuations from `from` nodes (one per entry), begun in `tree` and
 /// resuming from the kept environment snapshots.
 pub(crate) fn begin_conts(
@@ -247,12 +256,8 @@ pub(crate) fn begin_conts(
 ) -> Result<Vec<Cont>, TrainError> {
     from.iter()
         .map(|&n| {
-            Ok(Cont::new(
-                Some(tree.begin(n)?),
-                n,
-                tree.context_tokens(n)?,
-                fork_at(snapshots, n)?,
-            ))
+            let ticket = tree.begin(n)?;
+            cont_for(tree, snapshots, ticket)
         })
         .collect()
 }
@@ -266,11 +271,7 @@ pub(crate) fn complete_conts(
     values: Option<Vec<Vec<f64>>>,
 ) -> Result<(), TrainError> {
     for (i, c) in conts.into_iter().enumerate() {
-        let v = match &values {
-            Some(v) => v[i].clone(),
-            None => vec![0.5; c.steps.len()],
-        };
-        let steps = to_steps(&c, &v)?;
+        let steps = to_steps(&c, values.as_ref().map(|v| v[i].as_slice()))?;
         let ticket = c
             .ticket
             .ok_or_else(|| TrainError::Rollout("continuation without a ticket".into()))?;

@@ -6,9 +6,7 @@ use arbor_rl::credit::{focus_credit, loss_rows, CreditConfig, Sharing};
 use arbor_rl::focus::{Allocator, AllocatorConfig, AsyncGain, Budget, Focus};
 use arbor_rl::RolloutTree;
 
-use super::conts::{
-    fork_at, keep_snapshots, root_values, segment_values, to_steps, Cont, Snapshots,
-};
+use super::conts::{cont_for, keep_snapshots, root_values, segment_values, to_steps, Snapshots};
 use super::{RolloutPolicy, RolloutStats, StepContext, StepRollouts, TaskInstance};
 use crate::config::FocusConfig;
 use crate::TrainError;
@@ -62,17 +60,15 @@ impl RolloutPolicy for FocusPolicy {
                 }
                 break;
             }
-            let mut conts = Vec::with_capacity(tickets.len());
-            for t in tickets {
-                let from = t.node();
-                let (context, env) = (tree.context_tokens(from)?, fork_at(&snapshots, from)?);
-                conts.push(Cont::new(Some(t), from, context, env));
-            }
+            let mut conts = tickets
+                .into_iter()
+                .map(|t| cont_for(&tree, &snapshots, t))
+                .collect::<Result<Vec<_>, _>>()?;
             stats.continuations += conts.len();
             ctx.run(&mut conts, &mut stats, true)?;
             let values = segment_values(learner, &conts, &tree)?;
             for (c, v) in conts.into_iter().zip(values) {
-                let steps = to_steps(&c, &v)?;
+                let steps = to_steps(&c, Some(&v))?;
                 let ticket = c.ticket.expect("FOCUS continuations have tickets");
                 let new = alloc.complete(&mut tree, ticket, steps)?;
                 keep_snapshots(&mut snapshots, new, c.steps);

@@ -36,8 +36,7 @@ impl RolloutPolicy for GrpoPolicy {
         let mut stats = RolloutStats::started(conts.len());
         ctx.run(&mut conts, &mut stats, false)?;
         for c in &conts {
-            let values = vec![0.5; c.steps.len()];
-            tree.add_path(c.from, to_steps(c, &values)?)?;
+            tree.add_path(c.from, to_steps(c, None)?)?;
         }
         let adv = Grpo::default().advantages(&tree)?;
         let rows = loss_rows(&tree, &adv, None, Sharing::Once)?;

@@ -252,8 +252,7 @@ fn ps_step(
         .chain(reroll.iter().zip(reroll_meta.iter().map(|m| m.0)));
     for (c, g) in all {
         let root = tree.add_episode(meta[g].0.clone(), meta[g].1.clone(), None)?;
-        let values = vec![0.5; c.steps.len()];
-        tree.add_path(root, to_steps(c, &values)?)?;
+        tree.add_path(root, to_steps(c, None)?)?;
     }
     let rows = if tree.is_empty() {
         Vec::new()
