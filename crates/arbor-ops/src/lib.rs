@@ -10,6 +10,9 @@
 //! - [`ppo_loss`], [`value_loss`]: masked clipped PPO loss (asymmetric clip,
 //!   per-token weights carry the mask and the aggregation) and clipped
 //!   value loss, forward and backward;
+//! - [`rms_norm`], [`rope`], [`swiglu`], [`packed_causal_attention`]: the
+//!   training forward's fused ops with hand-written backward (attention over
+//!   sequences packed back to back, no `[T, T]` matrix kept);
 //! - [`segment_broadcast`], [`segment_sum`], [`segment_mean`]: per-segment
 //!   advantages to token positions and back;
 //! - [`paged_attention_op`], [`cache_write`]: attention over the engine's
@@ -28,6 +31,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod fused;
 pub mod linear;
 pub mod logprob;
 pub mod paged;
@@ -39,6 +43,7 @@ pub use cpu::matmul::{
     matmul_nt, matmul_nt_bf16, matmul_nt_into, matmul_nt_multi, matmul_nt_multi_into,
     matmul_nt_multi_into_isa, round_bf16, MatmulIsa, WeightRows,
 };
+pub use fused::{packed_causal_attention, rms_norm, rope, swiglu};
 pub use linear::matmul_nt_op;
 pub use logprob::{fused_logprobs, DEFAULT_CHUNK_ELEMS};
 pub use paged::{cache_write, paged_attention_op, PagedMeta};

@@ -1,0 +1,1000 @@
+//! Fused training ops with hand-written backward: RMSNorm, RoPE, SwiGLU and
+//! causal attention over a packed batch.
+//!
+//! Composed from candle ops, these keep every intermediate for the backward
+//! (RMSNorm five tensors, RoPE eight, attention the `[T, T]` scores and
+//! probabilities per sequence). Each op here keeps its inputs (attention:
+//! also its output and one log-sum-exp per query row) and recomputes the
+//! rest in its backward.
+//!
+//! - [`rms_norm`]: `y = w * x r`, `r = 1 / sqrt(mean(x^2) + eps)` over the
+//!   last dim. Backward with `g = dy * w`: `dx = r g - x r^3 mean(g x)`,
+//!   `dw = sum_rows dy x r`.
+//! - [`rope`]: `x = [x1 | x2]` (halves of the head dim) to
+//!   `[x1 c - x2 s | x2 c + x1 s]`, per token `(c, s)` rows; the backward is
+//!   the inverse rotation (`s -> -s`).
+//! - [`swiglu`]: `silu(g) * u`; with `s = sigmoid(g)`:
+//!   `dg = dy u s (1 + g (1 - s))`, `du = dy g s`.
+//! - [`packed_causal_attention`]: `q: [N, nh, D]`, `k, v: [N, nkv, D]` of
+//!   sequences packed back to back (lengths `seq_lens`, no padding), each
+//!   query attending causally within its own sequence, grouped-query heads
+//!   (`h -> h / (nh / nkv)`), scale `1 / sqrt(D)`. Forward one query row at
+//!   a time (scores for that row only); saves `lse_i = log sum_j exp(s_ij)`.
+//!   Backward as FlashAttention-2, recomputing scores row by row:
+//!   `P_ij = exp(s_ij - lse_i)`, `delta_i = dO_i . O_i`,
+//!   `dS_ij = P_ij (dO_i . v_j - delta_i)`, `dq_i = c sum_j dS_ij k_j`,
+//!   `dk_j = c sum_i dS_ij q_i`, `dv_j = sum_i P_ij dO_i`. No `[T, T]`
+//!   tensor exists in either pass.
+//!
+//! CPU, f32 (f32 accumulation) or f64: these kernels, parallel over rows
+//! (rayon). Other devices and dtypes: the same functions compose candle ops,
+//! which carry candle's own backward.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{
+    CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType, D,
+};
+use num_traits::Float;
+use rayon::prelude::*;
+
+/// Element types of the CPU kernels.
+trait Elem: Float + WithDType + Send + Sync + std::iter::Sum {}
+impl Elem for f32 {}
+impl Elem for f64 {}
+
+/// Reductions of the composed paths: f64 stays f64, the rest is f32.
+fn accum_dtype(dt: DType) -> DType {
+    if dt == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+fn fused_here(x: &Tensor) -> bool {
+    x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64)
+}
+
+/// The contiguous elements of a CPU tensor of dtype `T`.
+fn slice<'a, T: Elem>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
+    let all = s.as_slice::<T>()?;
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&all[a..b]),
+        None => candle_core::bail!("fused op: input is not contiguous"),
+    }
+}
+
+/// Run `f` on the contiguous elements of CPU tensors (made contiguous first).
+fn with2<T: Elem, R>(a: &Tensor, b: &Tensor, f: impl FnOnce(&[T], &[T]) -> Result<R>) -> Result<R> {
+    let (a, b) = (a.contiguous()?, b.contiguous()?);
+    let (sa, la) = a.storage_and_layout();
+    let (sb, lb) = b.storage_and_layout();
+    match (&*sa, &*sb) {
+        (candle_core::Storage::Cpu(sa), candle_core::Storage::Cpu(sb)) => {
+            f(slice(sa, la)?, slice(sb, lb)?)
+        }
+        _ => candle_core::bail!("fused op: CPU tensors expected"),
+    }
+}
+
+/// `sum_i a_i b_i` with eight partial sums (vectorises).
+#[inline]
+fn dot<T: Elem>(a: &[T], b: &[T]) -> T {
+    let mut acc = [T::zero(); 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] = acc[l] + x[l] * y[l];
+        }
+    }
+    let mut s = acc.iter().copied().sum::<T>();
+    for (x, y) in ra.iter().zip(rb) {
+        s = s + *x * *y;
+    }
+    s
+}
+
+/// `y += a x`.
+#[inline]
+fn axpy<T: Elem>(y: &mut [T], a: T, x: &[T]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y = *y + a * *x;
+    }
+}
+
+fn inv_rms<T: Elem>(x: &[T], eps: T) -> T {
+    let n = T::from(x.len()).expect("length fits a float");
+    T::one() / (dot(x, x) / n + eps).sqrt()
+}
+
+/// Rows per rayon task for row-wise kernels.
+const ROWS_PER_TASK: usize = 8;
+
+// ---------------------------------------------------------------- RMSNorm
+
+/// RMSNorm over the last dim: `x: [.., D]`, `w: [D]` -> `[.., D]`,
+/// differentiable in both (see the module docs).
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let d = x.dim(D::Minus1)?;
+    if w.dims() != [d] {
+        candle_core::bail!("rms_norm: weight {:?} for rows of {d}", w.dims());
+    }
+    if !fused_here(x) || w.dtype() != x.dtype() {
+        let xf = x.to_dtype(accum_dtype(x.dtype()))?;
+        let r = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?;
+        return xf.broadcast_div(&r)?.to_dtype(x.dtype())?.broadcast_mul(w);
+    }
+    x.contiguous()?
+        .apply_op2(&w.contiguous()?, RmsNormOp { eps })
+}
+
+struct RmsNormOp {
+    eps: f64,
+}
+
+fn rms_fwd<T: Elem>(x: &[T], w: &[T], eps: f64) -> Vec<T> {
+    let d = w.len();
+    let eps = T::from(eps).expect("eps fits a float");
+    let mut y = vec![T::zero(); x.len()];
+    y.par_chunks_mut(d * ROWS_PER_TASK)
+        .zip(x.par_chunks(d * ROWS_PER_TASK))
+        .for_each(|(y, x)| {
+            for (y, x) in y.chunks_mut(d).zip(x.chunks(d)) {
+                let r = inv_rms(x, eps);
+                for i in 0..d {
+                    y[i] = x[i] * r * w[i];
+                }
+            }
+        });
+    y
+}
+
+/// `(dx, dw)`.
+fn rms_bwd<T: Elem>(x: &[T], w: &[T], dy: &[T], eps: f64) -> (Vec<T>, Vec<T>) {
+    let d = w.len();
+    let eps = T::from(eps).expect("eps fits a float");
+    let inv_d = T::one() / T::from(d).expect("length fits a float");
+    let mut dx = vec![T::zero(); x.len()];
+    let dw = dx
+        .par_chunks_mut(d * ROWS_PER_TASK)
+        .zip(x.par_chunks(d * ROWS_PER_TASK))
+        .zip(dy.par_chunks(d * ROWS_PER_TASK))
+        .map(|((dx, x), dy)| {
+            let mut dw = vec![T::zero(); d];
+            let mut g = vec![T::zero(); d];
+            for ((dx, x), dy) in dx.chunks_mut(d).zip(x.chunks(d)).zip(dy.chunks(d)) {
+                let r = inv_rms(x, eps);
+                for i in 0..d {
+                    g[i] = dy[i] * w[i];
+                    dw[i] = dw[i] + dy[i] * x[i] * r;
+                }
+                let c = dot(&g, x) * inv_d * r * r * r;
+                for i in 0..d {
+                    dx[i] = r * g[i] - c * x[i];
+                }
+            }
+            dw
+        })
+        .reduce(
+            || vec![T::zero(); d],
+            |mut a, b| {
+                axpy(&mut a, T::one(), &b);
+                a
+            },
+        );
+    (dx, dw)
+}
+
+impl CustomOp2 for RmsNormOp {
+    fn name(&self) -> &'static str {
+        "arbor-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        w: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = match x {
+            CpuStorage::F32(_) => CpuStorage::F32(rms_fwd(slice(x, xl)?, slice(w, wl)?, self.eps)),
+            CpuStorage::F64(_) => CpuStorage::F64(rms_fwd(slice(x, xl)?, slice(w, wl)?, self.eps)),
+            _ => candle_core::bail!("rms_norm: f32 or f64 expected"),
+        };
+        Ok((out, xl.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        fn go<T: Elem>(x: &Tensor, w: &Tensor, dy: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+            let (dx, dw) = with2::<T, _>(x, w, |xs, ws| {
+                with2::<T, _>(dy, dy, |dys, _| Ok(rms_bwd(xs, ws, dys, eps)))
+            })?;
+            Ok((
+                Tensor::from_vec(dx, x.shape(), x.device())?,
+                Tensor::from_vec(dw, w.shape(), w.device())?,
+            ))
+        }
+        let (dx, dw) = match x.dtype() {
+            DType::F32 => go::<f32>(x, w, dy, self.eps)?,
+            _ => go::<f64>(x, w, dy, self.eps)?,
+        };
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+// ---------------------------------------------------------------- RoPE
+
+/// RoPE on `x: [N, n, D]` with per-token `cos, sin: [N, D/2]` (rotate-half
+/// convention, as HF), differentiable in `x`.
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (n, _, d) = x.dims3()?;
+    if d % 2 != 0 || cos.dims() != [n, d / 2] || sin.dims() != [n, d / 2] {
+        candle_core::bail!(
+            "rope: x {:?} needs cos and sin [{n}, {}], got {:?} and {:?}",
+            x.dims(),
+            d / 2,
+            cos.dims(),
+            sin.dims()
+        );
+    }
+    if !fused_here(x) || cos.dtype() != x.dtype() || sin.dtype() != x.dtype() {
+        let half = d / 2;
+        let (c, s) = (cos.unsqueeze(1)?, sin.unsqueeze(1)?);
+        let x1 = x.narrow(D::Minus1, 0, half)?;
+        let x2 = x.narrow(D::Minus1, half, half)?;
+        let a = (x1.broadcast_mul(&c)? - x2.broadcast_mul(&s)?)?;
+        let b = (x2.broadcast_mul(&c)? + x1.broadcast_mul(&s)?)?;
+        return Tensor::cat(&[a, b], D::Minus1);
+    }
+    x.contiguous()?.apply_op3(
+        &cos.contiguous()?,
+        &sin.contiguous()?,
+        RopeOp { inverse: false },
+    )
+}
+
+struct RopeOp {
+    /// Rotate by `-angle` (the backward).
+    inverse: bool,
+}
+
+fn rope_rows<T: Elem>(x: &[T], cos: &[T], sin: &[T], half: usize, inverse: bool) -> Vec<T> {
+    let n = cos.len() / half;
+    let per_token = x.len() / n.max(1);
+    let mut y = vec![T::zero(); x.len()];
+    y.par_chunks_mut(per_token)
+        .zip(x.par_chunks(per_token))
+        .enumerate()
+        .for_each(|(t, (y, x))| {
+            let (c, s) = (
+                &cos[t * half..(t + 1) * half],
+                &sin[t * half..(t + 1) * half],
+            );
+            for (y, x) in y.chunks_mut(2 * half).zip(x.chunks(2 * half)) {
+                let (x1, x2) = x.split_at(half);
+                let (y1, y2) = y.split_at_mut(half);
+                for i in 0..half {
+                    let si = if inverse { -s[i] } else { s[i] };
+                    y1[i] = x1[i] * c[i] - x2[i] * si;
+                    y2[i] = x2[i] * c[i] + x1[i] * si;
+                }
+            }
+        });
+    y
+}
+
+impl CustomOp3 for RopeOp {
+    fn name(&self) -> &'static str {
+        "arbor-rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        c: &CpuStorage,
+        cl: &Layout,
+        s: &CpuStorage,
+        sl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let half = cl.shape().dims()[1];
+        let out = match x {
+            CpuStorage::F32(_) => CpuStorage::F32(rope_rows(
+                slice(x, xl)?,
+                slice(c, cl)?,
+                slice(s, sl)?,
+                half,
+                self.inverse,
+            )),
+            CpuStorage::F64(_) => CpuStorage::F64(rope_rows(
+                slice(x, xl)?,
+                slice(c, cl)?,
+                slice(s, sl)?,
+                half,
+                self.inverse,
+            )),
+            _ => candle_core::bail!("rope: f32 or f64 expected"),
+        };
+        Ok((out, xl.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dx = dy.contiguous()?.apply_op3(
+            cos,
+            sin,
+            RopeOp {
+                inverse: !self.inverse,
+            },
+        )?;
+        Ok((Some(dx), None, None))
+    }
+}
+
+// ---------------------------------------------------------------- SwiGLU
+
+/// `silu(g) * u` for `g, u` of one shape, differentiable in both.
+pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
+    if g.shape() != u.shape() {
+        candle_core::bail!("swiglu: gate {:?} and up {:?}", g.dims(), u.dims());
+    }
+    if !fused_here(g) || u.dtype() != g.dtype() {
+        return g.silu()? * u;
+    }
+    g.contiguous()?.apply_op2(&u.contiguous()?, SwigluOp)
+}
+
+struct SwigluOp;
+
+const ELEMS_PER_TASK: usize = 1 << 14;
+
+fn sigmoid<T: Elem>(x: T) -> T {
+    T::one() / (T::one() + (-x).exp())
+}
+
+fn swiglu_fwd<T: Elem>(g: &[T], u: &[T]) -> Vec<T> {
+    let mut y = vec![T::zero(); g.len()];
+    y.par_chunks_mut(ELEMS_PER_TASK)
+        .zip(
+            g.par_chunks(ELEMS_PER_TASK)
+                .zip(u.par_chunks(ELEMS_PER_TASK)),
+        )
+        .for_each(|(y, (g, u))| {
+            for i in 0..y.len() {
+                y[i] = g[i] * sigmoid(g[i]) * u[i];
+            }
+        });
+    y
+}
+
+fn swiglu_bwd<T: Elem>(g: &[T], u: &[T], dy: &[T]) -> (Vec<T>, Vec<T>) {
+    let mut dg = vec![T::zero(); g.len()];
+    let mut du = vec![T::zero(); g.len()];
+    dg.par_chunks_mut(ELEMS_PER_TASK)
+        .zip(du.par_chunks_mut(ELEMS_PER_TASK))
+        .zip(
+            g.par_chunks(ELEMS_PER_TASK)
+                .zip(u.par_chunks(ELEMS_PER_TASK)),
+        )
+        .zip(dy.par_chunks(ELEMS_PER_TASK))
+        .for_each(|(((dg, du), (g, u)), dy)| {
+            for i in 0..dg.len() {
+                let s = sigmoid(g[i]);
+                du[i] = dy[i] * g[i] * s;
+                dg[i] = dy[i] * u[i] * s * (T::one() + g[i] * (T::one() - s));
+            }
+        });
+    (dg, du)
+}
+
+impl CustomOp2 for SwigluOp {
+    fn name(&self) -> &'static str {
+        "arbor-swiglu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        g: &CpuStorage,
+        gl: &Layout,
+        u: &CpuStorage,
+        ul: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = match g {
+            CpuStorage::F32(_) => CpuStorage::F32(swiglu_fwd(slice(g, gl)?, slice(u, ul)?)),
+            CpuStorage::F64(_) => CpuStorage::F64(swiglu_fwd(slice(g, gl)?, slice(u, ul)?)),
+            _ => candle_core::bail!("swiglu: f32 or f64 expected"),
+        };
+        Ok((out, gl.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        g: &Tensor,
+        u: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        fn go<T: Elem>(g: &Tensor, u: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+            let (dg, du) = with2::<T, _>(g, u, |gs, us| {
+                with2::<T, _>(dy, dy, |dys, _| Ok(swiglu_bwd(gs, us, dys)))
+            })?;
+            Ok((
+                Tensor::from_vec(dg, g.shape(), g.device())?,
+                Tensor::from_vec(du, u.shape(), u.device())?,
+            ))
+        }
+        let (dg, du) = match g.dtype() {
+            DType::F32 => go::<f32>(g, u, dy)?,
+            _ => go::<f64>(g, u, dy)?,
+        };
+        Ok((Some(dg), Some(du)))
+    }
+}
+
+// ---------------------------------------------------------------- attention
+
+/// Shape of a packed attention call.
+#[derive(Debug, Clone)]
+struct Geom {
+    nh: usize,
+    nkv: usize,
+    d: usize,
+    /// Sequence starts, with the total token count last (`S + 1` entries).
+    starts: Arc<Vec<usize>>,
+}
+
+impl Geom {
+    fn group(&self) -> usize {
+        self.nh / self.nkv
+    }
+}
+
+/// Causal attention within each of the packed sequences (see the module
+/// docs): `q: [N, nh, D]`, `k, v: [N, nkv, D]`, `seq_lens` summing to `N`
+/// -> `[N, nh, D]`. Differentiable in `q`, `k` and `v`.
+pub fn packed_causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seq_lens: &[usize],
+) -> Result<Tensor> {
+    let (n, nh, d) = q.dims3()?;
+    let (nk, nkv, dk) = k.dims3()?;
+    let total: usize = seq_lens.iter().sum();
+    if nk != n || dk != d || v.dims() != k.dims() || nkv == 0 || nh % nkv != 0 || total != n {
+        candle_core::bail!(
+            "packed_causal_attention: q {:?}, k {:?}, v {:?} and sequences summing to {total}",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        );
+    }
+    let mut starts = Vec::with_capacity(seq_lens.len() + 1);
+    let mut at = 0;
+    for &l in seq_lens {
+        starts.push(at);
+        at += l;
+    }
+    starts.push(at);
+    let geom = Geom {
+        nh,
+        nkv,
+        d,
+        starts: Arc::new(starts),
+    };
+    if !fused_here(q) || k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+        return composed_attention(q, k, v, &geom);
+    }
+    q.contiguous()?.apply_op3(
+        &k.contiguous()?,
+        &v.contiguous()?,
+        AttnOp {
+            geom,
+            lse: Mutex::new(None),
+        },
+    )
+}
+
+/// Candle ops, one sequence at a time (devices without the fused kernel).
+fn composed_attention(q: &Tensor, k: &Tensor, v: &Tensor, g: &Geom) -> Result<Tensor> {
+    let (nh, nkv, d) = (g.nh, g.nkv, g.d);
+    let grp = g.group();
+    let dt = q.dtype();
+    let acc = accum_dtype(dt);
+    let mut outs = Vec::with_capacity(g.starts.len() - 1);
+    for w in g.starts.windows(2) {
+        let (s, l) = (w[0], w[1] - w[0]);
+        if l == 0 {
+            continue;
+        }
+        // [nkv, grp * l, D] queries against [nkv, D, l] keys.
+        let qs = q
+            .narrow(0, s, l)?
+            .reshape((l, nkv, grp, d))?
+            .permute((1, 2, 0, 3))?
+            .contiguous()?
+            .reshape((nkv, grp * l, d))?;
+        let ks = k.narrow(0, s, l)?.transpose(0, 1)?.contiguous()?;
+        let vs = v.narrow(0, s, l)?.transpose(0, 1)?.contiguous()?;
+        let scores = (qs.matmul(&ks.t()?)? * (1.0 / (d as f64).sqrt()))?.to_dtype(acc)?;
+        let mut mask = Vec::with_capacity(grp * l * l);
+        for _ in 0..grp {
+            for i in 0..l {
+                mask.extend((0..l).map(|j| if j > i { f32::NEG_INFINITY } else { 0.0 }));
+            }
+        }
+        let mask = Tensor::from_vec(mask, (grp * l, l), q.device())?.to_dtype(acc)?;
+        let scores = scores.broadcast_add(&mask)?;
+        let m = scores.max_keepdim(D::Minus1)?.detach();
+        let e = scores.broadcast_sub(&m)?.exp()?;
+        let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?.to_dtype(dt)?;
+        let o = p.matmul(&vs)?; // [nkv, grp * l, D]
+        outs.push(
+            o.reshape((nkv, grp, l, d))?
+                .permute((2, 0, 1, 3))?
+                .reshape((l, nh, d))?,
+        );
+    }
+    Tensor::cat(&outs, 0)
+}
+
+struct AttnOp {
+    geom: Geom,
+    /// `[N, nh]` log-sum-exp of each query row's scores, from the forward.
+    lse: Mutex<Option<Vec<f64>>>,
+}
+
+/// Forward: `(out [N, nh, D], lse [N, nh])`.
+fn attn_fwd<T: Elem>(q: &[T], k: &[T], v: &[T], g: &Geom) -> (Vec<T>, Vec<f64>) {
+    let (nh, nkv, d, grp) = (g.nh, g.nkv, g.d, g.group());
+    let n = q.len() / (nh * d);
+    let scale = T::one() / T::from(d).expect("head dim fits a float").sqrt();
+    let mut seq_start = vec![0usize; n];
+    for w in g.starts.windows(2) {
+        seq_start[w[0]..w[1]].fill(w[0]);
+    }
+    let mut out = vec![T::zero(); n * nh * d];
+    let mut lse = vec![0f64; n * nh];
+    out.par_chunks_mut(nh * d)
+        .zip(lse.par_chunks_mut(nh))
+        .enumerate()
+        .for_each(|(i, (o, lse))| {
+            let s0 = seq_start[i];
+            let mut p = vec![T::zero(); i + 1 - s0];
+            for h in 0..nh {
+                let kh = h / grp;
+                let qi = &q[(i * nh + h) * d..][..d];
+                let mut m = T::neg_infinity();
+                for (j, pj) in (s0..=i).zip(p.iter_mut()) {
+                    *pj = dot(qi, &k[(j * nkv + kh) * d..][..d]) * scale;
+                    m = Float::max(m, *pj);
+                }
+                let mut sum = T::zero();
+                for pj in p.iter_mut() {
+                    *pj = (*pj - m).exp();
+                    sum = sum + *pj;
+                }
+                let oh = &mut o[h * d..(h + 1) * d];
+                let inv = T::one() / sum;
+                for (j, &pj) in (s0..=i).zip(p.iter()) {
+                    axpy(oh, pj * inv, &v[(j * nkv + kh) * d..][..d]);
+                }
+                lse[h] = WithDType::to_f64(m + sum.ln());
+            }
+        });
+    (out, lse)
+}
+
+/// Backward: `(dq, dk, dv)` from the inputs, output, `lse` and `dO`.
+#[allow(clippy::too_many_arguments)]
+fn attn_bwd<T: Elem>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    o: &[T],
+    lse: &[f64],
+    dout: &[T],
+    g: &Geom,
+) -> (Vec<T>, Vec<T>, Vec<T>) {
+    let (nh, nkv, d, grp) = (g.nh, g.nkv, g.d, g.group());
+    let n = q.len() / (nh * d);
+    let scale = T::one() / T::from(d).expect("head dim fits a float").sqrt();
+    let seqs = g.starts.len() - 1;
+    // One task per (sequence, query head): its dq rows are its own, its
+    // dk/dv contributions are summed over the group afterwards.
+    let parts: Vec<(usize, usize, Vec<T>, Vec<T>, Vec<T>)> = (0..seqs * nh)
+        .into_par_iter()
+        .map(|task| {
+            let (si, h) = (task / nh, task % nh);
+            let (s0, s1) = (g.starts[si], g.starts[si + 1]);
+            let l = s1 - s0;
+            let kh = h / grp;
+            let (mut dq, mut dk, mut dv) = (
+                vec![T::zero(); l * d],
+                vec![T::zero(); l * d],
+                vec![T::zero(); l * d],
+            );
+            let mut p = vec![T::zero(); l];
+            for i in s0..s1 {
+                let row = (i * nh + h) * d;
+                let (qi, oi, doi) = (&q[row..row + d], &o[row..row + d], &dout[row..row + d]);
+                let delta = dot(doi, oi);
+                let li = T::from(lse[i * nh + h]).expect("finite");
+                let m = i + 1 - s0;
+                for (j, pj) in (s0..=i).zip(p.iter_mut()) {
+                    *pj = (dot(qi, &k[(j * nkv + kh) * d..][..d]) * scale - li).exp();
+                }
+                let dqi = &mut dq[(i - s0) * d..(i - s0 + 1) * d];
+                for (jj, &pj) in p[..m].iter().enumerate() {
+                    let j = s0 + jj;
+                    let kv = (j * nkv + kh) * d;
+                    let ds = pj * (dot(doi, &v[kv..kv + d]) - delta) * scale;
+                    axpy(dqi, ds, &k[kv..kv + d]);
+                    axpy(&mut dk[jj * d..(jj + 1) * d], ds, qi);
+                    axpy(&mut dv[jj * d..(jj + 1) * d], pj, doi);
+                }
+            }
+            (si, h, dq, dk, dv)
+        })
+        .collect();
+    let mut dq = vec![T::zero(); n * nh * d];
+    let mut dk = vec![T::zero(); n * nkv * d];
+    let mut dv = vec![T::zero(); n * nkv * d];
+    for (si, h, pq, pk, pv) in parts {
+        let s0 = g.starts[si];
+        let kh = h / grp;
+        for (r, ((pq, pk), pv)) in pq.chunks(d).zip(pk.chunks(d)).zip(pv.chunks(d)).enumerate() {
+            let i = s0 + r;
+            dq[(i * nh + h) * d..][..d].copy_from_slice(pq);
+            axpy(&mut dk[(i * nkv + kh) * d..][..d], T::one(), pk);
+            axpy(&mut dv[(i * nkv + kh) * d..][..d], T::one(), pv);
+        }
+    }
+    (dq, dk, dv)
+}
+
+impl CustomOp3 for AttnOp {
+    fn name(&self) -> &'static str {
+        "arbor-packed-causal-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        ql: &Layout,
+        k: &CpuStorage,
+        kl: &Layout,
+        v: &CpuStorage,
+        vl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (out, lse) = match q {
+            CpuStorage::F32(_) => {
+                let (o, l) =
+                    attn_fwd::<f32>(slice(q, ql)?, slice(k, kl)?, slice(v, vl)?, &self.geom);
+                (CpuStorage::F32(o), l)
+            }
+            CpuStorage::F64(_) => {
+                let (o, l) =
+                    attn_fwd::<f64>(slice(q, ql)?, slice(k, kl)?, slice(v, vl)?, &self.geom);
+                (CpuStorage::F64(o), l)
+            }
+            _ => candle_core::bail!("packed_causal_attention: f32 or f64 expected"),
+        };
+        *self.lse.lock().expect("lse lock") = Some(lse);
+        Ok((out, ql.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        res: &Tensor,
+        dout: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let guard = self.lse.lock().expect("lse lock");
+        let Some(lse) = guard.as_ref() else {
+            candle_core::bail!("packed_causal_attention: backward before forward")
+        };
+        fn go<T: Elem>(
+            q: &Tensor,
+            k: &Tensor,
+            v: &Tensor,
+            o: &Tensor,
+            dout: &Tensor,
+            lse: &[f64],
+            g: &Geom,
+        ) -> Result<(Tensor, Tensor, Tensor)> {
+            let (dq, dk, dv) = with2::<T, _>(q, k, |qs, ks| {
+                with2::<T, _>(v, o, |vs, os| {
+                    with2::<T, _>(dout, dout, |ds, _| Ok(attn_bwd(qs, ks, vs, os, lse, ds, g)))
+                })
+            })?;
+            Ok((
+                Tensor::from_vec(dq, q.shape(), q.device())?,
+                Tensor::from_vec(dk, k.shape(), k.device())?,
+                Tensor::from_vec(dv, v.shape(), v.device())?,
+            ))
+        }
+        let (dq, dk, dv) = match q.dtype() {
+            DType::F32 => go::<f32>(q, k, v, res, dout, lse, &self.geom)?,
+            _ => go::<f64>(q, k, v, res, dout, lse, &self.geom)?,
+        };
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+    use rand::{Rng, SeedableRng};
+
+    fn rnd(n: usize, seed: u64) -> Vec<f64> {
+        let mut r = rand::rngs::StdRng::seed_from_u64(seed);
+        (0..n).map(|_| r.random_range(-1.0..1.0)).collect()
+    }
+
+    fn t(v: &[f64], shape: &[usize]) -> Tensor {
+        Tensor::from_vec(v.to_vec(), shape, &Device::Cpu).expect("tensor")
+    }
+
+    /// `loss(inputs) = sum(f(inputs) * probe)`: the analytic gradient of
+    /// each input against central finite differences (f64, h = 1e-6).
+    fn check_fd(inputs: &[(Vec<f64>, Vec<usize>)], f: &dyn Fn(&[Tensor]) -> Result<Tensor>) {
+        let vars: Vec<Var> = inputs
+            .iter()
+            .map(|(v, s)| Var::from_tensor(&t(v, s)).expect("var"))
+            .collect();
+        let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let y = f(&ts).expect("forward");
+        let probe = t(&rnd(y.elem_count(), 99), y.dims());
+        let grads = (y * &probe)
+            .expect("mul")
+            .sum_all()
+            .expect("sum")
+            .backward()
+            .expect("backward");
+        let loss = |xs: &[Tensor]| -> f64 {
+            (f(xs).expect("forward") * &probe)
+                .and_then(|p| p.sum_all())
+                .and_then(|s| s.to_scalar::<f64>())
+                .expect("loss")
+        };
+        let h = 1e-6;
+        for (a, (x, shape)) in inputs.iter().enumerate() {
+            let g: Vec<f64> = grads
+                .get(vars[a].as_tensor())
+                .expect("gradient")
+                .flatten_all()
+                .and_then(|g| g.to_vec1())
+                .expect("grad values");
+            for i in 0..x.len() {
+                let at = |delta: f64| {
+                    let mut xs = ts.clone();
+                    let mut v = x.clone();
+                    v[i] += delta;
+                    xs[a] = t(&v, shape);
+                    loss(&xs)
+                };
+                let fd = (at(h) - at(-h)) / (2.0 * h);
+                assert!(
+                    (fd - g[i]).abs() < 1e-6 * (1.0 + fd.abs()),
+                    "input {a} element {i}: analytic {} vs finite difference {fd}",
+                    g[i]
+                );
+            }
+        }
+    }
+
+    fn close(a: &Tensor, b: &Tensor, tol: f64) {
+        let a: Vec<f64> = a
+            .flatten_all()
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let b: Vec<f64> = b
+            .flatten_all()
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(a.len(), b.len());
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!(
+                (x - y).abs() <= tol * (1.0 + y.abs()),
+                "element {i}: {x} vs {y}"
+            );
+        }
+    }
+
+    #[test]
+    fn rms_norm_matches_formula_and_finite_differences() {
+        let (x, w) = (rnd(5 * 7, 1), rnd(7, 2));
+        let y = rms_norm(&t(&x, &[5, 7]), &t(&w, &[7]), 1e-5).unwrap();
+        let mut want = Vec::new();
+        for row in x.chunks(7) {
+            let r = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / 7.0 + 1e-5).sqrt();
+            want.extend(row.iter().zip(&w).map(|(v, w)| v * r * w));
+        }
+        close(&y, &t(&want, &[5, 7]), 1e-12);
+        check_fd(&[(x, vec![5, 7]), (w, vec![7])], &|v| {
+            rms_norm(&v[0], &v[1], 1e-5)
+        });
+    }
+
+    #[test]
+    fn rope_matches_rotation_and_finite_differences() {
+        let (n, heads, d) = (4, 3, 6);
+        let x = rnd(n * heads * d, 3);
+        let ang = rnd(n * d / 2, 4);
+        let c: Vec<f64> = ang.iter().map(|a| (3.0 * a).cos()).collect();
+        let s: Vec<f64> = ang.iter().map(|a| (3.0 * a).sin()).collect();
+        let (ct, st) = (t(&c, &[n, d / 2]), t(&s, &[n, d / 2]));
+        let y: Vec<f64> = rope(&t(&x, &[n, heads, d]), &ct, &st)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        // Each pair (x_i, x_{i + d/2}) times e^{i angle}.
+        for tok in 0..n {
+            for h in 0..heads {
+                for i in 0..d / 2 {
+                    let b = (tok * heads + h) * d;
+                    let (re, im) = (x[b + i], x[b + i + d / 2]);
+                    let (cc, ss) = (c[tok * d / 2 + i], s[tok * d / 2 + i]);
+                    assert!((y[b + i] - (re * cc - im * ss)).abs() < 1e-12);
+                    assert!((y[b + i + d / 2] - (im * cc + re * ss)).abs() < 1e-12);
+                }
+            }
+        }
+        check_fd(&[(x, vec![n, heads, d])], &|v| rope(&v[0], &ct, &st));
+    }
+
+    #[test]
+    fn swiglu_matches_formula_and_finite_differences() {
+        let (g, u) = (rnd(40, 5), rnd(40, 6));
+        let y = swiglu(&t(&g, &[5, 8]), &t(&u, &[5, 8])).unwrap();
+        let want: Vec<f64> = g
+            .iter()
+            .zip(&u)
+            .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+            .collect();
+        close(&y, &t(&want, &[5, 8]), 1e-12);
+        check_fd(&[(g, vec![5, 8]), (u, vec![5, 8])], &|v| {
+            swiglu(&v[0], &v[1])
+        });
+    }
+
+    /// Brute-force float64 attention: each sequence on its own, GQA by
+    /// index, full softmax over the causal window.
+    fn attention_reference(
+        q: &[f64],
+        k: &[f64],
+        v: &[f64],
+        lens: &[usize],
+        nh: usize,
+        nkv: usize,
+        d: usize,
+    ) -> Vec<f64> {
+        let mut out = vec![0.0; q.len()];
+        let mut s0 = 0;
+        for &l in lens {
+            for i in s0..s0 + l {
+                for h in 0..nh {
+                    let kh = h / (nh / nkv);
+                    let qi = &q[(i * nh + h) * d..][..d];
+                    let sc: Vec<f64> = (s0..=i)
+                        .map(|j| {
+                            let kj = &k[(j * nkv + kh) * d..][..d];
+                            qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() / (d as f64).sqrt()
+                        })
+                        .collect();
+                    let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let z: f64 = sc.iter().map(|s| (s - m).exp()).sum();
+                    for (jj, s) in sc.iter().enumerate() {
+                        let j = s0 + jj;
+                        for e in 0..d {
+                            out[(i * nh + h) * d + e] +=
+                                (s - m).exp() / z * v[(j * nkv + kh) * d + e];
+                        }
+                    }
+                }
+            }
+            s0 += l;
+        }
+        out
+    }
+
+    #[test]
+    fn packed_attention_matches_reference_composed_and_finite_differences() {
+        let (nh, nkv, d) = (4, 2, 6);
+        let lens = [3usize, 1, 5];
+        let n: usize = lens.iter().sum();
+        let (q, k, v) = (rnd(n * nh * d, 7), rnd(n * nkv * d, 8), rnd(n * nkv * d, 9));
+        let (qt, kt, vt) = (t(&q, &[n, nh, d]), t(&k, &[n, nkv, d]), t(&v, &[n, nkv, d]));
+        let want = t(
+            &attention_reference(&q, &k, &v, &lens, nh, nkv, d),
+            &[n, nh, d],
+        );
+        let fused = packed_causal_attention(&qt, &kt, &vt, &lens).unwrap();
+        close(&fused, &want, 1e-12);
+        let geom = Geom {
+            nh,
+            nkv,
+            d,
+            starts: Arc::new(vec![0, 3, 4, 9]),
+        };
+        close(
+            &composed_attention(&qt, &kt, &vt, &geom).unwrap(),
+            &want,
+            1e-12,
+        );
+        // f32 within f32 rounding of the f64 result.
+        let f32s = |x: &Tensor| x.to_dtype(DType::F32).unwrap();
+        let y32 = packed_causal_attention(&f32s(&qt), &f32s(&kt), &f32s(&vt), &lens).unwrap();
+        close(&y32, &want, 1e-5);
+        check_fd(
+            &[
+                (q, vec![n, nh, d]),
+                (k, vec![n, nkv, d]),
+                (v, vec![n, nkv, d]),
+            ],
+            &|x| packed_causal_attention(&x[0], &x[1], &x[2], &lens),
+        );
+    }
+
+    #[test]
+    fn f32_gradients_match_f64() {
+        // The f32 kernels (f32 accumulation) against the f64 ones.
+        let (x, w) = (rnd(6 * 64, 11), rnd(64, 12));
+        let grads = |dt: DType| -> Vec<f64> {
+            let xv = Var::from_tensor(&t(&x, &[6, 64]).to_dtype(dt).unwrap()).unwrap();
+            let wv = t(&w, &[64]).to_dtype(dt).unwrap();
+            let y = rms_norm(xv.as_tensor(), &wv, 1e-6).unwrap();
+            let y = swiglu(&y, &y.sin().unwrap()).unwrap();
+            let g = y.sum_all().unwrap().backward().unwrap();
+            g.get(xv.as_tensor())
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        };
+        let (a, b) = (grads(DType::F32), grads(DType::F64));
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() < 1e-4 * (1.0 + y.abs()), "{x} vs {y}");
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_errors() {
+        let x = t(&rnd(12, 1), &[2, 6]);
+        assert!(rms_norm(&x, &t(&rnd(5, 2), &[5]), 1e-6).is_err());
+        assert!(swiglu(&x, &t(&rnd(6, 2), &[6])).is_err());
+        let q = t(&rnd(24, 3), &[2, 2, 6]);
+        assert!(packed_causal_attention(&q, &q, &q, &[1]).is_err());
+        assert!(packed_causal_attention(&q, &t(&rnd(36, 4), &[2, 3, 6]), &q, &[2]).is_err());
+    }
+}
