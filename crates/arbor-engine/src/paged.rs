@@ -13,8 +13,9 @@
 //! read through the sequence's block table. Every new token's K/V is
 //! written before any attention is computed, so a prefill chunk attends
 //! causally to itself and to its cached prefix in one pass. This is
-//! numerically the same computation as [`arbor_model::model::dense_causal_attention`]
-//! (f32 accumulation), tested against it.
+//! numerically the same computation as the training forward's
+//! [`arbor_ops::packed_causal_attention`] (f32 accumulation), tested against
+//! it.
 
 use arbor_kv::CopyOp;
 use arbor_model::model::with_cpu_f32;

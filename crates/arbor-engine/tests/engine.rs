@@ -142,8 +142,10 @@ fn bf16_matrices_fixture() -> Option<Transformer> {
 /// within an f32 ulp of a bf16 rounding boundary: the two paths' f32 sums
 /// (RMSNorm, attention) differ in order, such a value rounds to
 /// neighbouring bf16 values in each (2^-8 apart, relative), and the
-/// logprobs after it differ by up to a few 1e-3 (seen on a Zen 2: 3 of 50
-/// tokens, all in one sequence). A wrong kernel would move most of them.
+/// logprobs after it differ by up to a few 1e-3; one such flip in a prompt
+/// moves every logprob of that sequence (seen on a Xeon: 12 of 50 tokens,
+/// in two of the five sequences, all others within 5e-7). A wrong kernel
+/// would move most of them, and beyond 1e-2.
 #[test]
 fn bf16_matrices_greedy_matches_dense_recompute() {
     let Some(m) = bf16_matrices_fixture() else {
@@ -170,7 +172,7 @@ fn bf16_matrices_greedy_matches_dense_recompute() {
         }
     }
     assert!(
-        close * 10 >= all * 8,
+        close * 10 >= all * 7,
         "only {close} of {all} logprobs within 1e-4"
     );
 }

@@ -3,7 +3,8 @@
 //! The model layer of Arbor: HF configs for Qwen2 / Qwen2.5 / Qwen3 / Llama,
 //! memory-mapped safetensors loading (local or HF hub), tokenizer and chat
 //! template, and one decoder implementation that serves both the
-//! differentiable training forward ([`Transformer::forward_hidden`]) and the
+//! differentiable training forward over packed sequences
+//! ([`Transformer::forward_packed`]) and the
 //! paged generation engine (through [`AttentionBackend`]), plus the value
 //! head of the critic.
 //!
@@ -29,7 +30,7 @@ pub mod weights;
 pub use config::{Arch, ModelConfig, RopeScaling};
 pub use error::{ModelError, Result};
 pub use loaded::{parse_dtype, score, LoadOptions, LoadedModel, Scored};
-pub use model::{AttentionBackend, DenseCausal, LoraAdapter, LoraConfig, Transformer};
+pub use model::{AttentionBackend, LoraAdapter, LoraConfig, Transformer};
 pub use tokenizer::{ChatOptions, ChatTemplate, Tokenizer};
 pub use value::{ActorCritic, CriticMode, ValueHead};
 pub use weights::{Checkpoint, Init, ModelFiles, ParamLoader, ParamSource};

@@ -1,15 +1,18 @@
 //! The Qwen2 / Qwen3 / Llama decoder, written once for training and generation.
 //!
-//! Every op on the path is differentiable in candle (matmul, broadcast
-//! arithmetic, `exp`, `sqrt`, `silu`, `narrow`, `cat`, `index_select`); none
-//! of candle-nn's backward-less fused kernels (`softmax_last_dim`,
-//! `rms_norm`, `rope*`, `sdpa`) are used.
+//! The training forward ([`Transformer::forward_packed`]) runs sequences
+//! packed back to back in one token stream (no padding computed) through
+//! `arbor-ops`' fused ops with hand-written backward: RMSNorm, RoPE (after
+//! the q/k RMSNorm for Qwen3), SwiGLU and causal attention that respects the
+//! sequence boundaries without keeping a `[T, T]` matrix. None of
+//! candle-nn's backward-less fused kernels (`softmax_last_dim`, `rms_norm`,
+//! `rope*`, `sdpa`) are used.
 //!
-//! A layer is split into [`Attention::project`] (QKV projection, q/k norm,
-//! RoPE at per-token positions) and an [`AttentionBackend`] that turns the
-//! new `q, k, v` into attention output. [`DenseCausal`] is the training
-//! backend; the paged engine supplies its own backend over the KV cache and
-//! runs the very same layers, so there is one copy of the weights.
+//! For generation a layer is split into [`Attention::project`] (QKV
+//! projection, q/k norm, RoPE at per-token positions) and an
+//! [`AttentionBackend`] that turns the new `q, k, v` into attention output:
+//! the paged engine supplies its backend over the KV cache and runs the very
+//! same layers, so there is one copy of the weights.
 
 use arbor_ops::cpu::packed::PackedWeights;
 use candle_core::{DType, Device, Module, Tensor, D};
@@ -374,15 +377,6 @@ impl Module for RmsNorm {
     }
 }
 
-/// Differentiable softmax over the last dim. The max shift is detached: its
-/// gradient cancels exactly, so this is the true softmax gradient.
-pub fn softmax_last(x: &Tensor) -> candle_core::Result<Tensor> {
-    let m = x.max_keepdim(D::Minus1)?.detach();
-    let e = x.broadcast_sub(&m)?.exp()?;
-    let s = e.sum_keepdim(D::Minus1)?;
-    e.broadcast_div(&s)
-}
-
 /// SwiGLU MLP: `down(silu(gate x) * up x)`.
 #[derive(Debug, Clone)]
 pub struct Mlp {
@@ -480,49 +474,6 @@ fn with_norm<R>(norm: Option<&RmsNorm>, f: impl FnOnce(Option<(&[f32], f32)>) ->
 struct RopeRows {
     cos: Vec<f32>,
     sin: Vec<f32>,
-}
-
-/// Full causal self-attention over the given tokens only (training forward,
-/// and the reference every other backend is tested against). Right padding
-/// is harmless: padded positions come after every real token they could see.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct DenseCausal;
-
-impl AttentionBackend for DenseCausal {
-    fn attend(&mut self, _layer: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        dense_causal_attention(q, k, v)
-    }
-}
-
-/// `softmax(q k^T / sqrt(D) + causal) v` with GQA, without copying K/V per
-/// query head: the `g` query heads of each KV group are stacked along the
-/// row axis, `[B, n_kv, g*T, D] x [B, n_kv, D, T]`.
-pub fn dense_causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-    let (b, nh, t, d) = q.dims4()?;
-    let nkv = k.dim(1)?;
-    let g = nh / nkv;
-    let dt = q.dtype();
-    let q = q.contiguous()?.reshape((b, nkv, g * t, d))?;
-    let scores = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?;
-    let scores = scores.to_dtype(accum_dtype(dt))?;
-    let mask = causal_mask(g, t, scores.dtype(), q.device())?;
-    let probs = softmax_last(&scores.broadcast_add(&mask)?)?.to_dtype(dt)?;
-    let out = probs.matmul(&v.contiguous()?)?; // [B, nkv, g*T, D]
-    let out = out.reshape((b, nh, t, d))?.transpose(1, 2)?; // [B, T, nh, D]
-    Ok(out.reshape((b, t, nh * d))?)
-}
-
-/// `[g*T, T]`: row `r` is query position `r % T`; `-inf` above the diagonal.
-fn causal_mask(g: usize, t: usize, dtype: DType, dev: &Device) -> Result<Tensor> {
-    let mut m = Vec::with_capacity(g * t * t);
-    for _ in 0..g {
-        for i in 0..t {
-            for j in 0..t {
-                m.push(if j > i { f32::NEG_INFINITY } else { 0.0 });
-            }
-        }
-    }
-    Ok(Tensor::from_vec(m, (g * t, t), dev)?.to_dtype(dtype)?)
 }
 
 /// Self-attention projections of one layer.
@@ -686,6 +637,43 @@ impl DecoderLayer {
         self.mlp.forward_rows_add(&h, &x)
     }
 
+    /// The training forward of one layer over packed sequences: `x: [N, H]`,
+    /// `cos, sin: [N, D/2]` at each token's position, `seq_lens` summing to
+    /// `N`. `x + attn(norm x)`, then `+ mlp(norm ·)`, through the fused ops.
+    pub fn forward_packed(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        seq_lens: &[usize],
+    ) -> Result<Tensor> {
+        let n = x.dim(0)?;
+        let a = &self.attn;
+        let h = arbor_ops::rms_norm(x, &self.input_norm.weight, self.input_norm.eps)?;
+        let heads = |lin: &Linear, nh: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
+            let y = lin.forward(&h)?.reshape((n, nh, a.head_dim))?;
+            Ok(match norm {
+                Some(nm) => arbor_ops::rms_norm(&y, &nm.weight, nm.eps)?,
+                None => y,
+            })
+        };
+        let q = arbor_ops::rope(&heads(&a.q, a.n_heads, &a.q_norm)?, cos, sin)?;
+        let k = arbor_ops::rope(&heads(&a.k, a.n_kv_heads, &a.k_norm)?, cos, sin)?;
+        let v = heads(&a.v, a.n_kv_heads, &None)?;
+        let (k, v) = if a.kv_bf16 {
+            (round_bf16(k)?, round_bf16(v)?)
+        } else {
+            (k, v)
+        };
+        let att = arbor_ops::packed_causal_attention(&q, &k, &v, seq_lens)?
+            .reshape((n, a.n_heads * a.head_dim))?;
+        let x = (x + a.o.forward(&att)?)?;
+        let h = arbor_ops::rms_norm(&x, &self.post_norm.weight, self.post_norm.eps)?;
+        let m = &self.mlp;
+        let g = arbor_ops::swiglu(&m.gate.forward(&h)?, &m.up.forward(&h)?)?;
+        Ok((&x + m.down.forward(&g)?)?)
+    }
+
     /// `x + attn(norm x)`, then `+ mlp(norm ·)`.
     pub fn forward(
         &self,
@@ -816,12 +804,36 @@ impl Transformer {
         Ok(self.norm.forward(&x)?)
     }
 
-    /// Training forward: every position of `ids: [B, T]` from position 0,
-    /// dense causal attention, differentiable. Returns `[B, T, H]`.
+    /// Training forward of `B` rows of `T` tokens, `ids: [B, T]`, each row a
+    /// sequence from position 0: [`Transformer::forward_packed`] over the
+    /// rows. Returns `[B, T, H]`.
     pub fn forward_hidden(&self, ids: &Tensor) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
-        let positions: Vec<u32> = (0..b).flat_map(|_| 0..t as u32).collect();
-        self.forward_with(ids, &positions, &mut DenseCausal)
+        let h = self.forward_packed(&ids.flatten_all()?, &vec![t; b])?;
+        Ok(h.reshape((b, t, self.cfg.hidden_size))?)
+    }
+
+    /// Training forward over sequences packed back to back: `ids: [N]`
+    /// (u32), `seq_lens` summing to `N`; each sequence starts at position 0
+    /// and attends only to itself. Returns the final hidden states (after
+    /// the final norm), `[N, H]`, differentiable in every parameter. No
+    /// padding is computed and no `[T, T]` attention matrix is kept.
+    pub fn forward_packed(&self, ids: &Tensor, seq_lens: &[usize]) -> Result<Tensor> {
+        let n = ids.dims1()?;
+        if seq_lens.iter().sum::<usize>() != n || seq_lens.contains(&0) {
+            return Err(ModelError::Input(format!(
+                "sequence lengths {seq_lens:?} must be >= 1 and sum to the {n} tokens"
+            )));
+        }
+        let positions: Vec<u32> = seq_lens.iter().flat_map(|&l| 0..l as u32).collect();
+        let (cos, sin) = self.rope.cos_sin(&positions, self.dtype(), self.device())?;
+        let mut x = self
+            .embed_tokens(&ids.reshape((1, n))?)?
+            .reshape((n, self.cfg.hidden_size))?;
+        for layer in &self.layers {
+            x = layer.forward_packed(&x, &cos, &sin, seq_lens)?;
+        }
+        Ok(arbor_ops::rms_norm(&x, &self.norm.weight, self.norm.eps)?)
     }
 
     /// Every parameter under its HF name (the tied lm_head is not repeated).

@@ -8,7 +8,7 @@
 //! rest in its backward.
 //!
 //! - [`rms_norm`]: `y = w * x r`, `r = 1 / sqrt(mean(x^2) + eps)` over the
-//!   last dim. Backward with `g = dy * w`: `dx = r g - x r^3 mean(g x)`,
+//!   last dim (f32: the generation forward's kernel, bit for bit). Backward with `g = dy * w`: `dx = r g - x r^3 mean(g x)`,
 //!   `dw = sum_rows dy x r`.
 //! - [`rope`]: `x = [x1 | x2]` (halves of the head dim) to
 //!   `[x1 c - x2 s | x2 c + x1 s]`, per token `(c, s)` rows; the backward is
@@ -142,9 +142,9 @@ fn rms_fwd<T: Elem>(x: &[T], w: &[T], eps: f64) -> Vec<T> {
         .zip(x.par_chunks(d * ROWS_PER_TASK))
         .for_each(|(y, x)| {
             for (y, x) in y.chunks_mut(d).zip(x.chunks(d)) {
-                let r = inv_rms(x, eps);
+                let r = T::one() / inv_rms(x, eps);
                 for i in 0..d {
-                    y[i] = x[i] * r * w[i];
+                    y[i] = (x[i] / r) * w[i];
                 }
             }
         });
@@ -200,7 +200,12 @@ impl CustomOp2 for RmsNormOp {
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let out = match x {
-            CpuStorage::F32(_) => CpuStorage::F32(rms_fwd(slice(x, xl)?, slice(w, wl)?, self.eps)),
+            // The generation forward's kernel: the same bits as the engine.
+            CpuStorage::F32(_) => CpuStorage::F32(crate::cpu::rows::rms_norm_rows(
+                slice(x, xl)?,
+                slice(w, wl)?,
+                self.eps as f32,
+            )),
             CpuStorage::F64(_) => CpuStorage::F64(rms_fwd(slice(x, xl)?, slice(w, wl)?, self.eps)),
             _ => candle_core::bail!("rms_norm: f32 or f64 expected"),
         };
