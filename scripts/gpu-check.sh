@@ -9,9 +9,11 @@
 #       finds the CUDA libraries there (pip's nvidia-* packages of the
 #       machine's Python, or a CUDA toolkit, or the driver's folder), runs
 #       `arbor check-device`, then a few RL steps of `arbor train
-#       configs/gpu-smoke.toml` on the GPU, and writes everything under $OUT (default
-#       ./gpu-check-out): check-device.json/.txt, gpu-smoke.txt and the run
-#       directory gpu-smoke/, nvidia-smi.txt.
+#       configs/gpu-smoke.toml` on the GPU, then the learner step against
+#       PyTorch (scripts/bench_hf_train.py), and writes everything under
+#       $OUT (default ./gpu-check-out): check-device.json/.txt,
+#       gpu-smoke.txt and the run directory gpu-smoke/, bench-train.jsonl,
+#       nvidia-smi.txt.
 #
 # With no argument: `run` where nvidia-smi sees a GPU, else `build`.
 # dist/ is git-ignored: copy it to the GPU machine along with the working
@@ -91,6 +93,23 @@ run)
   rc_train=$?
   echo "gpu-check: arbor train configs/gpu-smoke.toml exit $rc_train (log: $OUT/gpu-smoke.txt)"
   tail -12 "$OUT/gpu-smoke.txt"
+  # The learner step (forward, backward, AdamW) against PyTorch eager, HF
+  # model + torch AdamW, Qwen3-0.6B shape, 8 x 1,024 tokens: arbor (f32),
+  # then torch in f32 and in bf16. One JSON line per engine.
+  peer=""
+  for py in /opt/torch/.venv/bin/python3 python3; do
+    if command -v "$py" >/dev/null 2>&1 && "$py" -c 'import torch, transformers' 2>/dev/null; then peer="$py"; break; fi
+  done
+  if [ -n "$peer" ]; then
+    timeout 150 "$peer" scripts/bench_hf_train.py --device cuda --preset qwen3-0.6b --batch 8 --seq 1024 \
+      --dtype f32 --peak-tflops 989 --arbor "$bin" --json > "$OUT/bench-train.jsonl" 2> "$OUT/bench-train.err"
+    timeout 90 "$peer" scripts/bench_hf_train.py --device cuda --preset qwen3-0.6b --batch 8 --seq 1024 \
+      --dtype bf16 --peak-tflops 989 --arbor '' --json >> "$OUT/bench-train.jsonl" 2>> "$OUT/bench-train.err"
+    echo "gpu-check: learner step vs PyTorch (bench-train.jsonl):"
+    cat "$OUT/bench-train.jsonl"
+  else
+    echo "gpu-check: no python with torch and transformers; learner-step peer skipped"
+  fi
   set -e
   [ "$rc" = 0 ] && rc=$rc_train
   echo "gpu-check: exit $rc; results in $OUT" >&2

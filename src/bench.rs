@@ -20,6 +20,9 @@ pub enum BenchCommand {
     /// Training forward and forward+backward of the policy (+ shared value
     /// head) through the chunked logprob path: tokens/s and peak memory.
     Model(ModelBenchArgs),
+    /// One learner update (forward, backward, AdamW) on a batch of rollouts
+    /// of a given shape: tokens/s, peak memory, time per phase.
+    Train(crate::bench_train::TrainBenchArgs),
     /// Generation throughput of the paged engine: a batch of prompts, greedy,
     /// a fixed number of new tokens each.
     Generate(GenBenchArgs),
@@ -62,7 +65,7 @@ pub struct BenchModel {
 }
 
 /// The device a benchmark's `--device` names.
-fn bench_device(name: &str) -> Result<Device> {
+pub(crate) fn bench_device(name: &str) -> Result<Device> {
     match name {
         "cpu" => Ok(Device::Cpu),
         d if d.starts_with("cuda") => {
@@ -163,7 +166,7 @@ fn load_for_bench(m: &BenchModel) -> Result<(arbor_model::Transformer, String)> 
     }
 }
 
-fn preset_config(preset: &str) -> Result<ModelConfig> {
+pub(crate) fn preset_config(preset: &str) -> Result<ModelConfig> {
     Ok(match preset {
         "smollm2-135m" => ModelConfig::smollm2_135m(),
         "qwen3-0.6b" => ModelConfig::qwen3_0_6b(),
@@ -423,6 +426,7 @@ struct ModelBenchResult {
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Model(a) => model_bench(a),
+        BenchCommand::Train(a) => crate::bench_train::run(a),
         BenchCommand::Generate(a) => generate_bench(a),
         BenchCommand::Fork(a) => fork_bench(a),
         BenchCommand::Audit(a) => crate::bench_audit::run(a),
@@ -432,7 +436,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
 }
 
 /// Resident-set figures from /proc/self/status (MiB): (current, peak).
-fn rss_mib() -> (f64, f64) {
+pub(crate) fn rss_mib() -> (f64, f64) {
     let Ok(s) = std::fs::read_to_string("/proc/self/status") else {
         return (f64::NAN, f64::NAN);
     };

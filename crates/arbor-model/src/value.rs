@@ -102,6 +102,25 @@ impl ActorCritic {
         Ok((h, values))
     }
 
+    /// Policy hidden states `[N, H]` and values `[N]` for sequences packed
+    /// back to back (`ids: [N]`, `seq_lens` summing to `N`).
+    pub fn forward_packed(&self, ids: &Tensor, seq_lens: &[usize]) -> Result<(Tensor, Tensor)> {
+        let h = self.policy.forward_packed(ids, seq_lens)?;
+        let values = match &self.critic_backbone {
+            None => self.value_head.forward(&h)?,
+            Some(c) => self.value_head.forward(&c.forward_packed(ids, seq_lens)?)?,
+        };
+        Ok((h, values))
+    }
+
+    /// Values `[N]` only, for packed sequences: with a separate backbone
+    /// the policy is not run.
+    pub fn values_packed(&self, ids: &Tensor, seq_lens: &[usize]) -> Result<Tensor> {
+        let backbone = self.critic_backbone.as_ref().unwrap_or(&self.policy);
+        self.value_head
+            .forward(&backbone.forward_packed(ids, seq_lens)?)
+    }
+
     /// Values `[B, T]` only: with a separate backbone the policy is not run.
     pub fn values(&self, ids: &Tensor) -> Result<Tensor> {
         let backbone = self.critic_backbone.as_ref().unwrap_or(&self.policy);

@@ -27,7 +27,8 @@
 //!   tensor exists in either pass.
 //!
 //! CPU, f32 (f32 accumulation) or f64: these kernels, parallel over rows
-//! (rayon). Other devices and dtypes: the same functions compose candle ops,
+//! (rayon), with every sum in a fixed order: the same bits on every run and
+//! at any thread count. Other devices and dtypes: the same functions compose candle ops,
 //! which carry candle's own backward.
 
 use std::sync::{Arc, Mutex};
@@ -35,13 +36,95 @@ use std::sync::{Arc, Mutex};
 use candle_core::{
     CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType, D,
 };
+use multiversion::multiversion;
 use num_traits::Float;
 use rayon::prelude::*;
 
 /// Element types of the CPU kernels.
-trait Elem: Float + WithDType + Send + Sync + std::iter::Sum {}
-impl Elem for f32 {}
-impl Elem for f64 {}
+trait Elem: Float + WithDType + Send + Sync + std::iter::Sum {
+    /// `exp(x)`: for f32 a polynomial that vectorises ([`exp_f32`]); f64
+    /// (the reference) the library's.
+    fn fast_exp(self) -> Self;
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    fn fast_exp(self) -> f32 {
+        exp_f32(self)
+    }
+}
+
+impl Elem for f64 {
+    #[inline(always)]
+    fn fast_exp(self) -> f64 {
+        self.exp()
+    }
+}
+
+/// `exp(x)` in f32 by arithmetic only, so loops over it vectorise:
+/// `x = n ln 2 + r`, `|r| <= ln 2 / 2` (`ln 2` split in two for an exact
+/// `r`), a degree-7 Taylor polynomial in `r` scaled by `2^n` through the
+/// exponent bits. `x` is clamped to `[-87.3, 88.7]` (below: about 1e-38,
+/// not a subnormal); relative error below 3e-7 (the engine's attention
+/// uses the same polynomial).
+#[inline(always)]
+fn exp_f32(x: f32) -> f32 {
+    const POLY: [f32; 8] = [
+        1.0 / 5040.0,
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        0.5,
+        1.0,
+        1.0,
+    ];
+    let x = x.max(-87.3).min(88.7);
+    let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
+    let r = x - n * 0.693_145_75;
+    let r = r - n * 1.428_606_8e-6;
+    let mut p = POLY[0];
+    for c in &POLY[1..] {
+        p = p * r + c;
+    }
+    // SAFETY: `x` is clamped, so `n + 127` is in [1, 255], finite, an i32
+    // (NaN `x` would not be: `max`/`min` map it to the bounds).
+    #[allow(unsafe_code)]
+    let e = unsafe { (n + 127.0).to_int_unchecked::<i32>() };
+    p * f32::from_bits((e as u32) << 23)
+}
+
+/// `max_i x_i` with sixteen running maxima (vectorises; exact).
+#[inline(always)]
+fn max_lanes<T: Elem>(x: &[T]) -> T {
+    let mut acc = [T::neg_infinity(); 16];
+    let c = x.chunks_exact(16);
+    let rest = c.remainder();
+    for x in c {
+        for l in 0..16 {
+            acc[l] = if x[l] > acc[l] { x[l] } else { acc[l] };
+        }
+    }
+    let mut m = T::neg_infinity();
+    for &v in acc.iter().chain(rest) {
+        m = if v > m { v } else { m };
+    }
+    m
+}
+
+/// `sum_i x_i` with sixteen partial sums (vectorises; fixed order).
+#[inline(always)]
+fn sum_lanes<T: Elem>(x: &[T]) -> T {
+    let mut acc = [T::zero(); 16];
+    let c = x.chunks_exact(16);
+    let rest = c.remainder();
+    for x in c {
+        for l in 0..16 {
+            acc[l] = acc[l] + x[l];
+        }
+    }
+    acc.iter().chain(rest).fold(T::zero(), |a, &b| a + b)
+}
 
 /// Reductions of the composed paths: f64 stays f64, the rest is f32.
 fn accum_dtype(dt: DType) -> DType {
@@ -79,7 +162,7 @@ fn with2<T: Elem, R>(a: &Tensor, b: &Tensor, f: impl FnOnce(&[T], &[T]) -> Resul
 }
 
 /// `sum_i a_i b_i` with eight partial sums (vectorises).
-#[inline]
+#[inline(always)]
 fn dot<T: Elem>(a: &[T], b: &[T]) -> T {
     let mut acc = [T::zero(); 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -97,7 +180,7 @@ fn dot<T: Elem>(a: &[T], b: &[T]) -> T {
 }
 
 /// `y += a x`.
-#[inline]
+#[inline(always)]
 fn axpy<T: Elem>(y: &mut [T], a: T, x: &[T]) {
     for (y, x) in y.iter_mut().zip(x) {
         *y = *y + a * *x;
@@ -157,7 +240,7 @@ fn rms_bwd<T: Elem>(x: &[T], w: &[T], dy: &[T], eps: f64) -> (Vec<T>, Vec<T>) {
     let eps = T::from(eps).expect("eps fits a float");
     let inv_d = T::one() / T::from(d).expect("length fits a float");
     let mut dx = vec![T::zero(); x.len()];
-    let dw = dx
+    let partial = dx
         .par_chunks_mut(d * ROWS_PER_TASK)
         .zip(x.par_chunks(d * ROWS_PER_TASK))
         .zip(dy.par_chunks(d * ROWS_PER_TASK))
@@ -177,13 +260,13 @@ fn rms_bwd<T: Elem>(x: &[T], w: &[T], dy: &[T], eps: f64) -> (Vec<T>, Vec<T>) {
             }
             dw
         })
-        .reduce(
-            || vec![T::zero(); d],
-            |mut a, b| {
-                axpy(&mut a, T::one(), &b);
-                a
-            },
-        );
+        .collect::<Vec<_>>();
+    // Summed in chunk order (fixed chunks): the same bits on every run and
+    // at any thread count.
+    let mut dw = vec![T::zero(); d];
+    for p in &partial {
+        axpy(&mut dw, T::one(), p);
+    }
     (dx, dw)
 }
 
@@ -368,8 +451,9 @@ struct SwigluOp;
 
 const ELEMS_PER_TASK: usize = 1 << 14;
 
+#[inline(always)]
 fn sigmoid<T: Elem>(x: T) -> T {
-    T::one() / (T::one() + (-x).exp())
+    T::one() / (T::one() + (-x).fast_exp())
 }
 
 fn swiglu_fwd<T: Elem>(g: &[T], u: &[T]) -> Vec<T> {
@@ -379,12 +463,24 @@ fn swiglu_fwd<T: Elem>(g: &[T], u: &[T]) -> Vec<T> {
             g.par_chunks(ELEMS_PER_TASK)
                 .zip(u.par_chunks(ELEMS_PER_TASK)),
         )
-        .for_each(|(y, (g, u))| {
-            for i in 0..y.len() {
-                y[i] = g[i] * sigmoid(g[i]) * u[i];
-            }
-        });
+        .for_each(|(y, (g, u))| swiglu_fwd_chunk(g, u, y));
     y
+}
+
+#[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma"))]
+fn swiglu_fwd_chunk<T: Elem>(g: &[T], u: &[T], y: &mut [T]) {
+    for i in 0..y.len() {
+        y[i] = g[i] * sigmoid(g[i]) * u[i];
+    }
+}
+
+#[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma"))]
+fn swiglu_bwd_chunk<T: Elem>(g: &[T], u: &[T], dy: &[T], dg: &mut [T], du: &mut [T]) {
+    for i in 0..dg.len() {
+        let s = sigmoid(g[i]);
+        du[i] = dy[i] * g[i] * s;
+        dg[i] = dy[i] * u[i] * s * (T::one() + g[i] * (T::one() - s));
+    }
 }
 
 fn swiglu_bwd<T: Elem>(g: &[T], u: &[T], dy: &[T]) -> (Vec<T>, Vec<T>) {
@@ -397,13 +493,7 @@ fn swiglu_bwd<T: Elem>(g: &[T], u: &[T], dy: &[T]) -> (Vec<T>, Vec<T>) {
                 .zip(u.par_chunks(ELEMS_PER_TASK)),
         )
         .zip(dy.par_chunks(ELEMS_PER_TASK))
-        .for_each(|(((dg, du), (g, u)), dy)| {
-            for i in 0..dg.len() {
-                let s = sigmoid(g[i]);
-                du[i] = dy[i] * g[i] * s;
-                dg[i] = dy[i] * u[i] * s * (T::one() + g[i] * (T::one() - s));
-            }
-        });
+        .for_each(|(((dg, du), (g, u)), dy)| swiglu_bwd_chunk(g, u, dy, dg, du));
     (dg, du)
 }
 
@@ -564,50 +654,177 @@ struct AttnOp {
     lse: Mutex<Option<Vec<f64>>>,
 }
 
-/// Forward: `(out [N, nh, D], lse [N, nh])`.
-fn attn_fwd<T: Elem>(q: &[T], k: &[T], v: &[T], g: &Geom) -> (Vec<T>, Vec<f64>) {
-    let (nh, nkv, d, grp) = (g.nh, g.nkv, g.d, g.group());
-    let n = q.len() / (nh * d);
-    let scale = T::one() / T::from(d).expect("head dim fits a float").sqrt();
-    let mut seq_start = vec![0usize; n];
-    for w in g.starts.windows(2) {
-        seq_start[w[0]..w[1]].fill(w[0]);
+/// One (sequence, query head) pair's keys and values, gathered contiguous:
+/// `k [L, D]`, `kt [D, L]` and `v [L, D]` (and `vt [D, L]` for the
+/// backward), so the inner loops run along contiguous rows.
+struct HeadKv<T> {
+    k: Vec<T>,
+    kt: Vec<T>,
+    v: Vec<T>,
+    vt: Vec<T>,
+}
+
+#[inline(always)]
+fn gather_head<T: Elem>(
+    k: &[T],
+    v: &[T],
+    g: &Geom,
+    s0: usize,
+    l: usize,
+    kh: usize,
+    vt: bool,
+) -> HeadKv<T> {
+    let (nkv, d) = (g.nkv, g.d);
+    let mut h = HeadKv {
+        k: vec![T::zero(); l * d],
+        kt: vec![T::zero(); l * d],
+        v: vec![T::zero(); l * d],
+        vt: if vt {
+            vec![T::zero(); l * d]
+        } else {
+            Vec::new()
+        },
+    };
+    for j in 0..l {
+        let src = ((s0 + j) * nkv + kh) * d;
+        h.k[j * d..(j + 1) * d].copy_from_slice(&k[src..src + d]);
+        h.v[j * d..(j + 1) * d].copy_from_slice(&v[src..src + d]);
+        for e in 0..d {
+            h.kt[e * l + j] = k[src + e];
+            if vt {
+                h.vt[e * l + j] = v[src + e];
+            }
+        }
     }
+    h
+}
+
+/// `s[j] = sum_e x[e] mt[e][j]` for `j < m` (`mt: [D, l]`), along `j`.
+#[inline(always)]
+fn row_times<T: Elem>(x: &[T], mt: &[T], l: usize, m: usize, s: &mut [T]) {
+    s[..m].fill(T::zero());
+    for (e, &xe) in x.iter().enumerate() {
+        axpy(&mut s[..m], xe, &mt[e * l..e * l + m]);
+    }
+}
+
+/// One (sequence, query head) of the forward: rows `o [L, D]` and `lse [L]`.
+#[inline(always)]
+fn attn_head_fwd<T: Elem>(
+    q: &[T],
+    hk: &HeadKv<T>,
+    g: &Geom,
+    s0: usize,
+    l: usize,
+    h: usize,
+) -> (Vec<T>, Vec<f64>) {
+    let (nh, d) = (g.nh, g.d);
+    let scale = T::one() / T::from(d).expect("head dim fits a float").sqrt();
+    let mut o = vec![T::zero(); l * d];
+    let mut lse = vec![0f64; l];
+    let mut p = vec![T::zero(); l];
+    for i in 0..l {
+        let m = i + 1;
+        let qi = &q[((s0 + i) * nh + h) * d..][..d];
+        row_times(qi, &hk.kt, l, m, &mut p);
+        for pj in &mut p[..m] {
+            *pj = *pj * scale;
+        }
+        let mx = max_lanes(&p[..m]);
+        for pj in &mut p[..m] {
+            *pj = (*pj - mx).fast_exp();
+        }
+        let sum = sum_lanes(&p[..m]);
+        let inv = T::one() / sum;
+        let oi = &mut o[i * d..(i + 1) * d];
+        for (j, &pj) in p[..m].iter().enumerate() {
+            axpy(oi, pj * inv, &hk.v[j * d..(j + 1) * d]);
+        }
+        lse[i] = WithDType::to_f64(mx + sum.ln());
+    }
+    (o, lse)
+}
+
+/// One (sequence, query head) of the backward: `dq [L, D]` and this
+/// head's contributions to `dk, dv [L, D]`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn attn_head_bwd<T: Elem>(
+    q: &[T],
+    o: &[T],
+    dout: &[T],
+    lse: &[f64],
+    hk: &HeadKv<T>,
+    g: &Geom,
+    s0: usize,
+    l: usize,
+    h: usize,
+) -> (Vec<T>, Vec<T>, Vec<T>) {
+    let (nh, d) = (g.nh, g.d);
+    let scale = T::one() / T::from(d).expect("head dim fits a float").sqrt();
+    let (mut dq, mut dk, mut dv) = (
+        vec![T::zero(); l * d],
+        vec![T::zero(); l * d],
+        vec![T::zero(); l * d],
+    );
+    let mut p = vec![T::zero(); l];
+    let mut dp = vec![T::zero(); l];
+    for i in 0..l {
+        let m = i + 1;
+        let row = ((s0 + i) * nh + h) * d;
+        let (qi, oi, doi) = (&q[row..row + d], &o[row..row + d], &dout[row..row + d]);
+        let delta = dot(doi, oi);
+        let li = T::from(lse[(s0 + i) * nh + h]).expect("finite");
+        row_times(qi, &hk.kt, l, m, &mut p);
+        row_times(doi, &hk.vt, l, m, &mut dp);
+        // p_j, then dS_j (into dp).
+        for (pj, dpj) in p[..m].iter_mut().zip(&mut dp[..m]) {
+            *pj = (*pj * scale - li).fast_exp();
+            *dpj = *pj * (*dpj - delta) * scale;
+        }
+        let dqi = &mut dq[i * d..(i + 1) * d];
+        for j in 0..m {
+            let (pj, ds) = (p[j], dp[j]);
+            axpy(dqi, ds, &hk.k[j * d..(j + 1) * d]);
+            axpy(&mut dk[j * d..(j + 1) * d], ds, qi);
+            axpy(&mut dv[j * d..(j + 1) * d], pj, doi);
+        }
+    }
+    (dq, dk, dv)
+}
+
+/// Forward: `(out [N, nh, D], lse [N, nh])`, one task per (sequence, head).
+fn attn_fwd<T: HeadKernels>(q: &[T], k: &[T], v: &[T], g: &Geom) -> (Vec<T>, Vec<f64>) {
+    let (nh, d) = (g.nh, g.d);
+    let n = q.len() / (nh * d);
+    let seqs = g.starts.len() - 1;
+    let parts: Vec<(Vec<T>, Vec<f64>)> = (0..seqs * nh)
+        .into_par_iter()
+        .map(|task| {
+            let (si, h) = (task / nh, task % nh);
+            let (s0, l) = (g.starts[si], g.starts[si + 1] - g.starts[si]);
+            T::head_fwd(q, k, v, g, s0, l, h)
+        })
+        .collect();
     let mut out = vec![T::zero(); n * nh * d];
     let mut lse = vec![0f64; n * nh];
-    out.par_chunks_mut(nh * d)
-        .zip(lse.par_chunks_mut(nh))
-        .enumerate()
-        .for_each(|(i, (o, lse))| {
-            let s0 = seq_start[i];
-            let mut p = vec![T::zero(); i + 1 - s0];
-            for h in 0..nh {
-                let kh = h / grp;
-                let qi = &q[(i * nh + h) * d..][..d];
-                let mut m = T::neg_infinity();
-                for (j, pj) in (s0..=i).zip(p.iter_mut()) {
-                    *pj = dot(qi, &k[(j * nkv + kh) * d..][..d]) * scale;
-                    m = Float::max(m, *pj);
-                }
-                let mut sum = T::zero();
-                for pj in p.iter_mut() {
-                    *pj = (*pj - m).exp();
-                    sum = sum + *pj;
-                }
-                let oh = &mut o[h * d..(h + 1) * d];
-                let inv = T::one() / sum;
-                for (j, &pj) in (s0..=i).zip(p.iter()) {
-                    axpy(oh, pj * inv, &v[(j * nkv + kh) * d..][..d]);
-                }
-                lse[h] = WithDType::to_f64(m + sum.ln());
-            }
-        });
+    for (task, (o, ls)) in parts.into_iter().enumerate() {
+        let (si, h) = (task / nh, task % nh);
+        let s0 = g.starts[si];
+        for (i, (orow, l)) in o.chunks(d).zip(ls).enumerate() {
+            out[((s0 + i) * nh + h) * d..][..d].copy_from_slice(orow);
+            lse[(s0 + i) * nh + h] = l;
+        }
+    }
     (out, lse)
 }
 
-/// Backward: `(dq, dk, dv)` from the inputs, output, `lse` and `dO`.
+/// Backward: `(dq, dk, dv)` from the inputs, output, `lse` and `dO`, one
+/// task per (sequence, query head); the heads' `dk, dv` are summed over
+/// each group in head order afterwards (fixed order: the same bits on every
+/// run).
 #[allow(clippy::too_many_arguments)]
-fn attn_bwd<T: Elem>(
+fn attn_bwd<T: Elem + HeadKernels>(
     q: &[T],
     k: &[T],
     v: &[T],
@@ -618,49 +835,20 @@ fn attn_bwd<T: Elem>(
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
     let (nh, nkv, d, grp) = (g.nh, g.nkv, g.d, g.group());
     let n = q.len() / (nh * d);
-    let scale = T::one() / T::from(d).expect("head dim fits a float").sqrt();
     let seqs = g.starts.len() - 1;
-    // One task per (sequence, query head): its dq rows are its own, its
-    // dk/dv contributions are summed over the group afterwards.
-    let parts: Vec<(usize, usize, Vec<T>, Vec<T>, Vec<T>)> = (0..seqs * nh)
+    let parts: Vec<(Vec<T>, Vec<T>, Vec<T>)> = (0..seqs * nh)
         .into_par_iter()
         .map(|task| {
             let (si, h) = (task / nh, task % nh);
-            let (s0, s1) = (g.starts[si], g.starts[si + 1]);
-            let l = s1 - s0;
-            let kh = h / grp;
-            let (mut dq, mut dk, mut dv) = (
-                vec![T::zero(); l * d],
-                vec![T::zero(); l * d],
-                vec![T::zero(); l * d],
-            );
-            let mut p = vec![T::zero(); l];
-            for i in s0..s1 {
-                let row = (i * nh + h) * d;
-                let (qi, oi, doi) = (&q[row..row + d], &o[row..row + d], &dout[row..row + d]);
-                let delta = dot(doi, oi);
-                let li = T::from(lse[i * nh + h]).expect("finite");
-                let m = i + 1 - s0;
-                for (j, pj) in (s0..=i).zip(p.iter_mut()) {
-                    *pj = (dot(qi, &k[(j * nkv + kh) * d..][..d]) * scale - li).exp();
-                }
-                let dqi = &mut dq[(i - s0) * d..(i - s0 + 1) * d];
-                for (jj, &pj) in p[..m].iter().enumerate() {
-                    let j = s0 + jj;
-                    let kv = (j * nkv + kh) * d;
-                    let ds = pj * (dot(doi, &v[kv..kv + d]) - delta) * scale;
-                    axpy(dqi, ds, &k[kv..kv + d]);
-                    axpy(&mut dk[jj * d..(jj + 1) * d], ds, qi);
-                    axpy(&mut dv[jj * d..(jj + 1) * d], pj, doi);
-                }
-            }
-            (si, h, dq, dk, dv)
+            let (s0, l) = (g.starts[si], g.starts[si + 1] - g.starts[si]);
+            T::head_bwd(q, k, v, o, dout, lse, g, s0, l, h)
         })
         .collect();
     let mut dq = vec![T::zero(); n * nh * d];
     let mut dk = vec![T::zero(); n * nkv * d];
     let mut dv = vec![T::zero(); n * nkv * d];
-    for (si, h, pq, pk, pv) in parts {
+    for (task, (pq, pk, pv)) in parts.into_iter().enumerate() {
+        let (si, h) = (task / nh, task % nh);
         let s0 = g.starts[si];
         let kh = h / grp;
         for (r, ((pq, pk), pv)) in pq.chunks(d).zip(pk.chunks(d)).zip(pv.chunks(d)).enumerate() {
@@ -672,6 +860,100 @@ fn attn_bwd<T: Elem>(
     }
     (dq, dk, dv)
 }
+
+/// The per-head kernels compiled for several x86 feature levels
+/// (`multiversion`: AVX-512, AVX2 + FMA, baseline), picked at run time.
+trait HeadKernels: Elem {
+    fn head_fwd(
+        q: &[Self],
+        k: &[Self],
+        v: &[Self],
+        g: &Geom,
+        s0: usize,
+        l: usize,
+        h: usize,
+    ) -> (Vec<Self>, Vec<f64>);
+    #[allow(clippy::too_many_arguments)]
+    fn head_bwd(
+        q: &[Self],
+        k: &[Self],
+        v: &[Self],
+        o: &[Self],
+        dout: &[Self],
+        lse: &[f64],
+        g: &Geom,
+        s0: usize,
+        l: usize,
+        h: usize,
+    ) -> (Vec<Self>, Vec<Self>, Vec<Self>);
+}
+
+macro_rules! head_kernels {
+    ($t:ty, $fwd:ident, $bwd:ident) => {
+        #[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma"))]
+        fn $fwd(
+            q: &[$t],
+            k: &[$t],
+            v: &[$t],
+            g: &Geom,
+            s0: usize,
+            l: usize,
+            h: usize,
+        ) -> (Vec<$t>, Vec<f64>) {
+            let hk = gather_head(k, v, g, s0, l, h / g.group(), false);
+            attn_head_fwd(q, &hk, g, s0, l, h)
+        }
+
+        #[allow(clippy::too_many_arguments)]
+        #[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma"))]
+        fn $bwd(
+            q: &[$t],
+            k: &[$t],
+            v: &[$t],
+            o: &[$t],
+            dout: &[$t],
+            lse: &[f64],
+            g: &Geom,
+            s0: usize,
+            l: usize,
+            h: usize,
+        ) -> (Vec<$t>, Vec<$t>, Vec<$t>) {
+            let hk = gather_head(k, v, g, s0, l, h / g.group(), true);
+            attn_head_bwd(q, o, dout, lse, &hk, g, s0, l, h)
+        }
+
+        impl HeadKernels for $t {
+            fn head_fwd(
+                q: &[$t],
+                k: &[$t],
+                v: &[$t],
+                g: &Geom,
+                s0: usize,
+                l: usize,
+                h: usize,
+            ) -> (Vec<$t>, Vec<f64>) {
+                $fwd(q, k, v, g, s0, l, h)
+            }
+            fn head_bwd(
+                q: &[$t],
+                k: &[$t],
+                v: &[$t],
+                o: &[$t],
+                dout: &[$t],
+                lse: &[f64],
+                g: &Geom,
+                s0: usize,
+                l: usize,
+                h: usize,
+            ) -> (Vec<$t>, Vec<$t>, Vec<$t>) {
+                $bwd(q, k, v, o, dout, lse, g, s0, l, h)
+            }
+        }
+    };
+}
+
+head_kernels!(f32, head_fwd_f32, head_bwd_f32);
+head_kernels!(f64, head_fwd_f64, head_bwd_f64);
 
 impl CustomOp3 for AttnOp {
     fn name(&self) -> &'static str {
@@ -716,7 +998,7 @@ impl CustomOp3 for AttnOp {
         let Some(lse) = guard.as_ref() else {
             candle_core::bail!("packed_causal_attention: backward before forward")
         };
-        fn go<T: Elem>(
+        fn go<T: HeadKernels>(
             q: &Tensor,
             k: &Tensor,
             v: &Tensor,

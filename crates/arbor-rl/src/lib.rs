@@ -14,8 +14,8 @@
 //!   "why 50%" functions);
 //! - [`baselines`]: PPO+GAE, GRPO, RLOO, DAPO dynamic sampling and VinePPO
 //!   behind one advantage interface;
-//! - [`ppo`]: the PPO loss pieces with analytic gradients (the CPU reference
-//!   of the CUDA kernels);
+//! - [`ppo`]: the policy-loss settings and the aggregation weights that
+//!   turn per-token losses (the `arbor-ops` kernels) into one batch loss;
 //! - [`audit`]: the synthetic audit-tree diagnostic of `arbor bench audit`;
 //! - [`sim`]: a simulated Prefix Sampling run.
 //!

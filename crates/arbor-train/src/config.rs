@@ -405,12 +405,8 @@ impl TrainConfig {
                 "GRPO, PS and VinePPO train no critic; use `shared`",
             );
         }
-        if self.learner.policy.aggregation != arbor_rl::ppo::Aggregation::TokenMean {
-            return bad(
-                "learner.policy.aggregation",
-                "the learner averages over the step's trained tokens: only `token_mean` is \
-                 implemented",
-            );
+        if let Err(e) = self.learner.policy.validate() {
+            return bad("learner.policy", &e.to_string());
         }
         if let Err(e) = self.ps.controller.validate() {
             return bad("ps.controller", &e.to_string());
@@ -580,8 +576,8 @@ mod tests {
             ("[focus]\nworker_capacity = 0\n", "focus.worker_capacity"),
             ("[ps]\nband = 0.7\n", "ps.band"),
             (
-                "[learner.policy]\neps_low = 0.2\neps_high = 0.2\naggregation = \"sequence_mean\"\n",
-                "learner.policy.aggregation",
+                "[learner.policy]\neps_low = 1.2\neps_high = 0.2\naggregation = \"sequence_mean\"\n",
+                "eps_low",
             ),
         ] {
             let head = "seed = 0\nsteps = 1\nalgo = \"grpo\"\nprompts_per_step = 2\n\

@@ -1,19 +1,25 @@
 //! The learner: policy and critic parameters, and the masked PPO / value
 //! update from [`arbor_rl::credit::LossRow`]s.
 //!
-//! Loss values and their gradients with respect to the per-token
-//! log-probabilities and values come from `arbor_rl::ppo` (the CPU
-//! reference); the parameter gradient is obtained by back-propagating the
-//! surrogate `sum_t (dL/dlogp_t) logp_t + c_v sum_s (dL/dV_s) V_s` with the
-//! coefficients held constant, which has exactly the gradient of `L`.
-//! Only tokens with mask 1 (policy actions and context-management tokens)
-//! enter the policy term: observations, prompts and replayed prefixes get
-//! zero gradient by construction.
+//! One update packs the rows into micro-batches of at most
+//! `micro_batch_tokens` real tokens (sequences back to back, no padding:
+//! [`arbor_model::Transformer::forward_packed`]), takes the trained
+//! tokens' log-probabilities from the fused LM-head op, and computes the
+//! losses with `arbor-ops`' kernels: [`arbor_ops::ppo_loss`] (clipped
+//! surrogate, asymmetric clip) and [`arbor_ops::value_loss`], each with its
+//! own backward. The per-token weights come from
+//! [`arbor_rl::ppo::aggregation_weights`] over the whole step (token mean,
+//! sequence mean or a constant normaliser), so micro-batching does not
+//! change the loss: the micro-batches' losses and gradients add up to the
+//! step's. Only tokens with a non-zero mask (policy actions and
+//! context-management tokens) enter the policy term: observations, prompts
+//! and replayed prefixes get zero weight.
 
 use arbor_model::logprobs::token_logprobs;
 use arbor_model::{ActorCritic, CriticMode, ModelConfig, ParamLoader, ParamSource};
+use arbor_ops::PpoClip;
 use arbor_rl::credit::LossRow;
-use arbor_rl::ppo::{policy_loss, value_loss, Aggregation, PolicyLossConfig, TokenBatch};
+use arbor_rl::ppo::{aggregation_weights, PolicyLossConfig, TokenBatch};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
 use serde::{Deserialize, Serialize};
@@ -28,13 +34,15 @@ pub const VALUE_EPS: f64 = 0.01;
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LearnerConfig {
-    /// The clipped policy loss (`[learner.policy]`). The learner averages
-    /// it over the step's trained tokens, so `aggregation` must be
-    /// `token_mean` (checked on load).
+    /// The clipped policy loss (`[learner.policy]`): clip range and how the
+    /// step's per-token losses are averaged (`token_mean`, `sequence_mean`
+    /// or `{ token_sum = { normalizer = N } }`).
     pub policy: PolicyLossConfig,
     /// Weight of the value loss.
     pub value_coef: f64,
-    /// Micro-batch size in padded tokens (rows are packed greedily).
+    /// Micro-batch size in tokens: rows are packed back to back (no
+    /// padding) until the next would exceed it; a longer row is a
+    /// micro-batch of its own. Gradients accumulate over micro-batches.
     pub micro_batch_tokens: usize,
     /// Passes over the step's rows (each pass: one optimizer step).
     pub epochs: usize,
@@ -69,6 +77,15 @@ pub struct UpdateStats {
     pub value_targets: usize,
     pub grad_norm: f64,
     pub lr: f64,
+    /// Seconds in the forward passes (model, logprobs, losses).
+    #[serde(default)]
+    pub time_forward_s: f64,
+    /// Seconds in the backward passes and gradient accumulation.
+    #[serde(default)]
+    pub time_backward_s: f64,
+    /// Seconds in the optimizer steps.
+    #[serde(default)]
+    pub time_optimizer_s: f64,
 }
 
 /// Policy + critic with their optimizer.
@@ -142,75 +159,108 @@ pub fn named_vars(vm: &VarMap, prefix: &str) -> Vec<(String, Var)> {
     v
 }
 
-/// Per-row layout of one micro-batch.
+/// One micro-batch: rows packed back to back.
 struct Packed {
+    /// `[N]` token ids.
     ids: Tensor,
-    t: usize,
-    /// Flat `b * T + (i - 1)` rows of the hidden states whose logits give token `i`.
+    seq_lens: Vec<usize>,
+    /// Flat index of the hidden state whose logits give each trained token.
     lp_rows: Vec<u32>,
     lp_targets: Vec<u32>,
-    old_lp: Vec<f64>,
-    adv: Vec<f64>,
-    /// Flat `b * T + pos` and targets of value regression.
+    /// Per trained token: behaviour logprob, advantage, loss weight.
+    old_lp: Vec<f32>,
+    adv: Vec<f32>,
+    lp_w: Vec<f32>,
+    /// Flat index and target of each value regression.
     v_rows: Vec<u32>,
-    v_targets: Vec<f64>,
+    v_targets: Vec<f32>,
 }
 
-fn pack(rows: &[&LossRow], dev: &Device) -> Result<Packed, TrainError> {
-    let t = rows
-        .iter()
-        .map(|r| r.tokens.len())
-        .max()
-        .unwrap_or(1)
-        .max(1);
-    let mut ids = vec![0u32; rows.len() * t];
+/// Pack `rows` (with their per-token policy weights `w[row][i]`, aligned
+/// with the row's tokens) into one token stream.
+fn pack(rows: &[(&LossRow, &[f64])], dev: &Device) -> Result<Packed, TrainError> {
+    let mut ids = Vec::new();
     let mut p = Packed {
         ids: Tensor::zeros(1, DType::U32, dev)?,
-        t,
+        seq_lens: Vec::with_capacity(rows.len()),
         lp_rows: Vec::new(),
         lp_targets: Vec::new(),
         old_lp: Vec::new(),
         adv: Vec::new(),
+        lp_w: Vec::new(),
         v_rows: Vec::new(),
         v_targets: Vec::new(),
     };
-    for (b, r) in rows.iter().enumerate() {
-        ids[b * t..b * t + r.tokens.len()].copy_from_slice(&r.tokens);
+    for (r, w) in rows {
+        let at = ids.len();
+        ids.extend_from_slice(&r.tokens);
+        p.seq_lens.push(r.tokens.len());
         for i in 1..r.tokens.len() {
             if r.mask[i] > 0.0 {
-                p.lp_rows.push((b * t + i - 1) as u32);
+                p.lp_rows.push((at + i - 1) as u32);
                 p.lp_targets.push(r.tokens[i]);
-                p.old_lp.push(r.behaviour_logprobs[i] as f64);
-                p.adv.push(r.advantages[i] as f64);
+                p.old_lp.push(r.behaviour_logprobs[i]);
+                p.adv.push(r.advantages[i]);
+                p.lp_w.push(w[i] as f32);
             }
         }
         for &(pos, target) in &r.value_targets {
-            p.v_rows.push((b * t + pos) as u32);
-            p.v_targets.push(target as f64);
+            p.v_rows.push((at + pos) as u32);
+            p.v_targets.push(target);
         }
     }
-    p.ids = Tensor::from_vec(ids, (rows.len(), t), dev)?;
+    let n = ids.len();
+    p.ids = Tensor::from_vec(ids, n, dev)?;
     Ok(p)
 }
 
-/// Split rows into micro-batches of at most `budget` padded tokens.
-fn micro_batches(rows: &[LossRow], budget: usize) -> Vec<Vec<&LossRow>> {
-    let mut out: Vec<Vec<&LossRow>> = Vec::new();
-    let mut cur: Vec<&LossRow> = Vec::new();
-    let mut max_len = 0;
-    for r in rows {
-        let m = max_len.max(r.tokens.len());
-        if !cur.is_empty() && m * (cur.len() + 1) > budget {
-            out.push(std::mem::take(&mut cur));
-            max_len = 0;
+/// Split items of `len(item)` tokens into consecutive groups of at most
+/// `budget` tokens (an item longer than the budget is a group of its own).
+fn micro_batches<T>(items: &[T], budget: usize, len: impl Fn(&T) -> usize) -> Vec<&[T]> {
+    let mut out = Vec::new();
+    let (mut start, mut tokens) = (0, 0);
+    for (i, it) in items.iter().enumerate() {
+        let l = len(it);
+        if i > start && tokens + l > budget {
+            out.push(&items[start..i]);
+            (start, tokens) = (i, 0);
         }
-        max_len = max_len.max(r.tokens.len());
-        cur.push(r);
+        tokens += l;
     }
-    if !cur.is_empty() {
-        out.push(cur);
+    if start < items.len() {
+        out.push(&items[start..]);
     }
     out
+}
+
+/// Per-row policy-loss weights over the whole step (`w[row][i]` for token
+/// `i`; 0 at position 0 and wherever the mask is 0).
+fn step_weights(rows: &[LossRow], cfg: &PolicyLossConfig) -> Result<Vec<Vec<f64>>, TrainError> {
+    let mask: Vec<f64> = rows
+        .iter()
+        .flat_map(|r| r.mask.iter().skip(1).map(|&m| f64::from(m.max(0.0))))
+        .collect();
+    let lens: Vec<usize> = rows
+        .iter()
+        .map(|r| r.tokens.len().saturating_sub(1))
+        .collect();
+    let w = aggregation_weights(
+        cfg.aggregation,
+        &TokenBatch {
+            mask: &mask,
+            seq_lens: &lens,
+        },
+    )?;
+    let mut at = 0;
+    Ok(lens
+        .iter()
+        .map(|&l| {
+            let mut row = vec![0.0; l + 1];
+            row[1..].copy_from_slice(&w[at..at + l]);
+            at += l;
+            row
+        })
+        .collect())
 }
 
 impl Learner {
@@ -279,26 +329,38 @@ impl Learner {
         arbor_ops::in_pool(&self.device(), || self.values_here(seqs, positions))
     }
 
-    /// [`Learner::values_at`] on the calling thread.
+    /// [`Learner::values_at`] on the calling thread: contexts packed into
+    /// forwards of at most `micro_batch_tokens` tokens.
     fn values_here(
         &self,
         seqs: &[Vec<u32>],
         positions: &[Vec<usize>],
     ) -> Result<Vec<Vec<f64>>, TrainError> {
         let dev = self.device();
-        let mut out = Vec::with_capacity(seqs.len());
-        for (s, pos) in seqs.iter().zip(positions) {
-            if pos.is_empty() {
-                out.push(Vec::new());
-                continue;
+        let wanted: Vec<(usize, &Vec<u32>)> = seqs
+            .iter()
+            .enumerate()
+            .filter(|(i, s)| !positions[*i].is_empty() && !s.is_empty())
+            .collect();
+        let mut out = vec![Vec::new(); seqs.len()];
+        for mb in micro_batches(&wanted, self.cfg.micro_batch_tokens, |(_, s)| s.len()) {
+            let ids: Vec<u32> = mb.iter().flat_map(|(_, s)| s.iter().copied()).collect();
+            let lens: Vec<usize> = mb.iter().map(|(_, s)| s.len()).collect();
+            let n = ids.len();
+            let v: Vec<f32> = self
+                .model
+                .values_packed(&Tensor::from_vec(ids, n, &dev)?, &lens)?
+                .detach()
+                .to_dtype(DType::F32)?
+                .to_vec1()?;
+            let mut at = 0;
+            for (i, s) in mb {
+                out[*i] = positions[*i]
+                    .iter()
+                    .map(|&p| (v[at + p] as f64).clamp(VALUE_EPS, 1.0 - VALUE_EPS))
+                    .collect();
+                at += s.len();
             }
-            let ids = Tensor::from_vec(s.clone(), (1, s.len()), &dev)?;
-            let v: Vec<f32> = self.model.values(&ids)?.squeeze(0)?.detach().to_vec1()?;
-            out.push(
-                pos.iter()
-                    .map(|&p| (v[p] as f64).clamp(VALUE_EPS, 1.0 - VALUE_EPS))
-                    .collect(),
-            );
         }
         Ok(out)
     }
@@ -339,103 +401,87 @@ impl Learner {
         if n_tok == 0 && n_val == 0 {
             return Ok(stats);
         }
-        let mut pcfg = self.cfg.policy;
-        pcfg.aggregation = Aggregation::TokenSum {
-            normalizer: n_tok.max(1) as f64,
+        let weights = step_weights(rows, &self.cfg.policy)?;
+        let items: Vec<(&LossRow, &[f64])> = rows
+            .iter()
+            .zip(&weights)
+            .map(|(r, w)| (r, w.as_slice()))
+            .collect();
+        let clip = PpoClip {
+            eps_low: self.cfg.policy.eps_low as f32,
+            eps_high: self.cfg.policy.eps_high as f32,
         };
-        let vagg = Aggregation::TokenSum {
-            normalizer: n_val.max(1) as f64,
-        };
+        let v_w = 1.0 / n_val.max(1) as f32;
         let dev = self.device();
+        let (mut t_fwd, mut t_bwd, mut t_opt) = (0.0, 0.0, 0.0);
         for epoch in 0..self.cfg.epochs.max(1) {
             let mut acc = GradAccum::default();
-            let (mut pl, mut vl, mut clip, mut kl, mut ent) = (0.0, 0.0, 0.0, 0.0, 0.0);
-            for mb in micro_batches(rows, self.cfg.micro_batch_tokens) {
-                let p = pack(&mb, &dev)?;
-                let (h, values) = self.model.forward(&p.ids)?;
-                let hid = self.model.policy.cfg.hidden_size;
-                let b = mb.len();
+            // Sums over the step of the kernels' outputs: policy (loss,
+            // clipped weight, k3, weight), value loss, -logp.
+            let (mut pol, mut vl, mut nll) = ([0.0f64; 4], 0.0, 0.0);
+            let mbs = micro_batches(&items, self.cfg.micro_batch_tokens, |(r, _)| r.tokens.len());
+            for mb in mbs {
+                let t0 = std::time::Instant::now();
+                let p = pack(mb, &dev)?;
+                let (h, values) = self.model.forward_packed(&p.ids, &p.seq_lens)?;
                 let mut total: Option<Tensor> = None;
                 if !p.lp_rows.is_empty() {
-                    let rows_t = Tensor::from_vec(p.lp_rows.clone(), p.lp_rows.len(), &dev)?;
-                    let hsel = h.reshape((b * p.t, hid))?.index_select(&rows_t, 0)?;
-                    let tg = Tensor::from_vec(p.lp_targets.clone(), p.lp_targets.len(), &dev)?;
-                    let lp = token_logprobs(&hsel, &self.model.policy.lm_head, &tg, 256)?;
-                    let lpv: Vec<f64> = lp.to_dtype(DType::F64)?.to_vec1()?;
-                    let n = lpv.len();
-                    let ones = vec![1.0f64; n];
-                    let out = policy_loss(
-                        &pcfg,
-                        &lpv,
-                        &p.old_lp,
-                        &p.adv,
-                        None,
-                        &TokenBatch {
-                            mask: &ones,
-                            seq_lens: &[n],
-                        },
-                    )?;
-                    let w = n as f64 / n_tok as f64;
-                    pl += out.loss;
-                    clip += out.clip_fraction * w;
-                    kl += out.monitor * w;
-                    ent += -lpv.iter().sum::<f64>() / n_tok as f64;
+                    let n = p.lp_rows.len();
+                    let rows_t = Tensor::from_vec(p.lp_rows, n, &dev)?;
+                    let hsel = h.index_select(&rows_t, 0)?;
+                    let tg = Tensor::from_vec(p.lp_targets, n, &dev)?;
+                    let mut lp = token_logprobs(&hsel, &self.model.policy.lm_head, &tg, 256)?;
+                    if !train_policy {
+                        lp = lp.detach();
+                    }
+                    let aux = arbor_ops::pack_aux(&p.old_lp, &p.adv, &p.lp_w, &dev)?
+                        .to_dtype(lp.dtype())?;
+                    let out = arbor_ops::ppo_loss(&lp, &aux, clip)?;
+                    let o: Vec<f64> = out.to_dtype(DType::F64)?.to_vec1()?;
+                    pol.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+                    nll -= lp.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
                     if train_policy {
-                        let g = Tensor::from_vec(
-                            out.grad.iter().map(|&x| x as f32).collect::<Vec<_>>(),
-                            n,
-                            &dev,
-                        )?;
-                        total = Some((lp * g)?.sum_all()?);
+                        total = Some(out.narrow(0, 0, 1)?);
                     }
                 }
                 if !p.v_rows.is_empty() && self.cfg.value_coef > 0.0 {
-                    let rows_t = Tensor::from_vec(p.v_rows.clone(), p.v_rows.len(), &dev)?;
-                    let v = values.flatten_all()?.index_select(&rows_t, 0)?;
-                    let vv: Vec<f64> = v.to_dtype(DType::F64)?.to_vec1()?;
-                    let n = vv.len();
-                    let ones = vec![1.0f64; n];
-                    let out = value_loss(
-                        None,
-                        vagg,
-                        &vv,
-                        &vv,
-                        &p.v_targets,
-                        &TokenBatch {
-                            mask: &ones,
-                            seq_lens: &[n],
-                        },
-                    )?;
-                    vl += out.loss;
-                    let g = Tensor::from_vec(
-                        out.grad
-                            .iter()
-                            .map(|&x| (x * self.cfg.value_coef) as f32)
-                            .collect::<Vec<_>>(),
-                        n,
-                        &dev,
-                    )?;
-                    let term = (v.to_dtype(DType::F32)? * g)?.sum_all()?;
+                    let n = p.v_rows.len();
+                    let rows_t = Tensor::from_vec(p.v_rows, n, &dev)?;
+                    let v = values.index_select(&rows_t, 0)?;
+                    let aux = arbor_ops::pack_aux(&p.v_targets, &p.v_targets, &vec![v_w; n], &dev)?
+                        .to_dtype(v.dtype())?;
+                    let out = arbor_ops::value_loss(&v, &aux, 0.0)?;
+                    vl += out.get(0)?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                    let term = (out.narrow(0, 0, 1)? * self.cfg.value_coef)?;
                     total = Some(match total {
                         Some(t) => (t + term)?,
                         None => term,
                     });
                 }
+                let t1 = std::time::Instant::now();
+                t_fwd += (t1 - t0).as_secs_f64();
                 if let Some(t) = total {
-                    acc.add(self.opt.vars(), &t.backward()?)?;
+                    acc.add(self.opt.vars(), &t.sum_all()?.backward()?)?;
                 }
+                t_bwd += t1.elapsed().as_secs_f64();
             }
+            let t0 = std::time::Instant::now();
             let s: StepStats = self.opt.step(&acc)?;
+            t_opt += t0.elapsed().as_secs_f64();
             if epoch == 0 {
-                stats.policy_loss = pl;
+                let wsum = if pol[3] > 0.0 { pol[3] } else { 1.0 };
+                stats.policy_loss = pol[0];
                 stats.value_loss = vl;
-                stats.clip_fraction = clip;
-                stats.approx_kl = kl;
-                stats.entropy = ent;
+                stats.clip_fraction = pol[1] / wsum;
+                stats.approx_kl = pol[2] / wsum;
+                stats.entropy = nll / n_tok.max(1) as f64;
             }
             stats.grad_norm = s.grad_norm;
             stats.lr = s.lr;
         }
+        stats.time_forward_s = t_fwd;
+        stats.time_backward_s = t_bwd;
+        stats.time_optimizer_s = t_opt;
         Ok(stats)
     }
 
@@ -460,16 +506,24 @@ impl Learner {
         let dev = self.device();
         let mut acc = GradAccum::default();
         let mut nll = 0.0;
-        for mb in micro_batches(rows, self.cfg.micro_batch_tokens) {
-            let p = pack(&mb, &dev)?;
-            let h = self.model.policy.forward_hidden(&p.ids)?;
-            let hid = self.model.policy.cfg.hidden_size;
-            let rows_t = Tensor::from_vec(p.lp_rows.clone(), p.lp_rows.len(), &dev)?;
-            let hsel = h.reshape((mb.len() * p.t, hid))?.index_select(&rows_t, 0)?;
-            let tg = Tensor::from_vec(p.lp_targets.clone(), p.lp_targets.len(), &dev)?;
+        let none: Vec<Vec<f64>> = rows.iter().map(|r| vec![0.0; r.tokens.len()]).collect();
+        let items: Vec<(&LossRow, &[f64])> = rows
+            .iter()
+            .zip(&none)
+            .map(|(r, w)| (r, w.as_slice()))
+            .collect();
+        for mb in micro_batches(&items, self.cfg.micro_batch_tokens, |(r, _)| r.tokens.len()) {
+            let p = pack(mb, &dev)?;
+            if p.lp_rows.is_empty() {
+                continue;
+            }
+            let h = self.model.policy.forward_packed(&p.ids, &p.seq_lens)?;
+            let n = p.lp_rows.len();
+            let hsel = h.index_select(&Tensor::from_vec(p.lp_rows, n, &dev)?, 0)?;
+            let tg = Tensor::from_vec(p.lp_targets, n, &dev)?;
             let lp = token_logprobs(&hsel, &self.model.policy.lm_head, &tg, 256)?;
             let loss = (lp.sum_all()? * (-1.0 / n_tok as f64))?;
-            nll += loss.to_scalar::<f32>()? as f64;
+            nll += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             acc.add(self.opt.vars(), &loss.backward()?)?;
         }
         Ok((nll, self.opt.step(&acc)?))

@@ -1,0 +1,231 @@
+//! The learner's losses, through the `arbor-ops` kernels, against a scalar
+//! float64 reference computed here from the model's own logits: clipped
+//! PPO with an asymmetric clip, token- and sequence-mean aggregation, rows
+//! whose prefix is masked (prompts, replayed prefixes), and the value loss.
+//! Micro-batching (rows packed into one stream, or one row at a time) does
+//! not change the step's loss or gradient.
+
+use arbor_model::{Arch, CriticMode, ModelConfig, RopeScaling};
+use arbor_rl::credit::LossRow;
+use arbor_rl::ppo::{Aggregation, PolicyLossConfig};
+use arbor_train::learner::{Learner, LearnerConfig, UpdateStats};
+use arbor_train::optim::AdamWConfig;
+use candle_core::{DType, Device, Tensor};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+fn cfg() -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Qwen3,
+        vocab_size: 29,
+        hidden_size: 16,
+        intermediate_size: 24,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 8,
+        rms_norm_eps: 1e-6,
+        rope_theta: 10000.0,
+        rope_scaling: RopeScaling::Default,
+        max_position_embeddings: 64,
+        tie_word_embeddings: false,
+        qkv_bias: false,
+        o_bias: false,
+        qk_norm: true,
+        torch_dtype: None,
+        bos_token_id: None,
+        eos_token_ids: vec![],
+    }
+}
+
+const CLIP: (f64, f64) = (0.2, 0.28);
+
+fn learner(agg: Aggregation, micro_batch_tokens: usize) -> Learner {
+    let lcfg = LearnerConfig {
+        policy: PolicyLossConfig {
+            eps_low: CLIP.0,
+            eps_high: CLIP.1,
+            aggregation: agg,
+        },
+        critic: CriticMode::Shared,
+        value_coef: 0.5,
+        micro_batch_tokens,
+        epochs: 1,
+    };
+    Learner::new(
+        &cfg(),
+        None,
+        None,
+        11,
+        &Device::Cpu,
+        lcfg,
+        AdamWConfig::default(),
+        None,
+    )
+    .unwrap()
+}
+
+/// Token logprobs `log p(tokens[i] | tokens[..i])` (index 0 unused) and
+/// values of one row, from the model's full logits, in f64.
+fn reference_row(l: &Learner, tokens: &[u32]) -> (Vec<f64>, Vec<f64>) {
+    let ids = Tensor::from_vec(tokens.to_vec(), (1, tokens.len()), &Device::Cpu).unwrap();
+    let h = l.model.policy.forward_hidden(&ids).unwrap();
+    let logits: Vec<Vec<f64>> = l
+        .model
+        .policy
+        .logits(&h)
+        .unwrap()
+        .squeeze(0)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec2()
+        .unwrap();
+    let mut lp = vec![0.0; tokens.len()];
+    for i in 1..tokens.len() {
+        let z = &logits[i - 1];
+        let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let lse = m + z.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+        lp[i] = z[tokens[i] as usize] - lse;
+    }
+    let v: Vec<f64> = l
+        .model
+        .values(&ids)
+        .unwrap()
+        .squeeze(0)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    (lp, v)
+}
+
+/// Rows of lengths 9, 4 and 13 with masked prefixes of 3, 1 and 6 tokens
+/// (a prompt; a prompt plus a replayed prefix), behaviour logprobs off the
+/// current policy by up to 0.5 nats (so both clip sides are hit), and
+/// value targets.
+fn rows(l: &Learner) -> Vec<LossRow> {
+    let mut rng = StdRng::seed_from_u64(4);
+    [(9usize, 3usize), (4, 1), (13, 6)]
+        .iter()
+        .enumerate()
+        .map(|(e, &(len, masked))| {
+            let tokens: Vec<u32> = (0..len).map(|_| rng.random_range(0..29)).collect();
+            let (lp, _) = reference_row(l, &tokens);
+            let mask: Vec<f32> = (0..len).map(|i| f32::from(u8::from(i >= masked))).collect();
+            LossRow {
+                episode: e,
+                leaf: arbor_rl::NodeId(0),
+                behaviour_logprobs: lp
+                    .iter()
+                    .map(|x| (x + rng.random_range(-0.5..0.5)) as f32)
+                    .collect(),
+                advantages: (0..len).map(|_| rng.random_range(-1.5f32..1.5)).collect(),
+                value_targets: vec![(masked - 1, 1.0), (len - 1, rng.random_range(0.0..1.0))],
+                tokens,
+                mask,
+            }
+        })
+        .collect()
+}
+
+/// `(policy loss, clip fraction, value loss)` in f64.
+fn reference(l: &Learner, rows: &[LossRow], agg: Aggregation) -> (f64, f64, f64) {
+    let n_tok: usize = rows
+        .iter()
+        .map(|r| r.mask.iter().skip(1).filter(|&&m| m > 0.0).count())
+        .sum();
+    let live = rows.len() as f64;
+    let n_val: usize = rows.iter().map(|r| r.value_targets.len()).sum();
+    let (mut loss, mut clipped, mut vloss) = (0.0, 0.0, 0.0);
+    for r in rows {
+        let (lp, v) = reference_row(l, &r.tokens);
+        let in_row = r.mask.iter().skip(1).filter(|&&m| m > 0.0).count() as f64;
+        for i in 1..r.tokens.len() {
+            if r.mask[i] == 0.0 {
+                continue;
+            }
+            let w = match agg {
+                Aggregation::TokenMean => 1.0 / n_tok as f64,
+                Aggregation::SequenceMean => 1.0 / (live * in_row),
+                Aggregation::TokenSum { normalizer } => 1.0 / normalizer,
+            };
+            let rho = (lp[i] - r.behaviour_logprobs[i] as f64).exp();
+            let a = r.advantages[i] as f64;
+            let rc = rho.clamp(1.0 - CLIP.0, 1.0 + CLIP.1);
+            loss += w * -(rho * a).min(rc * a);
+            if rc * a < rho * a {
+                clipped += w;
+            }
+        }
+        for &(pos, target) in &r.value_targets {
+            vloss += 0.5 * (v[pos] - target as f64).powi(2) / n_val as f64;
+        }
+    }
+    let wsum = match agg {
+        Aggregation::TokenSum { normalizer } => n_tok as f64 / normalizer,
+        _ => 1.0,
+    };
+    (loss, clipped / wsum, vloss)
+}
+
+fn update(agg: Aggregation, budget: usize) -> (UpdateStats, (f64, f64, f64)) {
+    let mut l = learner(agg, budget);
+    let rows = rows(&l);
+    let want = reference(&l, &rows, agg);
+    (l.update(&rows).unwrap(), want)
+}
+
+#[test]
+fn losses_match_the_scalar_reference_for_each_aggregation() {
+    for agg in [
+        Aggregation::TokenMean,
+        Aggregation::SequenceMean,
+        Aggregation::TokenSum { normalizer: 16.0 },
+    ] {
+        let (s, (loss, clip, vloss)) = update(agg, 4096);
+        assert!(
+            (s.policy_loss - loss).abs() < 1e-5 * (1.0 + loss.abs()),
+            "{agg:?}: policy loss {} vs reference {loss}",
+            s.policy_loss
+        );
+        assert!(
+            (s.clip_fraction - clip).abs() < 1e-6,
+            "{agg:?}: clip fraction {} vs {clip}",
+            s.clip_fraction
+        );
+        assert!(
+            clip > 0.0 && clip < 1.0,
+            "{agg:?}: the test should clip some tokens"
+        );
+        assert!(
+            (s.value_loss - vloss).abs() < 1e-5 * (1.0 + vloss),
+            "{agg:?}: value loss {} vs {vloss}",
+            s.value_loss
+        );
+        assert_eq!(s.trained_tokens, 6 + 3 + 7);
+    }
+    // The aggregations weigh the rows differently.
+    let (a, _) = update(Aggregation::TokenMean, 4096);
+    let (b, _) = update(Aggregation::SequenceMean, 4096);
+    assert!((a.policy_loss - b.policy_loss).abs() > 1e-4);
+}
+
+#[test]
+fn micro_batching_does_not_change_the_step() {
+    for agg in [Aggregation::TokenMean, Aggregation::SequenceMean] {
+        // All rows in one packed stream, then one row per micro-batch.
+        let (one, _) = update(agg, 4096);
+        let (many, _) = update(agg, 1);
+        for (what, x, y) in [
+            ("policy loss", one.policy_loss, many.policy_loss),
+            ("value loss", one.value_loss, many.value_loss),
+            ("gradient norm", one.grad_norm, many.grad_norm),
+        ] {
+            assert!(
+                (x - y).abs() < 1e-5 * (1.0 + x.abs()),
+                "{agg:?}: {what} {x} packed vs {y} row by row"
+            );
+        }
+    }
+}
