@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use arbor_model::{CriticMode, ModelConfig};
 use arbor_rl::credit::LossRow;
-use arbor_train::learner::{Learner, LearnerConfig, UpdateStats};
+use arbor_train::learner::{Learner, LearnerConfig, Recompute, UpdateStats};
 use arbor_train::optim::AdamWConfig;
 use clap::Args;
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -34,6 +34,10 @@ pub struct TrainBenchArgs {
     /// accumulate over micro-batches). Default: the whole batch at once.
     #[arg(long)]
     pub micro_batch_tokens: Option<usize>,
+    /// Activation recomputation: `off` or `layers` (keep each layer's
+    /// input only; recompute the layer in the backward).
+    #[arg(long, default_value = "off")]
+    pub recompute: String,
     /// `cpu`, or `cuda` / `cuda:N` (a build with `--features cuda`).
     #[arg(long, default_value = "cpu")]
     pub device: String,
@@ -56,6 +60,7 @@ struct TrainBenchResult {
     batch: usize,
     seq: usize,
     micro_batch_tokens: usize,
+    recompute: String,
     steps: usize,
     threads: usize,
     tokens_per_s: f64,
@@ -111,9 +116,15 @@ pub fn run(a: TrainBenchArgs) -> Result<()> {
     if mbt == 0 {
         bail!("--micro-batch-tokens must be >= 1");
     }
+    let recompute = match a.recompute.as_str() {
+        "off" => Recompute::Off,
+        "layers" => Recompute::Layers,
+        other => bail!("--recompute must be off or layers, not `{other}`"),
+    };
     let lcfg = LearnerConfig {
         critic: CriticMode::Shared,
         micro_batch_tokens: mbt,
+        recompute,
         ..Default::default()
     };
     let mut learner = Learner::new(
@@ -154,6 +165,7 @@ pub fn run(a: TrainBenchArgs) -> Result<()> {
         batch: a.batch,
         seq: a.seq,
         micro_batch_tokens: mbt,
+        recompute: a.recompute.clone(),
         steps: a.steps,
         threads: rayon::current_num_threads(),
         tokens_per_s: tokens / step_s,
@@ -171,8 +183,8 @@ pub fn run(a: TrainBenchArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&r)?);
     } else {
         println!(
-            "{} {} x {} tokens on {} ({} parameters, f32, micro-batches of {} tokens)",
-            r.model, r.batch, r.seq, r.device, r.parameters, r.micro_batch_tokens
+            "{} {} x {} tokens on {} ({} parameters, f32, micro-batches of {} tokens, recompute {})",
+            r.model, r.batch, r.seq, r.device, r.parameters, r.micro_batch_tokens, r.recompute
         );
         println!(
             "  {:.1} tokens/s, {:.3} s per update: forward {:.3} s, backward {:.3} s, AdamW {:.3} s",

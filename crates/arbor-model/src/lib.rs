@@ -30,7 +30,7 @@ pub mod weights;
 pub use config::{Arch, ModelConfig, RopeScaling};
 pub use error::{ModelError, Result};
 pub use loaded::{parse_dtype, score, LoadOptions, LoadedModel, Scored};
-pub use model::{AttentionBackend, LoraAdapter, LoraConfig, Transformer};
+pub use model::{AttentionBackend, LayerCheckpoints, LoraAdapter, LoraConfig, Transformer};
 pub use tokenizer::{ChatOptions, ChatTemplate, Tokenizer};
 pub use value::{ActorCritic, CriticMode, ValueHead};
 pub use weights::{Checkpoint, Init, ModelFiles, ParamLoader, ParamSource};

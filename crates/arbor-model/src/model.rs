@@ -692,6 +692,27 @@ impl DecoderLayer {
     }
 }
 
+/// Each layer's input from [`Transformer::forward_checkpoints`], detached,
+/// with the RoPE tables and sequence boundaries to recompute the layers.
+#[derive(Debug, Clone)]
+pub struct LayerCheckpoints {
+    /// `x_0` (embeddings) .. `x_L` (the final norm's input), `[N, H]` each.
+    xs: Vec<Tensor>,
+    cos: Tensor,
+    sin: Tensor,
+    seq_lens: Vec<usize>,
+}
+
+impl LayerCheckpoints {
+    /// `x_L` as a new leaf variable: build the loss on it and pass its
+    /// gradient to [`Transformer::backward_checkpoints`].
+    pub fn last_leaf(&self) -> Result<candle_core::Var> {
+        Ok(candle_core::Var::from_tensor(
+            self.xs.last().expect("the embedding is first"),
+        )?)
+    }
+}
+
 /// A decoder-only transformer (`*ForCausalLM`).
 #[derive(Debug, Clone)]
 pub struct Transformer {
@@ -834,6 +855,88 @@ impl Transformer {
             x = layer.forward_packed(&x, &cos, &sin, seq_lens)?;
         }
         Ok(arbor_ops::rms_norm(&x, &self.norm.weight, self.norm.eps)?)
+    }
+
+    /// The training forward with activation recomputation: runs the layers
+    /// without keeping their autograd graphs and keeps only each layer's
+    /// input (`[N, H]` per layer instead of every intermediate). The last
+    /// checkpoint is the final norm's input: make it a leaf with
+    /// [`LayerCheckpoints::last_leaf`], build the loss on
+    /// [`Transformer::final_norm`] of it, and hand its gradient to
+    /// [`Transformer::backward_checkpoints`].
+    pub fn forward_checkpoints(
+        &self,
+        ids: &Tensor,
+        seq_lens: &[usize],
+    ) -> Result<LayerCheckpoints> {
+        let n = ids.dims1()?;
+        if seq_lens.iter().sum::<usize>() != n || seq_lens.contains(&0) {
+            return Err(ModelError::Input(format!(
+                "sequence lengths {seq_lens:?} must be >= 1 and sum to the {n} tokens"
+            )));
+        }
+        let positions: Vec<u32> = seq_lens.iter().flat_map(|&l| 0..l as u32).collect();
+        let (cos, sin) = self.rope.cos_sin(&positions, self.dtype(), self.device())?;
+        let mut xs = Vec::with_capacity(self.layers.len() + 1);
+        xs.push(
+            self.embed_tokens(&ids.reshape((1, n))?)?
+                .reshape((n, self.cfg.hidden_size))?
+                .detach(),
+        );
+        for layer in &self.layers {
+            let x = xs.last().expect("the embedding is first");
+            let y = layer.forward_packed(x, &cos, &sin, seq_lens)?.detach();
+            xs.push(y);
+        }
+        Ok(LayerCheckpoints {
+            xs,
+            cos,
+            sin,
+            seq_lens: seq_lens.to_vec(),
+        })
+    }
+
+    /// The final RMSNorm, differentiable: `[N, H] -> [N, H]`.
+    pub fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(arbor_ops::rms_norm(x, &self.norm.weight, self.norm.eps)?)
+    }
+
+    /// The backward of [`Transformer::forward_checkpoints`]: from
+    /// `d_last = dL/dx_L`, each layer (last first) is recomputed from its
+    /// checkpoint with its graph, `sum(layer(x) * dL/dy)` is
+    /// back-propagated, its gradients (the layer's parameters, and `x`'s,
+    /// carried to the layer below) go to `sink`; last the embedding's. The
+    /// gradients `sink` receives sum to those of the plain forward.
+    pub fn backward_checkpoints<E: From<ModelError>>(
+        &self,
+        ck: &LayerCheckpoints,
+        ids: &Tensor,
+        d_last: &Tensor,
+        mut sink: impl FnMut(&candle_core::backprop::GradStore) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        let mut dy = d_last.detach();
+        for (i, layer) in self.layers.iter().enumerate().rev() {
+            let x = candle_core::Var::from_tensor(&ck.xs[i]).map_err(ModelError::from)?;
+            let grads = (|| -> Result<_> {
+                let y = layer.forward_packed(x.as_tensor(), &ck.cos, &ck.sin, &ck.seq_lens)?;
+                Ok((y * &dy)?.sum_all()?.backward()?)
+            })()?;
+            sink(&grads)?;
+            dy = grads
+                .get(x.as_tensor())
+                .ok_or_else(|| {
+                    ModelError::Input(format!("layer {i}: no gradient reached its input"))
+                })?
+                .detach();
+        }
+        let grads = (|| -> Result<_> {
+            let n = ids.dims1()?;
+            let x0 = self
+                .embed_tokens(&ids.reshape((1, n))?)?
+                .reshape((n, self.cfg.hidden_size))?;
+            Ok((x0 * &dy)?.sum_all()?.backward()?)
+        })()?;
+        sink(&grads)
     }
 
     /// Every parameter under its HF name (the tied lm_head is not repeated).

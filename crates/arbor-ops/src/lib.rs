@@ -13,6 +13,8 @@
 //! - [`rms_norm`], [`rope`], [`swiglu`], [`packed_causal_attention`]: the
 //!   training forward's fused ops with hand-written backward (attention over
 //!   sequences packed back to back, no `[T, T]` matrix kept);
+//! - [`adamw_step`], [`sum_sq`]: the optimizer's update in place and the
+//!   gradient norm, without parameter-sized temporaries;
 //! - [`segment_broadcast`], [`segment_sum`], [`segment_mean`]: per-segment
 //!   advantages to token positions and back;
 //! - [`paged_attention_op`], [`cache_write`]: attention over the engine's
@@ -28,6 +30,7 @@
 //! The slice-level [`paged_attention`] is the engine's CPU kernel, compiled
 //! for several x86 feature levels and picked at run time (`multiversion`).
 
+pub mod adamw;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -38,6 +41,7 @@ pub mod paged;
 pub mod ppo;
 pub mod segment;
 
+pub use adamw::{adamw_step, sum_sq, AdamWStep};
 pub use cpu::attention::{paged_attention, KvElem, PagedAttentionArgs};
 pub use cpu::matmul::{
     matmul_nt, matmul_nt_bf16, matmul_nt_into, matmul_nt_multi, matmul_nt_multi_into,

@@ -46,6 +46,11 @@ pub struct LearnerConfig {
     pub micro_batch_tokens: usize,
     /// Passes over the step's rows (each pass: one optimizer step).
     pub epochs: usize,
+    /// Activation recomputation: `off` keeps every layer's intermediates
+    /// for the backward; `layers` keeps only each layer's input and
+    /// recomputes the layer during the backward (about one more forward of
+    /// compute for activation memory of layers x hidden x tokens).
+    pub recompute: Recompute,
     /// `shared`: the value head reads the policy's hidden state; `separate`:
     /// the critic has its own backbone (FOCUS and PPO only).
     pub critic: CriticMode,
@@ -58,9 +63,21 @@ impl Default for LearnerConfig {
             value_coef: 0.5,
             micro_batch_tokens: 4096,
             epochs: 1,
+            recompute: Recompute::Off,
             critic: CriticMode::Shared,
         }
     }
+}
+
+/// Activation recomputation ([`LearnerConfig::recompute`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Recompute {
+    /// Keep every intermediate of the forward for the backward.
+    #[default]
+    Off,
+    /// Keep each layer's input only; recompute the layer in the backward.
+    Layers,
 }
 
 /// What one update did.
@@ -174,6 +191,15 @@ struct Packed {
     /// Flat index and target of each value regression.
     v_rows: Vec<u32>,
     v_targets: Vec<f32>,
+}
+
+/// A micro-batch's sums of the loss kernels' outputs: policy `(loss,
+/// clipped weight, k3, weight)`, value loss, `-logp` of the trained tokens.
+#[derive(Debug, Default)]
+struct MicroSums {
+    pol: [f64; 4],
+    value: f64,
+    nll: f64,
 }
 
 /// Pack `rows` (with their per-token policy weights `w[row][i]`, aligned
@@ -423,47 +449,63 @@ impl Learner {
             for mb in mbs {
                 let t0 = std::time::Instant::now();
                 let p = pack(mb, &dev)?;
-                let (h, values) = self.model.forward_packed(&p.ids, &p.seq_lens)?;
-                let mut total: Option<Tensor> = None;
-                if !p.lp_rows.is_empty() {
-                    let n = p.lp_rows.len();
-                    let rows_t = Tensor::from_vec(p.lp_rows, n, &dev)?;
-                    let hsel = h.index_select(&rows_t, 0)?;
-                    let tg = Tensor::from_vec(p.lp_targets, n, &dev)?;
-                    let mut lp = token_logprobs(&hsel, &self.model.policy.lm_head, &tg, 256)?;
-                    if !train_policy {
-                        lp = lp.detach();
+                let loss = |h: &Tensor, values: &Tensor, sums: &mut MicroSums| {
+                    self.micro_loss(&p, h, values, train_policy, clip, v_w, sums)
+                };
+                let mut sums = MicroSums::default();
+                match self.cfg.recompute {
+                    Recompute::Off => {
+                        let (h, values) = self.model.forward_packed(&p.ids, &p.seq_lens)?;
+                        let total = loss(&h, &values, &mut sums)?;
+                        let t1 = std::time::Instant::now();
+                        t_fwd += (t1 - t0).as_secs_f64();
+                        if let Some(t) = total {
+                            acc.add(self.opt.vars(), &t.backward()?)?;
+                        }
+                        t_bwd += t1.elapsed().as_secs_f64();
                     }
-                    let aux = arbor_ops::pack_aux(&p.old_lp, &p.adv, &p.lp_w, &dev)?
-                        .to_dtype(lp.dtype())?;
-                    let out = arbor_ops::ppo_loss(&lp, &aux, clip)?;
-                    let o: Vec<f64> = out.to_dtype(DType::F64)?.to_vec1()?;
-                    pol.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
-                    nll -= lp.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
-                    if train_policy {
-                        total = Some(out.narrow(0, 0, 1)?);
+                    Recompute::Layers => {
+                        let m = &self.model;
+                        let ck = m.policy.forward_checkpoints(&p.ids, &p.seq_lens)?;
+                        let pol_x = ck.last_leaf()?;
+                        let h = m.policy.final_norm(pol_x.as_tensor())?;
+                        let critic = match &m.critic_backbone {
+                            None => None,
+                            Some(c) => {
+                                let ck = c.forward_checkpoints(&p.ids, &p.seq_lens)?;
+                                let x = ck.last_leaf()?;
+                                Some((c, ck, x))
+                            }
+                        };
+                        let values = match &critic {
+                            None => m.value_head.forward(&h)?,
+                            Some((c, _, x)) => {
+                                m.value_head.forward(&c.final_norm(x.as_tensor())?)?
+                            }
+                        };
+                        let total = loss(&h, &values, &mut sums)?;
+                        let t1 = std::time::Instant::now();
+                        t_fwd += (t1 - t0).as_secs_f64();
+                        if let Some(t) = total {
+                            let vars = self.opt.vars();
+                            let grads = t.backward()?;
+                            acc.add(vars, &grads)?;
+                            if let Some(d) = grads.get(pol_x.as_tensor()) {
+                                m.policy
+                                    .backward_checkpoints(&ck, &p.ids, d, |g| acc.add(vars, g))?;
+                            }
+                            if let Some((c, cck, x)) = &critic {
+                                if let Some(d) = grads.get(x.as_tensor()) {
+                                    c.backward_checkpoints(cck, &p.ids, d, |g| acc.add(vars, g))?;
+                                }
+                            }
+                        }
+                        t_bwd += t1.elapsed().as_secs_f64();
                     }
                 }
-                if !p.v_rows.is_empty() && self.cfg.value_coef > 0.0 {
-                    let n = p.v_rows.len();
-                    let rows_t = Tensor::from_vec(p.v_rows, n, &dev)?;
-                    let v = values.index_select(&rows_t, 0)?;
-                    let aux = arbor_ops::pack_aux(&p.v_targets, &p.v_targets, &vec![v_w; n], &dev)?
-                        .to_dtype(v.dtype())?;
-                    let out = arbor_ops::value_loss(&v, &aux, 0.0)?;
-                    vl += out.get(0)?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-                    let term = (out.narrow(0, 0, 1)? * self.cfg.value_coef)?;
-                    total = Some(match total {
-                        Some(t) => (t + term)?,
-                        None => term,
-                    });
-                }
-                let t1 = std::time::Instant::now();
-                t_fwd += (t1 - t0).as_secs_f64();
-                if let Some(t) = total {
-                    acc.add(self.opt.vars(), &t.sum_all()?.backward()?)?;
-                }
-                t_bwd += t1.elapsed().as_secs_f64();
+                pol.iter_mut().zip(&sums.pol).for_each(|(a, b)| *a += b);
+                vl += sums.value;
+                nll += sums.nll;
             }
             let t0 = std::time::Instant::now();
             let s: StepStats = self.opt.step(&acc)?;
@@ -483,6 +525,60 @@ impl Learner {
         stats.time_backward_s = t_bwd;
         stats.time_optimizer_s = t_opt;
         Ok(stats)
+    }
+
+    /// One micro-batch's loss from its final hidden states `h: [N, H]` and
+    /// values `[N]`: the policy term through [`arbor_ops::ppo_loss`] (unless
+    /// `train_policy` is off; its statistics are summed either way) plus
+    /// `value_coef` x [`arbor_ops::value_loss`]. `None` when nothing is
+    /// trained.
+    #[allow(clippy::too_many_arguments)]
+    fn micro_loss(
+        &self,
+        p: &Packed,
+        h: &Tensor,
+        values: &Tensor,
+        train_policy: bool,
+        clip: PpoClip,
+        v_w: f32,
+        sums: &mut MicroSums,
+    ) -> Result<Option<Tensor>, TrainError> {
+        let dev = self.device();
+        let mut total: Option<Tensor> = None;
+        if !p.lp_rows.is_empty() {
+            let n = p.lp_rows.len();
+            let rows_t = Tensor::from_slice(&p.lp_rows, n, &dev)?;
+            let hsel = h.index_select(&rows_t, 0)?;
+            let tg = Tensor::from_slice(&p.lp_targets, n, &dev)?;
+            let mut lp = token_logprobs(&hsel, &self.model.policy.lm_head, &tg, 256)?;
+            if !train_policy {
+                lp = lp.detach();
+            }
+            let aux =
+                arbor_ops::pack_aux(&p.old_lp, &p.adv, &p.lp_w, &dev)?.to_dtype(lp.dtype())?;
+            let out = arbor_ops::ppo_loss(&lp, &aux, clip)?;
+            let o: Vec<f64> = out.to_dtype(DType::F64)?.to_vec1()?;
+            sums.pol.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            sums.nll -= lp.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+            if train_policy {
+                total = Some(out.narrow(0, 0, 1)?);
+            }
+        }
+        if !p.v_rows.is_empty() && self.cfg.value_coef > 0.0 {
+            let n = p.v_rows.len();
+            let rows_t = Tensor::from_slice(&p.v_rows, n, &dev)?;
+            let v = values.index_select(&rows_t, 0)?;
+            let aux = arbor_ops::pack_aux(&p.v_targets, &p.v_targets, &vec![v_w; n], &dev)?
+                .to_dtype(v.dtype())?;
+            let out = arbor_ops::value_loss(&v, &aux, 0.0)?;
+            sums.value += out.get(0)?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            let term = (out.narrow(0, 0, 1)? * self.cfg.value_coef)?;
+            total = Some(match total {
+                Some(t) => (t + term)?,
+                None => term,
+            });
+        }
+        total.map(|t| t.sum_all()).transpose().map_err(Into::into)
     }
 
     /// Supervised step: maximise the log-likelihood of the masked tokens of

@@ -152,8 +152,9 @@ impl AdamW {
             + (1.0 - c.min_lr_ratio) * 0.5 * (1.0 + (std::f64::consts::PI * u).cos()))
     }
 
-    /// One update from accumulated gradients (parameters without a gradient
-    /// are left unchanged but their moments still decay, as in PyTorch).
+    /// One update from accumulated gradients ([`arbor_ops::adamw_step`]: in
+    /// place on the CPU). Parameters without a gradient are skipped, their
+    /// moments included, as PyTorch skips parameters whose `grad` is None.
     pub fn step(&mut self, grads: &GradAccum) -> Result<StepStats, TrainError> {
         self.step += 1;
         let t = self.step;
@@ -161,11 +162,7 @@ impl AdamW {
         let mut sq = 0f64;
         for (_, v) in &self.vars {
             if let Some(g) = grads.get(v) {
-                sq += g
-                    .to_dtype(DType::F64)?
-                    .sqr()?
-                    .sum_all()?
-                    .to_scalar::<f64>()?;
+                sq += arbor_ops::sum_sq(g)?;
             }
         }
         let norm = sq.sqrt();
@@ -182,17 +179,19 @@ impl AdamW {
         let (b1, b2) = (self.cfg.beta1, self.cfg.beta2);
         let bc1 = 1.0 - b1.powi(t as i32);
         let bc2 = 1.0 - b2.powi(t as i32);
+        let h = arbor_ops::AdamWStep {
+            lr,
+            beta1: b1,
+            beta2: b2,
+            eps: self.cfg.eps,
+            weight_decay: self.cfg.weight_decay,
+            bias1: bc1,
+            bias2: bc2,
+            grad_scale: scale,
+        };
         for (i, (_, var)) in self.vars.iter().enumerate() {
             let Some(g) = grads.get(var) else { continue };
-            let g = (g.to_dtype(DType::F32)? * scale)?;
-            self.m[i] = ((&self.m[i] * b1)? + (&g * (1.0 - b1))?)?;
-            self.v[i] = ((&self.v[i] * b2)? + (g.sqr()? * (1.0 - b2))?)?;
-            let mhat = (&self.m[i] / bc1)?;
-            let vhat = (&self.v[i] / bc2)?;
-            let p = var.as_tensor().to_dtype(DType::F32)?;
-            let upd = ((mhat / (vhat.sqrt()? + self.cfg.eps)?)? + (&p * self.cfg.weight_decay)?)?;
-            let new = (p - (upd * lr)?)?.to_dtype(var.dtype())?;
-            var.set(&new)?;
+            arbor_ops::adamw_step(var, &mut self.m[i], &mut self.v[i], g, &h)?;
         }
         Ok(StepStats {
             lr,

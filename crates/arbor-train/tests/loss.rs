@@ -2,13 +2,13 @@
 //! float64 reference computed here from the model's own logits: clipped
 //! PPO with an asymmetric clip, token- and sequence-mean aggregation, rows
 //! whose prefix is masked (prompts, replayed prefixes), and the value loss.
-//! Micro-batching (rows packed into one stream, or one row at a time) does
-//! not change the step's loss or gradient.
+//! Micro-batching (rows packed into one stream, or one row at a time) and
+//! activation recomputation do not change the step's loss or gradient.
 
 use arbor_model::{Arch, CriticMode, ModelConfig, RopeScaling};
 use arbor_rl::credit::LossRow;
 use arbor_rl::ppo::{Aggregation, PolicyLossConfig};
-use arbor_train::learner::{Learner, LearnerConfig, UpdateStats};
+use arbor_train::learner::{Learner, LearnerConfig, Recompute, UpdateStats};
 use arbor_train::optim::AdamWConfig;
 use candle_core::{DType, Device, Tensor};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -40,16 +40,26 @@ fn cfg() -> ModelConfig {
 const CLIP: (f64, f64) = (0.2, 0.28);
 
 fn learner(agg: Aggregation, micro_batch_tokens: usize) -> Learner {
+    learner_with(agg, micro_batch_tokens, CriticMode::Shared, Recompute::Off)
+}
+
+fn learner_with(
+    agg: Aggregation,
+    micro_batch_tokens: usize,
+    critic: CriticMode,
+    recompute: Recompute,
+) -> Learner {
     let lcfg = LearnerConfig {
         policy: PolicyLossConfig {
             eps_low: CLIP.0,
             eps_high: CLIP.1,
             aggregation: agg,
         },
-        critic: CriticMode::Shared,
+        critic,
         value_coef: 0.5,
         micro_batch_tokens,
         epochs: 1,
+        recompute,
     };
     Learner::new(
         &cfg(),
@@ -226,6 +236,41 @@ fn micro_batching_does_not_change_the_step() {
                 (x - y).abs() < 1e-5 * (1.0 + x.abs()),
                 "{agg:?}: {what} {x} packed vs {y} row by row"
             );
+        }
+    }
+}
+
+#[test]
+fn recomputation_gives_the_same_step() {
+    for critic in [CriticMode::Shared, CriticMode::Separate] {
+        let run = |recompute| {
+            let mut l = learner_with(Aggregation::TokenMean, 12, critic, recompute);
+            let rows = rows(&l);
+            let s = l.update(&rows).unwrap();
+            let params: Vec<Vec<f32>> = l
+                .opt
+                .vars()
+                .iter()
+                .map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1().unwrap())
+                .collect();
+            (s, params)
+        };
+        let (a, pa) = run(Recompute::Off);
+        let (b, pb) = run(Recompute::Layers);
+        for (what, x, y) in [
+            ("policy loss", a.policy_loss, b.policy_loss),
+            ("value loss", a.value_loss, b.value_loss),
+            ("gradient norm", a.grad_norm, b.grad_norm),
+        ] {
+            assert!(
+                (x - y).abs() < 1e-5 * (1.0 + x.abs()),
+                "{critic:?}: {what} {x} without vs {y} with recomputation"
+            );
+        }
+        for (x, y) in pa.iter().zip(&pb) {
+            for (u, w) in x.iter().zip(y) {
+                assert!((u - w).abs() < 1e-6, "{critic:?}: parameters {u} vs {w}");
+            }
         }
     }
 }
