@@ -41,7 +41,9 @@ use num_traits::Float;
 use rayon::prelude::*;
 
 /// Element types of the CPU kernels.
-trait Elem: Float + WithDType + Send + Sync + std::iter::Sum {
+trait Elem:
+    Float + WithDType + Send + Sync + std::iter::Sum + std::ops::AddAssign + std::ops::MulAssign
+{
     /// `exp(x)`: for f32 a polynomial that vectorises ([`exp_f32`]); f64
     /// (the reference) the library's.
     fn fast_exp(self) -> Self;
@@ -79,6 +81,9 @@ fn exp_f32(x: f32) -> f32 {
         1.0,
         1.0,
     ];
+    // Not `clamp`: it passes NaN through, and NaN must not reach the
+    // exponent conversion below.
+    #[allow(clippy::manual_clamp)]
     let x = x.max(-87.3).min(88.7);
     let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
     let r = x - n * 0.693_145_75;
@@ -120,7 +125,7 @@ fn sum_lanes<T: Elem>(x: &[T]) -> T {
     let rest = c.remainder();
     for x in c {
         for l in 0..16 {
-            acc[l] = acc[l] + x[l];
+            acc[l] += x[l];
         }
     }
     acc.iter().chain(rest).fold(T::zero(), |a, &b| a + b)
@@ -169,12 +174,12 @@ fn dot<T: Elem>(a: &[T], b: &[T]) -> T {
     let (ra, rb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
         for l in 0..8 {
-            acc[l] = acc[l] + x[l] * y[l];
+            acc[l] += x[l] * y[l];
         }
     }
     let mut s = acc.iter().copied().sum::<T>();
     for (x, y) in ra.iter().zip(rb) {
-        s = s + *x * *y;
+        s += *x * *y;
     }
     s
 }
@@ -183,7 +188,7 @@ fn dot<T: Elem>(a: &[T], b: &[T]) -> T {
 #[inline(always)]
 fn axpy<T: Elem>(y: &mut [T], a: T, x: &[T]) {
     for (y, x) in y.iter_mut().zip(x) {
-        *y = *y + a * *x;
+        *y += a * *x;
     }
 }
 
@@ -251,7 +256,7 @@ fn rms_bwd<T: Elem>(x: &[T], w: &[T], dy: &[T], eps: f64) -> (Vec<T>, Vec<T>) {
                 let r = inv_rms(x, eps);
                 for i in 0..d {
                     g[i] = dy[i] * w[i];
-                    dw[i] = dw[i] + dy[i] * x[i] * r;
+                    dw[i] += dy[i] * x[i] * r;
                 }
                 let c = dot(&g, x) * inv_d * r * r * r;
                 for i in 0..d {
@@ -728,7 +733,7 @@ fn attn_head_fwd<T: Elem>(
         let qi = &q[((s0 + i) * nh + h) * d..][..d];
         row_times(qi, &hk.kt, l, m, &mut p);
         for pj in &mut p[..m] {
-            *pj = *pj * scale;
+            *pj *= scale;
         }
         let mx = max_lanes(&p[..m]);
         for pj in &mut p[..m] {
@@ -1196,7 +1201,7 @@ mod tests {
                             qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() / (d as f64).sqrt()
                         })
                         .collect();
-                    let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let m = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                     let z: f64 = sc.iter().map(|s| (s - m).exp()).sum();
                     for (jj, s) in sc.iter().enumerate() {
                         let j = s0 + jj;

@@ -93,7 +93,7 @@ fn reference_row(l: &Learner, tokens: &[u32]) -> (Vec<f64>, Vec<f64>) {
     let mut lp = vec![0.0; tokens.len()];
     for i in 1..tokens.len() {
         let z = &logits[i - 1];
-        let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let m = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let lse = m + z.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
         lp[i] = z[tokens[i] as usize] - lse;
     }
@@ -151,7 +151,7 @@ fn reference(l: &Learner, rows: &[LossRow], agg: Aggregation) -> (f64, f64, f64)
     for r in rows {
         let (lp, v) = reference_row(l, &r.tokens);
         let in_row = r.mask.iter().skip(1).filter(|&&m| m > 0.0).count() as f64;
-        for i in 1..r.tokens.len() {
+        for (i, &lpi) in lp.iter().enumerate().skip(1) {
             if r.mask[i] == 0.0 {
                 continue;
             }
@@ -160,7 +160,7 @@ fn reference(l: &Learner, rows: &[LossRow], agg: Aggregation) -> (f64, f64, f64)
                 Aggregation::SequenceMean => 1.0 / (live * in_row),
                 Aggregation::TokenSum { normalizer } => 1.0 / normalizer,
             };
-            let rho = (lp[i] - r.behaviour_logprobs[i] as f64).exp();
+            let rho = (lpi - r.behaviour_logprobs[i] as f64).exp();
             let a = r.advantages[i] as f64;
             let rc = rho.clamp(1.0 - CLIP.0, 1.0 + CLIP.1);
             loss += w * -(rho * a).min(rc * a);
