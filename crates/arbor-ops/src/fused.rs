@@ -704,13 +704,110 @@ fn gather_head<T: Elem>(
     h
 }
 
-/// `s[j] = sum_e x[e] mt[e][j]` for `j < m` (`mt: [D, l]`), along `j`.
+/// Rows of query-like vectors scored together (register blocking).
+const QB: usize = 4;
+/// Score columns per register block.
+const JB: usize = 16;
+
+/// `s[r * l + j] = sum_e x[r][e] mt[e][j]` for the `QB` rows `xs` and
+/// `j < m` (`mt: [D, l]`): blocks of `QB x JB` sums held in registers, one
+/// load of `mt` per `QB` products.
 #[inline(always)]
-fn row_times<T: Elem>(x: &[T], mt: &[T], l: usize, m: usize, s: &mut [T]) {
-    s[..m].fill(T::zero());
-    for (e, &xe) in x.iter().enumerate() {
-        axpy(&mut s[..m], xe, &mt[e * l..e * l + m]);
+fn rows_times<T: Elem>(xs: [&[T]; QB], mt: &[T], l: usize, m: usize, s: &mut [T]) {
+    let d = xs[0].len();
+    let mut j = 0;
+    while j + JB <= m {
+        let mut acc = [[T::zero(); JB]; QB];
+        for e in 0..d {
+            let kt: &[T; JB] = mt[e * l + j..e * l + j + JB].try_into().expect("JB values");
+            for r in 0..QB {
+                let xe = xs[r][e];
+                for t in 0..JB {
+                    acc[r][t] += xe * kt[t];
+                }
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            s[r * l + j..r * l + j + JB].copy_from_slice(a);
+        }
+        j += JB;
     }
+    for jj in j..m {
+        for r in 0..QB {
+            let mut acc = T::zero();
+            for e in 0..d {
+                acc += xs[r][e] * mt[e * l + jj];
+            }
+            s[r * l + jj] = acc;
+        }
+    }
+}
+
+/// `out = sum_j p_j v[j]` (`v: [>= p.len(), D]` rows), the output held in
+/// registers in chunks of 64 values.
+#[inline(always)]
+fn weighted_rows<T: Elem>(p: &[T], v: &[T], d: usize, out: &mut [T]) {
+    const W: usize = 64;
+    let mut e0 = 0;
+    while e0 + W <= d {
+        let mut acc = [T::zero(); W];
+        for (j, &pj) in p.iter().enumerate() {
+            let vr: &[T; W] = v[j * d + e0..j * d + e0 + W].try_into().expect("W values");
+            for t in 0..W {
+                acc[t] += pj * vr[t];
+            }
+        }
+        out[e0..e0 + W].copy_from_slice(&acc);
+        e0 += W;
+    }
+    if e0 < d {
+        out[e0..d].fill(T::zero());
+        for (j, &pj) in p.iter().enumerate() {
+            axpy(&mut out[e0..d], pj, &v[j * d + e0..j * d + d]);
+        }
+    }
+}
+
+/// `y += sum_r a[r] x[r]` over the `QB` rows, `y` held in registers 16
+/// values at a time (one load and store of `y` per `QB` products).
+#[inline(always)]
+fn axpy_rows<T: Elem>(y: &mut [T], a: [T; QB], xs: [&[T]; QB]) {
+    const W: usize = 16;
+    let d = y.len();
+    let mut e0 = 0;
+    while e0 + W <= d {
+        let yc: &mut [T; W] = (&mut y[e0..e0 + W]).try_into().expect("W values");
+        let mut acc = *yc;
+        for r in 0..QB {
+            let xr: &[T; W] = xs[r][e0..e0 + W].try_into().expect("W values");
+            for t in 0..W {
+                acc[t] += a[r] * xr[t];
+            }
+        }
+        *yc = acc;
+        e0 += W;
+    }
+    for r in 0..QB {
+        axpy(&mut y[e0..], a[r], &xs[r][e0..d]);
+    }
+}
+
+/// The `QB` query rows starting at `i0` (repeating the last where the
+/// sequence ends), as slices of `x` (`[N, nh, D]`, head `h`).
+#[inline(always)]
+fn block_rows<T: Elem>(
+    x: &[T],
+    s0: usize,
+    i0: usize,
+    l: usize,
+    nh: usize,
+    h: usize,
+    d: usize,
+) -> [&[T]; QB] {
+    std::array::from_fn(|r| {
+        let i = (i0 + r).min(l - 1);
+        &x[((s0 + i) * nh + h) * d..][..d]
+    })
 }
 
 /// One (sequence, query head) of the forward: rows `o [L, D]` and `lse [L]`.
@@ -727,25 +824,28 @@ fn attn_head_fwd<T: Elem>(
     let scale = T::one() / T::from(d).expect("head dim fits a float").sqrt();
     let mut o = vec![T::zero(); l * d];
     let mut lse = vec![0f64; l];
-    let mut p = vec![T::zero(); l];
-    for i in 0..l {
-        let m = i + 1;
-        let qi = &q[((s0 + i) * nh + h) * d..][..d];
-        row_times(qi, &hk.kt, l, m, &mut p);
-        for pj in &mut p[..m] {
-            *pj *= scale;
+    let mut sc = vec![T::zero(); QB * l];
+    for i0 in (0..l).step_by(QB) {
+        let mmax = (i0 + QB).min(l);
+        rows_times(block_rows(q, s0, i0, l, nh, h, d), &hk.kt, l, mmax, &mut sc);
+        for i in i0..mmax {
+            let m = i + 1;
+            let p = &mut sc[(i - i0) * l..(i - i0) * l + m];
+            for pj in p.iter_mut() {
+                *pj *= scale;
+            }
+            let mx = max_lanes(p);
+            for pj in p.iter_mut() {
+                *pj = (*pj - mx).fast_exp();
+            }
+            let sum = sum_lanes(p);
+            let inv = T::one() / sum;
+            for pj in p.iter_mut() {
+                *pj *= inv;
+            }
+            weighted_rows(p, &hk.v, d, &mut o[i * d..(i + 1) * d]);
+            lse[i] = WithDType::to_f64(mx + sum.ln());
         }
-        let mx = max_lanes(&p[..m]);
-        for pj in &mut p[..m] {
-            *pj = (*pj - mx).fast_exp();
-        }
-        let sum = sum_lanes(&p[..m]);
-        let inv = T::one() / sum;
-        let oi = &mut o[i * d..(i + 1) * d];
-        for (j, &pj) in p[..m].iter().enumerate() {
-            axpy(oi, pj * inv, &hk.v[j * d..(j + 1) * d]);
-        }
-        lse[i] = WithDType::to_f64(mx + sum.ln());
     }
     (o, lse)
 }
@@ -772,27 +872,50 @@ fn attn_head_bwd<T: Elem>(
         vec![T::zero(); l * d],
         vec![T::zero(); l * d],
     );
-    let mut p = vec![T::zero(); l];
-    let mut dp = vec![T::zero(); l];
-    for i in 0..l {
-        let m = i + 1;
-        let row = ((s0 + i) * nh + h) * d;
-        let (qi, oi, doi) = (&q[row..row + d], &o[row..row + d], &dout[row..row + d]);
-        let delta = dot(doi, oi);
-        let li = T::from(lse[(s0 + i) * nh + h]).expect("finite");
-        row_times(qi, &hk.kt, l, m, &mut p);
-        row_times(doi, &hk.vt, l, m, &mut dp);
-        // p_j, then dS_j (into dp).
-        for (pj, dpj) in p[..m].iter_mut().zip(&mut dp[..m]) {
-            *pj = (*pj * scale - li).fast_exp();
-            *dpj = *pj * (*dpj - delta) * scale;
+    let mut ps = vec![T::zero(); QB * l];
+    let mut dps = vec![T::zero(); QB * l];
+    for i0 in (0..l).step_by(QB) {
+        let mmax = (i0 + QB).min(l);
+        rows_times(block_rows(q, s0, i0, l, nh, h, d), &hk.kt, l, mmax, &mut ps);
+        rows_times(
+            block_rows(dout, s0, i0, l, nh, h, d),
+            &hk.vt,
+            l,
+            mmax,
+            &mut dps,
+        );
+        for r in 0..QB {
+            let i = i0 + r;
+            let (p, dp) = (&mut ps[r * l..r * l + mmax], &mut dps[r * l..r * l + mmax]);
+            if i >= mmax {
+                // Past the sequence's end: a repeated row, no weight.
+                p.fill(T::zero());
+                dp.fill(T::zero());
+                continue;
+            }
+            let m = i + 1;
+            let row = ((s0 + i) * nh + h) * d;
+            let (oi, doi) = (&o[row..row + d], &dout[row..row + d]);
+            let delta = dot(doi, oi);
+            let li = T::from(lse[(s0 + i) * nh + h]).expect("finite");
+            // p_j, then dS_j (into dp); zero past the causal limit.
+            for (pj, dpj) in p[..m].iter_mut().zip(dp[..m].iter_mut()) {
+                *pj = (*pj * scale - li).fast_exp();
+                *dpj = *pj * (*dpj - delta) * scale;
+            }
+            p[m..].fill(T::zero());
+            dp[m..].fill(T::zero());
+            weighted_rows(&dp[..m], &hk.k, d, &mut dq[i * d..(i + 1) * d]);
         }
-        let dqi = &mut dq[i * d..(i + 1) * d];
-        for j in 0..m {
-            let (pj, ds) = (p[j], dp[j]);
-            axpy(dqi, ds, &hk.k[j * d..(j + 1) * d]);
-            axpy(&mut dk[j * d..(j + 1) * d], ds, qi);
-            axpy(&mut dv[j * d..(j + 1) * d], pj, doi);
+        // dk_j += sum_r dS_rj q_r and dv_j += sum_r P_rj dO_r, the block's
+        // rows together: one pass over dk_j, dv_j per block.
+        let qs = block_rows(q, s0, i0, l, nh, h, d);
+        let dos = block_rows(dout, s0, i0, l, nh, h, d);
+        for j in 0..mmax {
+            let ds: [T; QB] = std::array::from_fn(|r| dps[r * l + j]);
+            let pr: [T; QB] = std::array::from_fn(|r| ps[r * l + j]);
+            axpy_rows(&mut dk[j * d..(j + 1) * d], ds, qs);
+            axpy_rows(&mut dv[j * d..(j + 1) * d], pr, dos);
         }
     }
     (dq, dk, dv)
@@ -1253,6 +1376,52 @@ mod tests {
             ],
             &|x| packed_causal_attention(&x[0], &x[1], &x[2], &lens),
         );
+    }
+
+    /// Long enough rows and a head size of 64 for the register-blocked
+    /// paths (full blocks of queries, key columns and output values) and
+    /// their tails: output and gradients against the composed candle ops'
+    /// autograd, in f64.
+    #[test]
+    fn packed_attention_blocked_paths_match_composed_autograd() {
+        let (nh, nkv, d) = (4, 2, 64);
+        let lens = [37usize, 20, 3];
+        let n: usize = lens.iter().sum();
+        let mk = |v: Vec<f64>, s: &[usize]| Var::from_tensor(&t(&v, s)).unwrap();
+        let q = mk(rnd(n * nh * d, 21), &[n, nh, d]);
+        let k = mk(rnd(n * nkv * d, 22), &[n, nkv, d]);
+        let v = mk(rnd(n * nkv * d, 23), &[n, nkv, d]);
+        let probe = t(&rnd(n * nh * d, 24), &[n, nh, d]);
+        let geom = Geom {
+            nh,
+            nkv,
+            d,
+            starts: Arc::new(vec![0, 37, 57, 60]),
+        };
+        let fused =
+            packed_causal_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &lens).unwrap();
+        let composed =
+            composed_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &geom).unwrap();
+        close(&fused, &composed, 1e-12);
+        let ga = (fused * &probe)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let gb = (composed * &probe)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        for x in [&q, &k, &v] {
+            close(
+                ga.get(x.as_tensor()).unwrap(),
+                gb.get(x.as_tensor()).unwrap(),
+                1e-11,
+            );
+        }
     }
 
     #[test]
