@@ -174,8 +174,9 @@ pub fn run(cfg: &CheckConfig) -> Result<Report> {
     // the rest still run. The JSON is rewritten after every section, so a
     // run cut short by a time limit keeps what it measured.
     type Section = fn(&Device, bool, &mut Rng, &mut Vec<Check>) -> Result<()>;
-    let sections: [(&str, Section); 6] = [
+    let sections: [(&str, Section); 7] = [
         ("logprob", ops::logprob_checks),
+        ("fused", ops::fused_checks),
         ("losses", ops::loss_checks),
         ("segment", ops::segment_checks),
         ("attention", ops::attention_checks),

@@ -348,3 +348,123 @@ fn brute_attention(
     }
     Ok(Tensor::from_vec(o, (t, nh, d), &Device::Cpu)?)
 }
+
+/// The training forward's fused ops (`rms_norm`, `rope`, `swiglu`,
+/// `packed_causal_attention`), forward and the gradients of every input,
+/// against the CPU's float64 kernels (finite-difference tested) on the same
+/// inputs. On a GPU these are the ops the training forward runs there.
+pub fn fused_checks(dev: &Device, quick: bool, rng: &mut Rng, out: &mut Vec<Check>) -> Result<()> {
+    let cpu = Device::Cpu;
+    // Qwen3-0.6B's attention and MLP shapes unless quick.
+    let (lens, nh, nkv, d, hid, inter) = if quick {
+        (vec![37usize, 20, 7], 4, 2, 64, 64, 96)
+    } else {
+        (vec![512usize, 300, 200, 12], 16, 8, 128, 1024, 3072)
+    };
+    let n: usize = lens.iter().sum();
+    type Op = dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>;
+    /// A named op with its inputs' shapes.
+    type Case<'a> = (&'a str, Vec<Vec<usize>>, Box<Op>);
+    /// Output and input gradients of `sum(f(inputs) * probe)`.
+    fn grads(
+        f: &dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>,
+        xs: &[Tensor],
+        probe: &Tensor,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let vars = xs
+            .iter()
+            .map(candle_core::Var::from_tensor)
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let y = f(&ts)?;
+        let g = (y.to_dtype(DType::F32)?.to_dtype(probe.dtype())? * probe)?
+            .sum_all()?
+            .backward()?;
+        let gs = vars
+            .iter()
+            .map(|v| g.get(v.as_tensor()).cloned().or_msg("no gradient"))
+            .collect::<Result<Vec<_>>>()?;
+        Ok((y, gs))
+    }
+    for dt in float_dtypes(dev) {
+        let cases: Vec<Case<'_>> = vec![
+            (
+                "rms_norm",
+                vec![vec![n, hid], vec![hid]],
+                Box::new(|x: &[Tensor]| arbor_ops::rms_norm(&x[0], &x[1], 1e-6)),
+            ),
+            (
+                "swiglu",
+                vec![vec![n, inter], vec![n, inter]],
+                Box::new(|x: &[Tensor]| arbor_ops::swiglu(&x[0], &x[1])),
+            ),
+            (
+                "packed attention",
+                vec![vec![n, nh, d], vec![n, nkv, d], vec![n, nkv, d]],
+                Box::new({
+                    let lens = lens.clone();
+                    move |x: &[Tensor]| {
+                        arbor_ops::packed_causal_attention(&x[0], &x[1], &x[2], &lens)
+                    }
+                }),
+            ),
+        ];
+        for (name, shapes, f) in cases {
+            let (xd, x64): (Vec<Tensor>, Vec<Tensor>) = shapes
+                .iter()
+                .map(|s| rand_t(rng, s, -1.0, 1.0, dt, dev))
+                .collect::<Result<Vec<_>>>()?
+                .into_iter()
+                .unzip();
+            let out_shape = f(&x64)?.dims().to_vec();
+            let (pd, p64) = rand_t(rng, &out_shape, -1.0, 1.0, DType::F32, dev)?;
+            let (y, g) = grads(&*f, &xd, &pd)?;
+            let (ry, rg) = grads(&*f, &x64, &p64.to_device(&cpu)?)?;
+            push(out, "fused", &format!("{name} fwd"), dt, rel_err(&y, &ry)?);
+            for (i, (a, b)) in g.iter().zip(&rg).enumerate() {
+                push(
+                    out,
+                    "fused",
+                    &format!("{name} bwd d input {i}"),
+                    dt,
+                    rel_err(a, b)?,
+                );
+            }
+        }
+        // RoPE at every position of the packed sequences.
+        let positions: Vec<f64> = lens
+            .iter()
+            .flat_map(|&l| (0..l).map(|p| p as f64))
+            .collect();
+        let mut cos = Vec::with_capacity(n * d / 2);
+        let mut sin = Vec::with_capacity(n * d / 2);
+        for &p in &positions {
+            for i in 0..d / 2 {
+                let a = p / 1e6f64.powf(2.0 * i as f64 / d as f64);
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        let table = |v: &[f64], dt: DType, dev: &Device| -> Result<Tensor> {
+            Ok(Tensor::from_slice(v, (n, d / 2), &cpu)?
+                .to_dtype(dt)?
+                .to_device(dev)?)
+        };
+        let (cd, sd) = (table(&cos, dt, dev)?, table(&sin, dt, dev)?);
+        let (c64, s64) = (
+            table(&cos, DType::F64, &cpu)?,
+            table(&sin, DType::F64, &cpu)?,
+        );
+        let (xd, x64) = rand_t(rng, &[n, nh, d], -1.0, 1.0, dt, dev)?;
+        let (pd, p64) = rand_t(rng, &[n, nh, d], -1.0, 1.0, DType::F32, dev)?;
+        let (y, g) = grads(&|x| arbor_ops::rope(&x[0], &cd, &sd), &[xd], &pd)?;
+        let (ry, rg) = grads(
+            &|x| arbor_ops::rope(&x[0], &c64, &s64),
+            &[x64],
+            &p64.to_device(&cpu)?,
+        )?;
+        push(out, "fused", "rope fwd", dt, rel_err(&y, &ry)?);
+        push(out, "fused", "rope bwd", dt, rel_err(&g[0], &rg[0])?);
+    }
+    Ok(())
+}
