@@ -8,8 +8,8 @@
 //! rest in its backward.
 //!
 //! - [`rms_norm`]: `y = w * x r`, `r = 1 / sqrt(mean(x^2) + eps)` over the
-//!   last dim (f32: the generation forward's kernel, bit for bit). Backward with `g = dy * w`: `dx = r g - x r^3 mean(g x)`,
-//!   `dw = sum_rows dy x r`.
+//!   last dim (f32: the generation forward's kernel, bit for bit). Backward
+//!   with `g = dy * w`: `dx = r g - x r^3 mean(g x)`, `dw = sum_rows dy x r`.
 //! - [`rope`]: `x = [x1 | x2]` (halves of the head dim) to
 //!   `[x1 c - x2 s | x2 c + x1 s]`, per token `(c, s)` rows; the backward is
 //!   the inverse rotation (`s -> -s`).
@@ -18,18 +18,21 @@
 //! - [`packed_causal_attention`]: `q: [N, nh, D]`, `k, v: [N, nkv, D]` of
 //!   sequences packed back to back (lengths `seq_lens`, no padding), each
 //!   query attending causally within its own sequence, grouped-query heads
-//!   (`h -> h / (nh / nkv)`), scale `1 / sqrt(D)`. Forward one query row at
-//!   a time (scores for that row only); saves `lse_i = log sum_j exp(s_ij)`.
-//!   Backward as FlashAttention-2, recomputing scores row by row:
-//!   `P_ij = exp(s_ij - lse_i)`, `delta_i = dO_i . O_i`,
-//!   `dS_ij = P_ij (dO_i . v_j - delta_i)`, `dq_i = c sum_j dS_ij k_j`,
-//!   `dk_j = c sum_i dS_ij q_i`, `dv_j = sum_i P_ij dO_i`. No `[T, T]`
-//!   tensor exists in either pass.
+//!   (`h -> h / (nh / nkv)`), scale `c = 1 / sqrt(D)`. One task per
+//!   (sequence, query head); the forward scores a block of 4 query rows at a
+//!   time (`[4, L]` scores, never `[L, L]`) and saves
+//!   `lse_i = log sum_j exp(s_ij)`. The backward is FlashAttention-2's,
+//!   recomputing the scores block by block: `P_ij = exp(s_ij - lse_i)`,
+//!   `delta_i = dO_i . O_i`, `dS_ij = P_ij (dO_i . v_j - delta_i)`,
+//!   `dq_i = c sum_j dS_ij k_j`, `dk_j = c sum_i dS_ij q_i`,
+//!   `dv_j = sum_i P_ij dO_i`. No `[T, T]` tensor exists in either pass.
 //!
-//! CPU, f32 (f32 accumulation) or f64: these kernels, parallel over rows
-//! (rayon), with every sum in a fixed order: the same bits on every run and
-//! at any thread count. Other devices and dtypes: the same functions compose candle ops,
-//! which carry candle's own backward.
+//! CPU, f32 (f32 accumulation; `exp` by a polynomial with relative error
+//! below 3e-7) or f64 (the finite-difference-tested reference): these
+//! kernels, multiversioned for AVX-512 / AVX2, parallel over rows or
+//! (sequence, head) tasks (rayon), with every sum in a fixed order: the same
+//! bits on every run and at any thread count. Other devices and dtypes: the
+//! same functions compose candle ops, which carry candle's own backward.
 
 use std::sync::{Arc, Mutex};
 
@@ -632,14 +635,19 @@ fn composed_attention(q: &Tensor, k: &Tensor, v: &Tensor, g: &Geom) -> Result<Te
         let ks = k.narrow(0, s, l)?.transpose(0, 1)?.contiguous()?;
         let vs = v.narrow(0, s, l)?.transpose(0, 1)?.contiguous()?;
         let scores = (qs.matmul(&ks.t()?)? * (1.0 / (d as f64).sqrt()))?.to_dtype(acc)?;
-        let mut mask = Vec::with_capacity(grp * l * l);
-        for _ in 0..grp {
-            for i in 0..l {
-                mask.extend((0..l).map(|j| if j > i { f32::NEG_INFINITY } else { 0.0 }));
-            }
-        }
-        let mask = Tensor::from_vec(mask, (grp * l, l), q.device())?.to_dtype(acc)?;
-        let scores = scores.broadcast_add(&mask)?;
+        // The causal mask built on the device: 0 where key <= query, -inf
+        // above the diagonal, broadcast over the group's heads.
+        let dev = q.device();
+        let pos = Tensor::arange(0u32, l as u32, dev)?;
+        let allowed = pos.unsqueeze(1)?.broadcast_ge(&pos.unsqueeze(0)?)?;
+        let mask = allowed.where_cond(
+            &Tensor::zeros((l, l), acc, dev)?,
+            &Tensor::full(f32::NEG_INFINITY, (l, l), dev)?.to_dtype(acc)?,
+        )?;
+        let scores = scores
+            .reshape((nkv, grp, l, l))?
+            .broadcast_add(&mask)?
+            .reshape((nkv, grp * l, l))?;
         let m = scores.max_keepdim(D::Minus1)?.detach();
         let e = scores.broadcast_sub(&m)?.exp()?;
         let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?.to_dtype(dt)?;
@@ -1422,6 +1430,47 @@ mod tests {
                 1e-11,
             );
         }
+    }
+
+    /// bf16 inputs take the composed candle path (as every op does on a
+    /// GPU): within bf16 rounding of the f64 kernels.
+    #[test]
+    fn composed_paths_match_the_kernels_in_bf16() {
+        let rel = |a: &Tensor, b: &Tensor| -> f64 {
+            let a = a.to_dtype(DType::F64).unwrap();
+            let num = (&a - b).unwrap().sqr().unwrap().sum_all().unwrap();
+            let den = b.sqr().unwrap().sum_all().unwrap();
+            (num.to_scalar::<f64>().unwrap() / den.to_scalar::<f64>().unwrap()).sqrt()
+        };
+        let bf = |x: &Tensor| x.to_dtype(DType::BF16).unwrap();
+        // Inputs rounded to bf16 first, so both sides see the same values.
+        let r64 = |v: Vec<f64>, s: &[usize]| bf(&t(&v, s)).to_dtype(DType::F64).unwrap();
+        let (n, nh, nkv, d) = (29, 4, 2, 16);
+        let x = r64(rnd(n * 32, 31), &[n, 32]);
+        let w = r64(rnd(32, 32), &[32]);
+        let e = rel(
+            &rms_norm(&bf(&x), &bf(&w), 1e-6).unwrap(),
+            &rms_norm(&x, &w, 1e-6).unwrap(),
+        );
+        assert!(e < 1e-2, "rms_norm {e}");
+        let u = r64(rnd(n * 32, 33), &[n, 32]);
+        let e = rel(&swiglu(&bf(&x), &bf(&u)).unwrap(), &swiglu(&x, &u).unwrap());
+        assert!(e < 1e-2, "swiglu {e}");
+        let q = r64(rnd(n * nh * d, 34), &[n, nh, d]);
+        let ang = rnd(n * d / 2, 35);
+        let c = r64(ang.iter().map(|a| a.cos()).collect(), &[n, d / 2]);
+        let sn = r64(ang.iter().map(|a| a.sin()).collect(), &[n, d / 2]);
+        let e = rel(
+            &rope(&bf(&q), &bf(&c), &bf(&sn)).unwrap(),
+            &rope(&q, &c, &sn).unwrap(),
+        );
+        assert!(e < 1e-2, "rope {e}");
+        let k = r64(rnd(n * nkv * d, 36), &[n, nkv, d]);
+        let v = r64(rnd(n * nkv * d, 37), &[n, nkv, d]);
+        let lens = [20, 9];
+        let got = packed_causal_attention(&bf(&q), &bf(&k), &bf(&v), &lens).unwrap();
+        let e = rel(&got, &packed_causal_attention(&q, &k, &v, &lens).unwrap());
+        assert!(e < 1e-2, "attention {e}");
     }
 
     #[test]
