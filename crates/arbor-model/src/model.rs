@@ -834,12 +834,10 @@ impl Transformer {
         Ok(h.reshape((b, t, self.cfg.hidden_size))?)
     }
 
-    /// Training forward over sequences packed back to back: `ids: [N]`
-    /// (u32), `seq_lens` summing to `N`; each sequence starts at position 0
-    /// and attends only to itself. Returns the final hidden states (after
-    /// the final norm), `[N, H]`, differentiable in every parameter. No
-    /// padding is computed and no `[T, T]` attention matrix is kept.
-    pub fn forward_packed(&self, ids: &Tensor, seq_lens: &[usize]) -> Result<Tensor> {
+    /// RoPE tables `cos, sin: [N, D/2]` of packed sequences (each from
+    /// position 0), after checking that `seq_lens` are >= 1 and sum to the
+    /// `N` tokens of `ids: [N]`.
+    fn packed_rope(&self, ids: &Tensor, seq_lens: &[usize]) -> Result<(Tensor, Tensor)> {
         let n = ids.dims1()?;
         if seq_lens.iter().sum::<usize>() != n || seq_lens.contains(&0) {
             return Err(ModelError::Input(format!(
@@ -847,10 +845,25 @@ impl Transformer {
             )));
         }
         let positions: Vec<u32> = seq_lens.iter().flat_map(|&l| 0..l as u32).collect();
-        let (cos, sin) = self.rope.cos_sin(&positions, self.dtype(), self.device())?;
-        let mut x = self
+        self.rope.cos_sin(&positions, self.dtype(), self.device())
+    }
+
+    /// Token embeddings of packed `ids: [N]` -> `[N, H]`.
+    fn embed_packed(&self, ids: &Tensor) -> Result<Tensor> {
+        let n = ids.dims1()?;
+        Ok(self
             .embed_tokens(&ids.reshape((1, n))?)?
-            .reshape((n, self.cfg.hidden_size))?;
+            .reshape((n, self.cfg.hidden_size))?)
+    }
+
+    /// Training forward over sequences packed back to back: `ids: [N]`
+    /// (u32), `seq_lens` summing to `N`; each sequence starts at position 0
+    /// and attends only to itself. Returns the final hidden states (after
+    /// the final norm), `[N, H]`, differentiable in every parameter. No
+    /// padding is computed and no `[T, T]` attention matrix is kept.
+    pub fn forward_packed(&self, ids: &Tensor, seq_lens: &[usize]) -> Result<Tensor> {
+        let (cos, sin) = self.packed_rope(ids, seq_lens)?;
+        let mut x = self.embed_packed(ids)?;
         for layer in &self.layers {
             x = layer.forward_packed(&x, &cos, &sin, seq_lens)?;
         }
@@ -869,20 +882,9 @@ impl Transformer {
         ids: &Tensor,
         seq_lens: &[usize],
     ) -> Result<LayerCheckpoints> {
-        let n = ids.dims1()?;
-        if seq_lens.iter().sum::<usize>() != n || seq_lens.contains(&0) {
-            return Err(ModelError::Input(format!(
-                "sequence lengths {seq_lens:?} must be >= 1 and sum to the {n} tokens"
-            )));
-        }
-        let positions: Vec<u32> = seq_lens.iter().flat_map(|&l| 0..l as u32).collect();
-        let (cos, sin) = self.rope.cos_sin(&positions, self.dtype(), self.device())?;
+        let (cos, sin) = self.packed_rope(ids, seq_lens)?;
         let mut xs = Vec::with_capacity(self.layers.len() + 1);
-        xs.push(
-            self.embed_tokens(&ids.reshape((1, n))?)?
-                .reshape((n, self.cfg.hidden_size))?
-                .detach(),
-        );
+        xs.push(self.embed_packed(ids)?.detach());
         for layer in &self.layers {
             let x = xs.last().expect("the embedding is first");
             let y = layer.forward_packed(x, &cos, &sin, seq_lens)?.detach();
@@ -929,13 +931,8 @@ impl Transformer {
                 })?
                 .detach();
         }
-        let grads = (|| -> Result<_> {
-            let n = ids.dims1()?;
-            let x0 = self
-                .embed_tokens(&ids.reshape((1, n))?)?
-                .reshape((n, self.cfg.hidden_size))?;
-            Ok((x0 * &dy)?.sum_all()?.backward()?)
-        })()?;
+        let grads =
+            (|| -> Result<_> { Ok((self.embed_packed(ids)? * &dy)?.sum_all()?.backward()?) })()?;
         sink(&grads)
     }
 

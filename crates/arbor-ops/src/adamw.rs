@@ -137,22 +137,14 @@ pub fn adamw_step(
     h: &AdamWStep,
 ) -> Result<()> {
     if in_place_here(&[p.as_tensor(), m, v, g]) {
-        m.inplace_op2(
-            g,
-            &Moment {
-                beta: h.beta1 as f32,
+        for (x, beta, square) in [(&*m, h.beta1, false), (&*v, h.beta2, true)] {
+            let op = Moment {
+                beta: beta as f32,
                 scale: h.grad_scale as f32,
-                square: false,
-            },
-        )?;
-        v.inplace_op2(
-            g,
-            &Moment {
-                beta: h.beta2 as f32,
-                scale: h.grad_scale as f32,
-                square: true,
-            },
-        )?;
+                square,
+            };
+            x.inplace_op2(g, &op)?;
+        }
         return p.as_tensor().inplace_op3(m, v, &Param(*h));
     }
     let g = (g.to_dtype(DType::F32)? * h.grad_scale)?;

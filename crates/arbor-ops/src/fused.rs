@@ -34,7 +34,7 @@
 //! bits on every run and at any thread count. Other devices and dtypes: the
 //! same functions compose candle ops, which carry candle's own backward.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use candle_core::{
     CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType, D,
@@ -47,7 +47,8 @@ use rayon::prelude::*;
 trait Elem:
     Float + WithDType + Send + Sync + std::iter::Sum + std::ops::AddAssign + std::ops::MulAssign
 {
-    /// `exp(x)`: for f32 a polynomial that vectorises ([`exp_f32`]); f64
+    /// `exp(x)`: for f32 a polynomial that vectorises
+    /// ([`crate::cpu::exp::exp_f32`]); f64
     /// (the reference) the library's.
     fn fast_exp(self) -> Self;
 }
@@ -55,7 +56,7 @@ trait Elem:
 impl Elem for f32 {
     #[inline(always)]
     fn fast_exp(self) -> f32 {
-        exp_f32(self)
+        crate::cpu::exp::exp_f32(self)
     }
 }
 
@@ -64,42 +65,6 @@ impl Elem for f64 {
     fn fast_exp(self) -> f64 {
         self.exp()
     }
-}
-
-/// `exp(x)` in f32 by arithmetic only, so loops over it vectorise:
-/// `x = n ln 2 + r`, `|r| <= ln 2 / 2` (`ln 2` split in two for an exact
-/// `r`), a degree-7 Taylor polynomial in `r` scaled by `2^n` through the
-/// exponent bits. `x` is clamped to `[-87.3, 88.7]` (below: about 1e-38,
-/// not a subnormal); relative error below 3e-7 (the engine's attention
-/// uses the same polynomial).
-#[inline(always)]
-fn exp_f32(x: f32) -> f32 {
-    const POLY: [f32; 8] = [
-        1.0 / 5040.0,
-        1.0 / 720.0,
-        1.0 / 120.0,
-        1.0 / 24.0,
-        1.0 / 6.0,
-        0.5,
-        1.0,
-        1.0,
-    ];
-    // Not `clamp`: it passes NaN through, and NaN must not reach the
-    // exponent conversion below.
-    #[allow(clippy::manual_clamp)]
-    let x = x.max(-87.3).min(88.7);
-    let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
-    let r = x - n * 0.693_145_75;
-    let r = r - n * 1.428_606_8e-6;
-    let mut p = POLY[0];
-    for c in &POLY[1..] {
-        p = p * r + c;
-    }
-    // SAFETY: `x` is clamped, so `n + 127` is in [1, 255], finite, an i32
-    // (NaN `x` would not be: `max`/`min` map it to the bounds).
-    #[allow(unsafe_code)]
-    let e = unsafe { (n + 127.0).to_int_unchecked::<i32>() };
-    p * f32::from_bits((e as u32) << 23)
 }
 
 /// `max_i x_i` with sixteen running maxima (vectorises; exact).
@@ -156,7 +121,17 @@ fn slice<'a, T: Elem>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
     }
 }
 
-/// Run `f` on the contiguous elements of CPU tensors (made contiguous first).
+/// Run `f` on the contiguous elements of a CPU tensor (made contiguous first).
+fn with1<T: Elem, R>(a: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) -> Result<R> {
+    let a = a.contiguous()?;
+    let (sa, la) = a.storage_and_layout();
+    match &*sa {
+        candle_core::Storage::Cpu(sa) => f(slice(sa, la)?),
+        _ => candle_core::bail!("fused op: CPU tensors expected"),
+    }
+}
+
+/// [`with1`] for two tensors.
 fn with2<T: Elem, R>(a: &Tensor, b: &Tensor, f: impl FnOnce(&[T], &[T]) -> Result<R>) -> Result<R> {
     let (a, b) = (a.contiguous()?, b.contiguous()?);
     let (sa, la) = a.storage_and_layout();
@@ -312,7 +287,7 @@ impl CustomOp2 for RmsNormOp {
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         fn go<T: Elem>(x: &Tensor, w: &Tensor, dy: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
             let (dx, dw) = with2::<T, _>(x, w, |xs, ws| {
-                with2::<T, _>(dy, dy, |dys, _| Ok(rms_bwd(xs, ws, dys, eps)))
+                with1::<T, _>(dy, |dys| Ok(rms_bwd(xs, ws, dys, eps)))
             })?;
             Ok((
                 Tensor::from_vec(dx, x.shape(), x.device())?,
@@ -534,7 +509,7 @@ impl CustomOp2 for SwigluOp {
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         fn go<T: Elem>(g: &Tensor, u: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
             let (dg, du) = with2::<T, _>(g, u, |gs, us| {
-                with2::<T, _>(dy, dy, |dys, _| Ok(swiglu_bwd(gs, us, dys)))
+                with1::<T, _>(dy, |dys| Ok(swiglu_bwd(gs, us, dys)))
             })?;
             Ok((
                 Tensor::from_vec(dg, g.shape(), g.device())?,
@@ -558,7 +533,7 @@ struct Geom {
     nkv: usize,
     d: usize,
     /// Sequence starts, with the total token count last (`S + 1` entries).
-    starts: Arc<Vec<usize>>,
+    starts: Vec<usize>,
 }
 
 impl Geom {
@@ -594,12 +569,7 @@ pub fn packed_causal_attention(
         at += l;
     }
     starts.push(at);
-    let geom = Geom {
-        nh,
-        nkv,
-        d,
-        starts: Arc::new(starts),
-    };
+    let geom = Geom { nh, nkv, d, starts };
     if !fused_here(q) || k.dtype() != q.dtype() || v.dtype() != q.dtype() {
         return composed_attention(q, k, v, &geom);
     }
@@ -930,7 +900,7 @@ fn attn_head_bwd<T: Elem>(
 }
 
 /// Forward: `(out [N, nh, D], lse [N, nh])`, one task per (sequence, head).
-fn attn_fwd<T: HeadKernels>(q: &[T], k: &[T], v: &[T], g: &Geom) -> (Vec<T>, Vec<f64>) {
+fn attn_fwd<T: Elem>(q: &[T], k: &[T], v: &[T], g: &Geom) -> (Vec<T>, Vec<f64>) {
     let (nh, d) = (g.nh, g.d);
     let n = q.len() / (nh * d);
     let seqs = g.starts.len() - 1;
@@ -939,7 +909,7 @@ fn attn_fwd<T: HeadKernels>(q: &[T], k: &[T], v: &[T], g: &Geom) -> (Vec<T>, Vec
         .map(|task| {
             let (si, h) = (task / nh, task % nh);
             let (s0, l) = (g.starts[si], g.starts[si + 1] - g.starts[si]);
-            T::head_fwd(q, k, v, g, s0, l, h)
+            head_fwd(q, k, v, g, s0, l, h)
         })
         .collect();
     let mut out = vec![T::zero(); n * nh * d];
@@ -960,7 +930,7 @@ fn attn_fwd<T: HeadKernels>(q: &[T], k: &[T], v: &[T], g: &Geom) -> (Vec<T>, Vec
 /// each group in head order afterwards (fixed order: the same bits on every
 /// run).
 #[allow(clippy::too_many_arguments)]
-fn attn_bwd<T: Elem + HeadKernels>(
+fn attn_bwd<T: Elem>(
     q: &[T],
     k: &[T],
     v: &[T],
@@ -977,7 +947,7 @@ fn attn_bwd<T: Elem + HeadKernels>(
         .map(|task| {
             let (si, h) = (task / nh, task % nh);
             let (s0, l) = (g.starts[si], g.starts[si + 1] - g.starts[si]);
-            T::head_bwd(q, k, v, o, dout, lse, g, s0, l, h)
+            head_bwd(q, k, v, o, dout, lse, g, s0, l, h)
         })
         .collect();
     let mut dq = vec![T::zero(); n * nh * d];
@@ -997,99 +967,41 @@ fn attn_bwd<T: Elem + HeadKernels>(
     (dq, dk, dv)
 }
 
-/// The per-head kernels compiled for several x86 feature levels
-/// (`multiversion`: AVX-512, AVX2 + FMA, baseline), picked at run time.
-trait HeadKernels: Elem {
-    fn head_fwd(
-        q: &[Self],
-        k: &[Self],
-        v: &[Self],
-        g: &Geom,
-        s0: usize,
-        l: usize,
-        h: usize,
-    ) -> (Vec<Self>, Vec<f64>);
-    #[allow(clippy::too_many_arguments)]
-    fn head_bwd(
-        q: &[Self],
-        k: &[Self],
-        v: &[Self],
-        o: &[Self],
-        dout: &[Self],
-        lse: &[f64],
-        g: &Geom,
-        s0: usize,
-        l: usize,
-        h: usize,
-    ) -> (Vec<Self>, Vec<Self>, Vec<Self>);
+/// One (sequence, query head) task of the forward, its keys and values
+/// gathered first; compiled for several x86 feature levels (AVX-512,
+/// AVX2 + FMA, baseline) and picked at run time.
+#[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma"))]
+fn head_fwd<T: Elem>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    g: &Geom,
+    s0: usize,
+    l: usize,
+    h: usize,
+) -> (Vec<T>, Vec<f64>) {
+    let hk = gather_head(k, v, g, s0, l, h / g.group(), false);
+    attn_head_fwd(q, &hk, g, s0, l, h)
 }
 
-macro_rules! head_kernels {
-    ($t:ty, $fwd:ident, $bwd:ident) => {
-        #[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma"))]
-        fn $fwd(
-            q: &[$t],
-            k: &[$t],
-            v: &[$t],
-            g: &Geom,
-            s0: usize,
-            l: usize,
-            h: usize,
-        ) -> (Vec<$t>, Vec<f64>) {
-            let hk = gather_head(k, v, g, s0, l, h / g.group(), false);
-            attn_head_fwd(q, &hk, g, s0, l, h)
-        }
-
-        #[allow(clippy::too_many_arguments)]
-        #[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma"))]
-        fn $bwd(
-            q: &[$t],
-            k: &[$t],
-            v: &[$t],
-            o: &[$t],
-            dout: &[$t],
-            lse: &[f64],
-            g: &Geom,
-            s0: usize,
-            l: usize,
-            h: usize,
-        ) -> (Vec<$t>, Vec<$t>, Vec<$t>) {
-            let hk = gather_head(k, v, g, s0, l, h / g.group(), true);
-            attn_head_bwd(q, o, dout, lse, &hk, g, s0, l, h)
-        }
-
-        impl HeadKernels for $t {
-            fn head_fwd(
-                q: &[$t],
-                k: &[$t],
-                v: &[$t],
-                g: &Geom,
-                s0: usize,
-                l: usize,
-                h: usize,
-            ) -> (Vec<$t>, Vec<f64>) {
-                $fwd(q, k, v, g, s0, l, h)
-            }
-            fn head_bwd(
-                q: &[$t],
-                k: &[$t],
-                v: &[$t],
-                o: &[$t],
-                dout: &[$t],
-                lse: &[f64],
-                g: &Geom,
-                s0: usize,
-                l: usize,
-                h: usize,
-            ) -> (Vec<$t>, Vec<$t>, Vec<$t>) {
-                $bwd(q, k, v, o, dout, lse, g, s0, l, h)
-            }
-        }
-    };
+/// One (sequence, query head) task of the backward, as [`head_fwd`].
+#[allow(clippy::too_many_arguments)]
+#[multiversion(targets("x86_64+avx512f+avx512vl+fma", "x86_64+avx2+fma"))]
+fn head_bwd<T: Elem>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    o: &[T],
+    dout: &[T],
+    lse: &[f64],
+    g: &Geom,
+    s0: usize,
+    l: usize,
+    h: usize,
+) -> (Vec<T>, Vec<T>, Vec<T>) {
+    let hk = gather_head(k, v, g, s0, l, h / g.group(), true);
+    attn_head_bwd(q, o, dout, lse, &hk, g, s0, l, h)
 }
-
-head_kernels!(f32, head_fwd_f32, head_bwd_f32);
-head_kernels!(f64, head_fwd_f64, head_bwd_f64);
 
 impl CustomOp3 for AttnOp {
     fn name(&self) -> &'static str {
@@ -1134,7 +1046,7 @@ impl CustomOp3 for AttnOp {
         let Some(lse) = guard.as_ref() else {
             candle_core::bail!("packed_causal_attention: backward before forward")
         };
-        fn go<T: HeadKernels>(
+        fn go<T: Elem>(
             q: &Tensor,
             k: &Tensor,
             v: &Tensor,
@@ -1145,7 +1057,7 @@ impl CustomOp3 for AttnOp {
         ) -> Result<(Tensor, Tensor, Tensor)> {
             let (dq, dk, dv) = with2::<T, _>(q, k, |qs, ks| {
                 with2::<T, _>(v, o, |vs, os| {
-                    with2::<T, _>(dout, dout, |ds, _| Ok(attn_bwd(qs, ks, vs, os, lse, ds, g)))
+                    with1::<T, _>(dout, |ds| Ok(attn_bwd(qs, ks, vs, os, lse, ds, g)))
                 })
             })?;
             Ok((
@@ -1365,7 +1277,7 @@ mod tests {
             nh,
             nkv,
             d,
-            starts: Arc::new(vec![0, 3, 4, 9]),
+            starts: vec![0, 3, 4, 9],
         };
         close(
             &composed_attention(&qt, &kt, &vt, &geom).unwrap(),
@@ -1404,7 +1316,7 @@ mod tests {
             nh,
             nkv,
             d,
-            starts: Arc::new(vec![0, 37, 57, 60]),
+            starts: vec![0, 37, 57, 60],
         };
         let fused =
             packed_causal_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &lens).unwrap();

@@ -16,7 +16,9 @@
 //! and replayed prefixes get zero weight.
 
 use arbor_model::logprobs::token_logprobs;
-use arbor_model::{ActorCritic, CriticMode, ModelConfig, ParamLoader, ParamSource};
+use arbor_model::{
+    ActorCritic, CriticMode, LayerCheckpoints, ModelConfig, ParamLoader, ParamSource, Transformer,
+};
 use arbor_ops::PpoClip;
 use arbor_rl::credit::LossRow;
 use arbor_rl::ppo::{aggregation_weights, PolicyLossConfig, TokenBatch};
@@ -193,7 +195,15 @@ struct Packed {
     v_targets: Vec<f32>,
 }
 
-/// A micro-batch's sums of the loss kernels' outputs: policy `(loss,
+/// [`Learner::forward_micro`]'s result: `h: [N, H]`, `values: [N]`, and
+/// per recomputed backbone its checkpoints and final leaf.
+struct MicroForward<'m> {
+    h: Tensor,
+    values: Tensor,
+    recomputed: Vec<(&'m Transformer, LayerCheckpoints, Var)>,
+}
+
+/// A step's sums of the loss kernels' outputs: policy `(loss,
 /// clipped weight, k3, weight)`, value loss, `-logp` of the trained tokens.
 #[derive(Debug, Default)]
 struct MicroSums {
@@ -203,7 +213,7 @@ struct MicroSums {
 }
 
 /// Pack `rows` (with their per-token policy weights `w[row][i]`, aligned
-/// with the row's tokens) into one token stream.
+/// with the row's tokens; missing weights are 0) into one token stream.
 fn pack(rows: &[(&LossRow, &[f64])], dev: &Device) -> Result<Packed, TrainError> {
     let mut ids = Vec::new();
     let mut p = Packed {
@@ -227,7 +237,7 @@ fn pack(rows: &[(&LossRow, &[f64])], dev: &Device) -> Result<Packed, TrainError>
                 p.lp_targets.push(r.tokens[i]);
                 p.old_lp.push(r.behaviour_logprobs[i]);
                 p.adv.push(r.advantages[i]);
-                p.lp_w.push(w[i] as f32);
+                p.lp_w.push(w.get(i).map_or(0.0, |&x| x as f32));
             }
         }
         for &(pos, target) in &r.value_targets {
@@ -440,83 +450,44 @@ impl Learner {
         let v_w = 1.0 / n_val.max(1) as f32;
         let dev = self.device();
         let (mut t_fwd, mut t_bwd, mut t_opt) = (0.0, 0.0, 0.0);
+        // Packed once, for every epoch.
+        let packs = micro_batches(&items, self.cfg.micro_batch_tokens, |(r, _)| r.tokens.len())
+            .into_iter()
+            .map(|mb| pack(mb, &dev))
+            .collect::<Result<Vec<_>, _>>()?;
         for epoch in 0..self.cfg.epochs.max(1) {
             let mut acc = GradAccum::default();
-            // Sums over the step of the kernels' outputs: policy (loss,
-            // clipped weight, k3, weight), value loss, -logp.
-            let (mut pol, mut vl, mut nll) = ([0.0f64; 4], 0.0, 0.0);
-            let mbs = micro_batches(&items, self.cfg.micro_batch_tokens, |(r, _)| r.tokens.len());
-            for mb in mbs {
+            let mut sums = MicroSums::default();
+            for p in &packs {
                 let t0 = std::time::Instant::now();
-                let p = pack(mb, &dev)?;
-                let loss = |h: &Tensor, values: &Tensor, sums: &mut MicroSums| {
-                    self.micro_loss(&p, h, values, train_policy, clip, v_w, sums)
-                };
-                let mut sums = MicroSums::default();
-                match self.cfg.recompute {
-                    Recompute::Off => {
-                        let (h, values) = self.model.forward_packed(&p.ids, &p.seq_lens)?;
-                        let total = loss(&h, &values, &mut sums)?;
-                        let t1 = std::time::Instant::now();
-                        t_fwd += (t1 - t0).as_secs_f64();
-                        if let Some(t) = total {
-                            acc.add(self.opt.vars(), &t.backward()?)?;
+                let fwd = self.forward_micro(p)?;
+                let total =
+                    self.micro_loss(p, &fwd.h, &fwd.values, train_policy, clip, v_w, &mut sums)?;
+                let t1 = std::time::Instant::now();
+                t_fwd += (t1 - t0).as_secs_f64();
+                if let Some(t) = total {
+                    let vars = self.opt.vars();
+                    let grads = t.backward()?;
+                    acc.add(vars, &grads)?;
+                    for (m, ck, x) in &fwd.recomputed {
+                        if let Some(d) = grads.get(x.as_tensor()) {
+                            m.backward_checkpoints(ck, &p.ids, d, |g| acc.add(vars, g))?;
                         }
-                        t_bwd += t1.elapsed().as_secs_f64();
-                    }
-                    Recompute::Layers => {
-                        let m = &self.model;
-                        let ck = m.policy.forward_checkpoints(&p.ids, &p.seq_lens)?;
-                        let pol_x = ck.last_leaf()?;
-                        let h = m.policy.final_norm(pol_x.as_tensor())?;
-                        let critic = match &m.critic_backbone {
-                            None => None,
-                            Some(c) => {
-                                let ck = c.forward_checkpoints(&p.ids, &p.seq_lens)?;
-                                let x = ck.last_leaf()?;
-                                Some((c, ck, x))
-                            }
-                        };
-                        let values = match &critic {
-                            None => m.value_head.forward(&h)?,
-                            Some((c, _, x)) => {
-                                m.value_head.forward(&c.final_norm(x.as_tensor())?)?
-                            }
-                        };
-                        let total = loss(&h, &values, &mut sums)?;
-                        let t1 = std::time::Instant::now();
-                        t_fwd += (t1 - t0).as_secs_f64();
-                        if let Some(t) = total {
-                            let vars = self.opt.vars();
-                            let grads = t.backward()?;
-                            acc.add(vars, &grads)?;
-                            if let Some(d) = grads.get(pol_x.as_tensor()) {
-                                m.policy
-                                    .backward_checkpoints(&ck, &p.ids, d, |g| acc.add(vars, g))?;
-                            }
-                            if let Some((c, cck, x)) = &critic {
-                                if let Some(d) = grads.get(x.as_tensor()) {
-                                    c.backward_checkpoints(cck, &p.ids, d, |g| acc.add(vars, g))?;
-                                }
-                            }
-                        }
-                        t_bwd += t1.elapsed().as_secs_f64();
                     }
                 }
-                pol.iter_mut().zip(&sums.pol).for_each(|(a, b)| *a += b);
-                vl += sums.value;
-                nll += sums.nll;
+                t_bwd += t1.elapsed().as_secs_f64();
             }
             let t0 = std::time::Instant::now();
             let s: StepStats = self.opt.step(&acc)?;
             t_opt += t0.elapsed().as_secs_f64();
             if epoch == 0 {
+                let pol = sums.pol;
                 let wsum = if pol[3] > 0.0 { pol[3] } else { 1.0 };
                 stats.policy_loss = pol[0];
-                stats.value_loss = vl;
+                stats.value_loss = sums.value;
                 stats.clip_fraction = pol[1] / wsum;
                 stats.approx_kl = pol[2] / wsum;
-                stats.entropy = nll / n_tok.max(1) as f64;
+                stats.entropy = sums.nll / n_tok.max(1) as f64;
             }
             stats.grad_norm = s.grad_norm;
             stats.lr = s.lr;
@@ -525,6 +496,47 @@ impl Learner {
         stats.time_backward_s = t_bwd;
         stats.time_optimizer_s = t_opt;
         Ok(stats)
+    }
+
+    /// A micro-batch's forward: final hidden states and values; with
+    /// `recompute = "layers"` through [`Transformer::forward_checkpoints`],
+    /// keeping each backbone's checkpoints and the leaf its gradient enters.
+    fn forward_micro(&self, p: &Packed) -> Result<MicroForward<'_>, TrainError> {
+        let m = &self.model;
+        if self.cfg.recompute == Recompute::Off {
+            let (h, values) = m.forward_packed(&p.ids, &p.seq_lens)?;
+            return Ok(MicroForward {
+                h,
+                values,
+                recomputed: Vec::new(),
+            });
+        }
+        /// `t`'s final hidden states from a new leaf over its checkpoints
+        /// (pushed to `out`).
+        fn final_hidden<'m>(
+            t: &'m Transformer,
+            p: &Packed,
+            out: &mut Vec<(&'m Transformer, LayerCheckpoints, Var)>,
+        ) -> Result<Tensor, TrainError> {
+            let ck = t.forward_checkpoints(&p.ids, &p.seq_lens)?;
+            let x = ck.last_leaf()?;
+            let h = t.final_norm(x.as_tensor())?;
+            out.push((t, ck, x));
+            Ok(h)
+        }
+        let mut recomputed = Vec::with_capacity(2);
+        let h = final_hidden(&m.policy, p, &mut recomputed)?;
+        let values = match &m.critic_backbone {
+            None => m.value_head.forward(&h)?,
+            Some(c) => m
+                .value_head
+                .forward(&final_hidden(c, p, &mut recomputed)?)?,
+        };
+        Ok(MicroForward {
+            h,
+            values,
+            recomputed,
+        })
     }
 
     /// One micro-batch's loss from its final hidden states `h: [N, H]` and
@@ -602,12 +614,8 @@ impl Learner {
         let dev = self.device();
         let mut acc = GradAccum::default();
         let mut nll = 0.0;
-        let none: Vec<Vec<f64>> = rows.iter().map(|r| vec![0.0; r.tokens.len()]).collect();
-        let items: Vec<(&LossRow, &[f64])> = rows
-            .iter()
-            .zip(&none)
-            .map(|(r, w)| (r, w.as_slice()))
-            .collect();
+        // No policy-loss weights: the supervised loss is its own.
+        let items: Vec<(&LossRow, &[f64])> = rows.iter().map(|r| (r, &[][..])).collect();
         for mb in micro_batches(&items, self.cfg.micro_batch_tokens, |(r, _)| r.tokens.len()) {
             let p = pack(mb, &dev)?;
             if p.lp_rows.is_empty() {

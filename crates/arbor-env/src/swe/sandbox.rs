@@ -293,6 +293,8 @@ impl Sandbox {
 
     fn bwrap_command(&self, bwrap: &Path, workspace: &Path, scratch: &Path) -> Command {
         let mut c = Command::new(bwrap);
+        // Every namespace unshared; killed with its parent; setsid, so the
+        // command cannot inject input into the caller's terminal.
         c.args(["--unshare-all", "--die-with-parent", "--new-session"]);
         for top in ["bin", "sbin", "lib", "lib32", "lib64", "libx32"] {
             let host = Path::new("/").join(top);

@@ -7,6 +7,7 @@
 //! there is one) live at the crate root.
 
 pub mod attention;
+pub(crate) mod exp;
 pub mod matmul;
 pub mod packed;
 pub mod rows;

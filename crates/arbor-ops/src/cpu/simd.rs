@@ -3,6 +3,8 @@
 #![cfg(target_arch = "x86_64")]
 #![allow(unsafe_code)]
 
+use super::exp::{EXP_POLY, LN2_HI, LN2_LO};
+
 /// `out[l] = sum of the 16 lanes of v[l]`, by one transpose tree (lanes
 /// `i + (i+8)`, `+4`, `+2`, `+1`).
 #[cfg(target_arch = "x86_64")]
@@ -46,18 +48,6 @@ pub(crate) unsafe fn hsum16(v: &[std::arch::x86_64::__m512; 16]) -> std::arch::x
     _mm512_permutexvar_ps(idx, r)
 }
 
-/// The degree-7 Taylor coefficients of `exp(r)`, highest first (Horner).
-const EXP_POLY: [f32; 8] = [
-    1.0 / 5040.0,
-    1.0 / 720.0,
-    1.0 / 120.0,
-    1.0 / 24.0,
-    1.0 / 6.0,
-    0.5,
-    1.0,
-    1.0,
-];
-
 /// `exp(x)` lane-wise for `x <= 0` (arguments below -87.3, `-inf`
 /// included, give about 1e-38 instead of a subnormal or 0; NaN stays NaN):
 /// `x = n ln 2 + r`, `|r| <= ln2 / 2`, a degree-7 Taylor polynomial in `r`,
@@ -72,8 +62,8 @@ pub(crate) unsafe fn exp512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::
     let x = _mm512_max_ps(_mm512_set1_ps(-87.3), x);
     let n =
         _mm512_roundscale_ps::<0x08>(_mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)));
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_145_75), x);
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428_606_8e-6), r);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
     let mut p = _mm512_set1_ps(EXP_POLY[0]);
     for c in &EXP_POLY[1..] {
         p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
@@ -199,8 +189,8 @@ pub(crate) unsafe fn exp256(x: std::arch::x86_64::__m256) -> std::arch::x86_64::
         _mm256_max_ps(_mm256_set1_ps(-87.3), x),
     );
     let n = _mm256_round_ps::<0x08>(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)));
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_145_75), x);
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428_606_8e-6), r);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
     let mut p = _mm256_set1_ps(EXP_POLY[0]);
     for c in &EXP_POLY[1..] {
         p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
