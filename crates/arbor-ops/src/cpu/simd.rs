@@ -312,32 +312,13 @@ mod tests {
         }
     }
 
-    /// `exp` at one argument through a vector kernel (`x` in every lane,
-    /// lane 0 returned).
-    fn check_exp(exp: impl Fn(f32) -> f32) {
-        let mut worst = 0f64;
-        let mut x = -90.0f32;
-        while x <= 0.0 {
-            let got = exp(x) as f64;
-            let want = (x as f64).exp();
-            if x > -87.0 {
-                worst = worst.max(((got - want) / want).abs());
-            } else {
-                assert!((0.0..1e-37).contains(&got));
-            }
-            x += 0.0137;
-        }
-        assert!(worst < 3e-7, "max relative error {worst}");
-        // NaN stays visible.
-        assert!(exp(f32::NAN).is_nan());
-    }
-
     #[test]
     fn exp512_is_accurate() {
+        use crate::cpu::exp::check_exp;
         if !std::is_x86_feature_detected!("avx512f") {
             return;
         }
-        check_exp(|x| {
+        check_exp(0.0, true, |x| {
             let mut out = [0f32; 16];
             // SAFETY: AVX-512F detected above.
             unsafe {
@@ -409,10 +390,11 @@ mod tests {
 
     #[test]
     fn exp256_is_accurate() {
+        use crate::cpu::exp::check_exp;
         if !avx2_fma() {
             return;
         }
-        check_exp(|x| {
+        check_exp(0.0, true, |x| {
             let mut out = [0f32; 8];
             // SAFETY: AVX2 and FMA detected above.
             unsafe {
