@@ -1,14 +1,18 @@
-//! `arbor bench algos`: FOCUS vs Prefix Sampling vs GRPO on a built-in task
-//! from the same warm-started policy, several seeds: held-out greedy pass
-//! rate vs generated tokens (training rewards are not comparable: Prefix
-//! Sampling steers its re-rollouts toward 50% by design). Prints a table,
-//! writes `algos.json` and `algos.png`.
+//! `arbor bench algos`: FOCUS, Prefix Sampling, GRPO, PPO and VinePPO on a
+//! built-in task from the same warm-started policy, at equal generated
+//! tokens per step (`budget = { tokens = N }` for every run), several seeds:
+//! held-out greedy pass rate vs generated tokens (training rewards are not
+//! comparable: Prefix Sampling steers its re-rollouts toward 50% by
+//! design), the final pass rate with a 95% interval, the tokens each needs
+//! to reach GRPO's final pass rate, and FOCUS's critic diagnostics. A row
+//! is a method with optional settings, `focus+lambda=1+critic_init=own`.
+//! Prints tables, writes `algos.json` and `algos.png`.
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use arbor_model::CriticMode;
-use arbor_train::{read_metrics, Algo, TrainConfig, Trainer};
+use arbor_train::{read_metrics, Algo, CriticInit, StepBudget, TrainConfig, Trainer};
 use clap::Args;
 use serde::Serialize;
 
@@ -18,11 +22,22 @@ pub struct AlgosArgs {
     /// the critic mode are set per run.
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// Comma-separated algorithms.
-    #[arg(long, default_value = "focus,ps,grpo", value_delimiter = ',')]
+    /// Comma-separated rows: a method (focus, ps, grpo, ppo, vineppo),
+    /// optionally with settings joined by `+`: `lambda=X`, `kappa=X`,
+    /// `critic=shared|separate`, `critic_init=policy|own`, `critic_lr=X`.
+    #[arg(
+        long,
+        default_value = "focus,ps,grpo,ppo,vineppo",
+        value_delimiter = ','
+    )]
     pub algos: Vec<String>,
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 5)]
     pub seeds: u64,
+    /// Generated tokens per step, the same for every run (default: the
+    /// config's `budget`, else 1024, about what the quickstart's GRPO
+    /// spends per step). 0: each method at its own size.
+    #[arg(long)]
+    pub budget_tokens: Option<u64>,
     /// RL steps per run (default: the config's).
     #[arg(long)]
     pub steps: Option<u64>,
@@ -42,18 +57,89 @@ struct RunResult {
     /// (cumulative generated tokens, greedy eval pass rate on held-out
     /// tasks) at every evaluation, starting with the warm-started policy.
     curve: Vec<(u64, f64)>,
+    /// (step, held-out critic Spearman vs Monte-Carlo values), where scored.
+    critic_curve: Vec<(u64, f64)>,
+    /// Mean over steps of FOCUS's settled-state token share and launch
+    /// depth.
+    settled_fraction: Option<f64>,
+    mean_depth: Option<f64>,
 }
 
 #[derive(Debug, Serialize)]
 struct AlgoSummary {
     algo: String,
     final_eval_mean: f64,
+    /// Half-width of the 95% Student-t interval of the final eval mean.
+    final_eval_ci95: f64,
     final_reward_mean: f64,
     generated_tokens_mean: f64,
     /// Generated tokens at which the seed-mean eval pass rate first reaches
     /// GRPO's final one, and that as a fraction of GRPO's total.
     tokens_to_grpo_final: Option<f64>,
     ratio_to_grpo: Option<f64>,
+}
+
+/// Apply a row's `+key=value` settings to `cfg`.
+fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
+    for kv in settings {
+        let (k, v) = kv
+            .split_once('=')
+            .with_context(|| format!("row setting `{kv}`: expected key=value"))?;
+        let num = || -> Result<f64> {
+            v.parse::<f64>()
+                .with_context(|| format!("row setting `{kv}`: not a number"))
+        };
+        match k {
+            "lambda" => {
+                cfg.focus.lambda = num()?;
+                cfg.ppo.lambda = num()?;
+            }
+            "kappa" => cfg.focus.kappa = num()?,
+            "critic_lr" => cfg.critic.lr = Some(num()?),
+            "critic" => {
+                cfg.learner.critic = match v {
+                    "shared" => CriticMode::Shared,
+                    "separate" => CriticMode::Separate,
+                    _ => anyhow::bail!("row setting `{kv}`: shared or separate"),
+                }
+            }
+            "critic_init" => {
+                cfg.critic.init = match v {
+                    "policy" => CriticInit::Policy,
+                    "own" => CriticInit::Own,
+                    _ => anyhow::bail!("row setting `{kv}`: policy or own"),
+                }
+            }
+            _ => anyhow::bail!(
+                "row setting `{kv}`: unknown key (lambda, kappa, critic, critic_init, critic_lr)"
+            ),
+        }
+    }
+    Ok(())
+}
+
+/// Two-sided 95% Student-t quantile with `df` degrees of freedom.
+fn t95(df: usize) -> f64 {
+    const T: [f64; 10] = [
+        12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    ];
+    match df {
+        0 => f64::NAN,
+        d if d <= T.len() => T[d - 1],
+        d if d <= 30 => 2.042 + (2.228 - 2.042) * (30 - d) as f64 / 20.0,
+        _ => 1.96,
+    }
+}
+
+/// Mean and 95% interval half-width of `xs`.
+fn mean_ci95(xs: &[f64]) -> (f64, f64) {
+    let k = xs.len() as f64;
+    let mean = xs.iter().sum::<f64>() / k.max(1.0);
+    if xs.len() < 2 {
+        return (mean, f64::NAN);
+    }
+    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (k - 1.0);
+    (mean, t95(xs.len() - 1) * (var / k).sqrt())
 }
 
 fn parse_algo(s: &str) -> Result<Algo> {
@@ -74,10 +160,17 @@ pub fn run(a: AlgosArgs) -> Result<()> {
         }
         None => crate::train::QUICKSTART.to_string(),
     };
-    let base = TrainConfig::from_toml(&text, "bench algos config")?;
+    let mut base = TrainConfig::from_toml(&text, "bench algos config")?;
+    base.budget = match a.budget_tokens {
+        Some(0) => None,
+        Some(n) => Some(StepBudget::Tokens(n)),
+        None => base.budget.or(Some(StepBudget::Tokens(1024))),
+    };
     let mut results = Vec::new();
     for name in &a.algos {
-        let algo = parse_algo(name)?;
+        let mut parts = name.split('+');
+        let algo = parse_algo(parts.next().unwrap_or_default())?;
+        let settings: Vec<&str> = parts.collect();
         for seed in 0..a.seeds {
             let mut cfg = base.clone();
             cfg.algo = algo;
@@ -92,7 +185,11 @@ pub fn run(a: AlgosArgs) -> Result<()> {
             } else {
                 CriticMode::Shared
             };
-            let dir = a.out.join(format!("{name}-seed{seed}"));
+            apply_row(&mut cfg, &settings)?;
+            cfg.validate(&format!("bench algos row `{name}`"))?;
+            let dir = a
+                .out
+                .join(format!("{}-seed{seed}", name.replace(['+', '='], "_")));
             eprintln!("bench algos: {name} seed {seed} -> {}", dir.display());
             let mut t = Trainer::new(cfg, &dir, false)?;
             t.warmup(|_, _| {})?;
@@ -106,6 +203,16 @@ pub fn run(a: AlgosArgs) -> Result<()> {
                     curve.push((cum, e));
                 }
             }
+            let critic_curve = ms
+                .iter()
+                .filter_map(|m| m.critic_heldout_rank_corr.map(|r| (m.step, r)))
+                .collect();
+            let mean_of = |f: &dyn Fn(&arbor_train::StepMetrics) -> Option<f64>| {
+                let v: Vec<f64> = ms.iter().filter_map(f).collect();
+                (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+            };
+            let settled_fraction = mean_of(&|m| m.alloc_settled_fraction);
+            let mean_depth = mean_of(&|m| m.alloc_mean_depth);
             let n = ms.len().clamp(1, 10);
             let final_reward = ms.iter().rev().take(n).map(|m| m.reward).sum::<f64>() / n as f64;
             results.push(RunResult {
@@ -117,6 +224,9 @@ pub fn run(a: AlgosArgs) -> Result<()> {
                 generated_tokens: cum,
                 replayed_tokens: ms.iter().map(|m| m.replayed_tokens).sum(),
                 curve,
+                critic_curve,
+                settled_fraction,
+                mean_depth,
             });
         }
     }
@@ -146,9 +256,12 @@ pub fn run(a: AlgosArgs) -> Result<()> {
         let curve = mean_curve(name);
         let reach =
             grpo_final.and_then(|(_, target)| curve.iter().find(|c| c.1 >= target).map(|c| c.0));
+        let finals: Vec<f64> = runs.iter().map(|r| r.final_eval).collect();
+        let (final_eval_mean, final_eval_ci95) = mean_ci95(&finals);
         summaries.push(AlgoSummary {
             algo: name.clone(),
-            final_eval_mean: runs.iter().map(|r| r.final_eval).sum::<f64>() / k,
+            final_eval_mean,
+            final_eval_ci95,
             final_reward_mean: runs.iter().map(|r| r.final_reward).sum::<f64>() / k,
             generated_tokens_mean: runs.iter().map(|r| r.generated_tokens as f64).sum::<f64>() / k,
             tokens_to_grpo_final: reach,
@@ -169,13 +282,14 @@ pub fn run(a: AlgosArgs) -> Result<()> {
             r.replayed_tokens
         );
     }
-    println!("\n| algo | mean eval after | mean final training reward | mean generated tokens | tokens to GRPO's final eval | ratio to GRPO |");
+    println!("\n| algo | eval after (mean +- 95% CI) | mean final training reward | mean generated tokens | tokens to GRPO's final eval | ratio to GRPO |");
     println!("|---|---|---|---|---|---|");
     for s in &summaries {
         println!(
-            "| {} | {:.3} | {:.3} | {:.0} | {} | {} |",
+            "| {} | {:.3} +- {:.3} | {:.3} | {:.0} | {} | {} |",
             s.algo,
             s.final_eval_mean,
+            s.final_eval_ci95,
             s.final_reward_mean,
             s.generated_tokens_mean,
             s.tokens_to_grpo_final
@@ -184,6 +298,43 @@ pub fn run(a: AlgosArgs) -> Result<()> {
             s.ratio_to_grpo
                 .map(|r| format!("{r:.2}x"))
                 .unwrap_or_else(|| "-".into())
+        );
+    }
+    // Critic diagnostics of the critic-based rows: held-out rank
+    // correlation at each scored step (seed mean), settled-state token
+    // share and launch depth (FOCUS).
+    let mut header = false;
+    for name in &a.algos {
+        let runs: Vec<&RunResult> = results.iter().filter(|r| &r.algo == name).collect();
+        let n = runs.iter().map(|r| r.critic_curve.len()).min().unwrap_or(0);
+        if n == 0 {
+            continue;
+        }
+        if !header {
+            println!("\n| algo | held-out critic rank correlation by step (seed mean) | settled-state token share | mean launch depth |");
+            println!("|---|---|---|---|");
+            header = true;
+        }
+        let k = runs.len() as f64;
+        let curve: Vec<String> = (0..n)
+            .map(|i| {
+                let m = runs.iter().map(|r| r.critic_curve[i].1).sum::<f64>() / k;
+                format!("{}: {m:.2}", runs[0].critic_curve[i].0)
+            })
+            .collect();
+        let avg = |f: &dyn Fn(&RunResult) -> Option<f64>| {
+            let v: Vec<f64> = runs.iter().filter_map(|r| f(r)).collect();
+            if v.is_empty() {
+                "-".to_string()
+            } else {
+                format!("{:.2}", v.iter().sum::<f64>() / v.len() as f64)
+            }
+        };
+        println!(
+            "| {name} | {} | {} | {} |",
+            curve.join(", "),
+            avg(&|r| r.settled_fraction),
+            avg(&|r| r.mean_depth)
         );
     }
     std::fs::create_dir_all(&a.out)?;

@@ -7,6 +7,8 @@
 //!   serde);
 //! - [`focus`]: FOCUS allocation (Beta posterior, expected MSE reduction `g`,
 //!   caps, budgets) and the ablation selectors;
+//! - [`diagnostics`]: where an allocator spent the budget (by depth,
+//!   score, `n_eff`, settled states) and critic-quality statistics;
 //! - [`credit`]: FOCUS credit (recursive backups `Gbar` / `Vtilde`, TD(lambda)
 //!   advantages, critic targets) and the per-token arrays the loss reads;
 //! - [`prefix`]: Prefix Sampling (pass-rate buckets, source selection, prefix
@@ -50,6 +52,7 @@
 pub mod audit;
 pub mod baselines;
 pub mod credit;
+pub mod diagnostics;
 pub mod error;
 pub mod focus;
 pub mod ppo;

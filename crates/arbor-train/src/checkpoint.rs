@@ -37,6 +37,12 @@ pub(crate) struct TrainerState {
     pub(crate) optimizer_step: u64,
     pub(crate) warmup_nll: Vec<f64>,
     pub(crate) initial_eval: Option<f64>,
+    /// Token budget left over (+) or overspent (-) by the steps so far.
+    #[serde(default)]
+    pub(crate) budget_carry: i64,
+    /// The last step's generated tokens per task (token budgets).
+    #[serde(default)]
+    pub(crate) tokens_per_task: Option<f64>,
 }
 
 /// `trainer_state.json` as written: the trainer's state and the rollout
@@ -68,6 +74,8 @@ impl TrainerState {
             optimizer_step: 0,
             warmup_nll: Vec::new(),
             initial_eval: None,
+            budget_carry: 0,
+            tokens_per_task: None,
         }
     }
 }

@@ -181,6 +181,54 @@ impl Default for FocusConfig {
     }
 }
 
+/// How a separate critic starts (`[critic] init`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CriticInit {
+    /// The policy's weights (after the supervised warm-up, where one runs)
+    /// with a fresh value head: the critic starts with the policy's
+    /// features instead of noise.
+    #[default]
+    Policy,
+    /// Its own initialisation: the critic checkpoint's or a random one.
+    Own,
+}
+
+/// The critic's own settings (`[critic]`): its initialisation, and an
+/// optimizer of its own (learning rate and gradient clip; the schedule's
+/// shape and AdamW's moments follow `[optimizer]`). With a shared trunk
+/// (`learner.critic = "shared"`) these apply to the value head.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CriticSettings {
+    /// Where a separate critic's backbone starts.
+    pub init: CriticInit,
+    /// Peak learning rate (default: `optimizer.lr`).
+    pub lr: Option<f64>,
+    /// Global gradient-norm clip of the critic's parameters, apart from the
+    /// policy's (default: `optimizer.grad_clip`; 0: none).
+    pub grad_clip: Option<f64>,
+    /// Held-out diagnostic on evaluation steps: this many held-out tasks
+    /// get one trajectory each, and every state on it is scored by the
+    /// critic and by `heldout_samples` Monte-Carlo continuations (not
+    /// trained on, not counted in the budget). 0: off.
+    pub heldout_tasks: usize,
+    /// Monte-Carlo continuations per held-out state (>= 1).
+    pub heldout_samples: usize,
+}
+
+impl Default for CriticSettings {
+    fn default() -> Self {
+        CriticSettings {
+            init: CriticInit::Policy,
+            lr: None,
+            grad_clip: None,
+            heldout_tasks: 8,
+            heldout_samples: 4,
+        }
+    }
+}
+
 /// Discounting of the critic-based baselines (`[ppo]`): PPO's GAE and
 /// VinePPO's Monte-Carlo advantages.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -231,6 +279,29 @@ impl Default for PsSettings {
     }
 }
 
+/// A step's generation budget, the same for every method (`budget = {
+/// tokens = N }` or `budget = { continuations = N }`).
+///
+/// - `tokens`: generated (policy) tokens per step, counted by the engine.
+///   FOCUS allocates continuations until the next one could overrun it;
+///   group methods (GRPO, PPO, PS, VinePPO) draw as many tasks as the
+///   budget buys at their recent tokens per task. What a step leaves
+///   unspent or overspends carries over to the next (at most one budget
+///   either way), so over a run every method spends the same tokens.
+///   Critic warm-up steps, VinePPO's Monte-Carlo samples and PS
+///   re-rollouts all count.
+/// - `continuations`: FOCUS's continuations per step; group methods run
+///   `N / samples_per_prompt` groups.
+///
+/// Without one, FOCUS spends `prompts_per_step * samples_per_prompt`
+/// continuations and the group methods `prompts_per_step` groups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum StepBudget {
+    Tokens(u64),
+    Continuations(u64),
+}
+
 /// A whole training run. Unknown keys are errors; `seed`, `steps`, `algo`,
 /// `prompts_per_step` and `samples_per_prompt` are required, every other key
 /// takes its default (`TrainConfig::default()`, the embedded quickstart's
@@ -270,6 +341,15 @@ pub struct TrainConfig {
     pub ppo: PpoSettings,
     /// First RL steps that train only the critic (FOCUS, PPO).
     pub critic_warmup_steps: u64,
+    /// The critic's initialisation and optimizer (FOCUS, PPO).
+    pub critic: CriticSettings,
+    /// Generation budget per step (see [`StepBudget`]).
+    pub budget: Option<StepBudget>,
+    /// Environment worker threads: environment steps (tool calls,
+    /// sandboxes) run on them while the engine keeps decoding the other
+    /// continuations. 0 runs them inline, deterministically (right for
+    /// environments that answer in microseconds).
+    pub env_workers: usize,
     /// Evaluate (greedy pass rate on held-out tasks) every N steps (>= 1),
     /// and after the last.
     pub eval_every: u64,
@@ -305,6 +385,9 @@ impl Default for TrainConfig {
             ps: PsSettings::default(),
             ppo: PpoSettings::default(),
             critic_warmup_steps: 0,
+            critic: CriticSettings::default(),
+            budget: None,
+            env_workers: 0,
             eval_every: 10,
             eval_tasks: 64,
             checkpoint_every: 10,
@@ -423,6 +506,25 @@ impl TrainConfig {
         }
         if f.worker_capacity == 0 {
             return bad("focus.worker_capacity", "must be >= 1");
+        }
+        if let Some(lr) = self.critic.lr {
+            if !(lr > 0.0 && lr.is_finite()) {
+                return bad("critic.lr", "must be > 0 (finite)");
+            }
+        }
+        if let Some(c) = self.critic.grad_clip {
+            if !(c >= 0.0 && c.is_finite()) {
+                return bad("critic.grad_clip", "must be >= 0 (finite)");
+            }
+        }
+        if self.critic.heldout_tasks > 0 && self.critic.heldout_samples == 0 {
+            return bad("critic.heldout_samples", "must be >= 1");
+        }
+        if matches!(
+            self.budget,
+            Some(StepBudget::Tokens(0) | StepBudget::Continuations(0))
+        ) {
+            return bad("budget", "must be >= 1");
         }
         if !(0.0..=0.5).contains(&self.ps.band) {
             return bad("ps.band", "must be in [0, 0.5]");

@@ -26,7 +26,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
 use serde::{Deserialize, Serialize};
 
-use crate::optim::{AdamW, AdamWConfig, GradAccum, StepStats};
+use crate::optim::{AdamW, AdamWConfig, GradAccum, ParamGroup, StepStats};
 use crate::TrainError;
 
 /// Margin keeping critic values strictly inside (0, 1) for FOCUS.
@@ -94,8 +94,16 @@ pub struct UpdateStats {
     pub entropy: f64,
     pub trained_tokens: usize,
     pub value_targets: usize,
+    /// Gradient norm before clipping (the policy's, when the critic has
+    /// its own optimizer group).
     pub grad_norm: f64,
     pub lr: f64,
+    /// The critic's gradient norm and learning rate, when it has its own
+    /// optimizer settings (`[critic]`).
+    #[serde(default)]
+    pub critic_grad_norm: Option<f64>,
+    #[serde(default)]
+    pub critic_lr: Option<f64>,
     /// Seconds in the forward passes (model, logprobs, losses).
     #[serde(default)]
     pub time_forward_s: f64,
@@ -117,6 +125,38 @@ pub struct Learner {
 }
 
 impl Learner {
+    /// Give the critic's parameters (`critic.*`: the value head, and a
+    /// separate backbone) their own peak learning rate and gradient clip.
+    pub fn set_critic_optimizer(&mut self, lr: f64, grad_clip: f64) {
+        self.opt.set_group(ParamGroup {
+            prefix: "critic.".into(),
+            lr,
+            grad_clip,
+        });
+    }
+
+    /// Copy the policy's backbone into the separate critic's (every policy
+    /// parameter with a critic parameter of the same name and shape; the
+    /// value head keeps its initialisation). Returns how many tensors were
+    /// copied (0 with a shared critic).
+    pub fn init_critic_from_policy(&mut self) -> Result<usize, TrainError> {
+        if self.model.critic_backbone.is_none() {
+            return Ok(0);
+        }
+        let critic: std::collections::HashMap<String, Var> =
+            named_vars(&self.critic_vars, "").into_iter().collect();
+        let mut copied = 0;
+        for (name, v) in named_vars(&self.policy_vars, "") {
+            if let Some(c) = critic.get(&name) {
+                if c.dims() == v.dims() {
+                    c.set(v.as_tensor())?;
+                    copied += 1;
+                }
+            }
+        }
+        Ok(copied)
+    }
+
     /// The critic's own tensors under their names (for checkpoints).
     pub fn critic_tensors(&self) -> Vec<(String, Tensor)> {
         named_vars(&self.critic_vars, "")
@@ -491,6 +531,10 @@ impl Learner {
             }
             stats.grad_norm = s.grad_norm;
             stats.lr = s.lr;
+            if let Some((lr, norm)) = s.group {
+                stats.critic_lr = Some(lr);
+                stats.critic_grad_norm = Some(norm);
+            }
         }
         stats.time_forward_s = t_fwd;
         stats.time_backward_s = t_bwd;

@@ -26,7 +26,7 @@ pub mod tasks;
 pub mod tensorboard;
 pub mod trainer;
 
-pub use config::{parse_device, Algo, TrainConfig};
+pub use config::{parse_device, Algo, CriticInit, CriticSettings, StepBudget, TrainConfig};
 pub use metrics::{read_metrics, StepMetrics, Summary};
 pub use trainer::Trainer;
 

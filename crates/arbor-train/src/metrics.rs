@@ -65,10 +65,50 @@ pub struct StepMetrics {
     /// 0 for tasks without tools).
     #[serde(default)]
     pub tool_calls_per_episode: f64,
-    /// The step's generated-token budget where one is enforced (PS with
-    /// `ps.match_budget`: the GRPO baseline's).
+    /// The step's generated-token budget where one is enforced (the run's
+    /// `budget = { tokens = N }` with what earlier steps carried over; PS
+    /// with `ps.match_budget`: the GRPO baseline's).
     #[serde(default)]
     pub budget_tokens: Option<u64>,
+    /// Wall seconds of the step's rollouts.
+    #[serde(default)]
+    pub time_rollout_s: f64,
+    /// Seconds the engine had nothing to decode while episodes waited for
+    /// their environments (env workers only).
+    #[serde(default)]
+    pub time_engine_idle_s: f64,
+    /// The critic's own gradient norm and learning rate (`[critic]`).
+    #[serde(default)]
+    pub critic_grad_norm: Option<f64>,
+    #[serde(default)]
+    pub critic_lr: Option<f64>,
+    /// Explained variance of the critic against Monte-Carlo values on
+    /// held-out states (evaluation steps; `[critic] heldout_tasks`).
+    #[serde(default)]
+    pub critic_heldout_ev: Option<f64>,
+    /// Spearman correlation of the critic and those Monte-Carlo values.
+    #[serde(default)]
+    pub critic_heldout_rank_corr: Option<f64>,
+    /// Held-out states scored.
+    #[serde(default)]
+    pub critic_heldout_states: Option<usize>,
+    /// FOCUS: mean depth of the launched continuations' states (root 0).
+    #[serde(default)]
+    pub alloc_mean_depth: Option<f64>,
+    /// FOCUS: mean `n_eff = n + m` of those states before each launch.
+    #[serde(default)]
+    pub alloc_mean_n_eff: Option<f64>,
+    /// FOCUS: share of generated tokens spent from states whose subtree
+    /// ended all-0 or all-1 (>= 2 outcomes).
+    #[serde(default)]
+    pub alloc_settled_fraction: Option<f64>,
+    /// FOCUS: launches by depth, by score `g / g_max` (tenths), by `n_eff`.
+    #[serde(default)]
+    pub alloc_by_depth: Option<Vec<u64>>,
+    #[serde(default)]
+    pub alloc_by_score: Option<Vec<u64>>,
+    #[serde(default)]
+    pub alloc_by_n_eff: Option<Vec<u64>>,
 }
 
 /// What a finished run reports.
@@ -129,38 +169,7 @@ impl Summary {
     }
 }
 
-/// Spearman rank correlation of `pairs` (ties take their mean rank);
-/// `None` for fewer than 3 pairs or a constant side.
-pub fn spearman(pairs: &[(f64, f64)]) -> Option<f64> {
-    if pairs.len() < 3 {
-        return None;
-    }
-    let rank = |xs: Vec<f64>| -> Vec<f64> {
-        let mut idx: Vec<usize> = (0..xs.len()).collect();
-        idx.sort_by(|&a, &b| xs[a].total_cmp(&xs[b]));
-        let mut r = vec![0.0; xs.len()];
-        let mut i = 0;
-        while i < idx.len() {
-            let mut j = i;
-            while j + 1 < idx.len() && xs[idx[j + 1]] == xs[idx[i]] {
-                j += 1;
-            }
-            for k in i..=j {
-                r[idx[k]] = (i + j) as f64 / 2.0;
-            }
-            i = j + 1;
-        }
-        r
-    };
-    let a = rank(pairs.iter().map(|p| p.0).collect());
-    let b = rank(pairs.iter().map(|p| p.1).collect());
-    let n = a.len() as f64;
-    let (ma, mb) = (a.iter().sum::<f64>() / n, b.iter().sum::<f64>() / n);
-    let cov: f64 = a.iter().zip(&b).map(|(x, y)| (x - ma) * (y - mb)).sum();
-    let va: f64 = a.iter().map(|x| (x - ma).powi(2)).sum();
-    let vb: f64 = b.iter().map(|y| (y - mb).powi(2)).sum();
-    (va > 0.0 && vb > 0.0).then(|| cov / (va * vb).sqrt())
-}
+pub use arbor_rl::diagnostics::spearman;
 
 /// A run's metrics on disk: `metrics.jsonl` and its TensorBoard mirror.
 #[derive(Debug)]
@@ -316,24 +325,5 @@ mod tests {
             std::fs::read_to_string(&path).unwrap(),
             format!("{l1}\n{l2}\n")
         );
-    }
-
-    /// Spearman against hand-computed ranks, with ties.
-    #[test]
-    fn spearman_matches_hand_ranks() {
-        assert_eq!(spearman(&[(1.0, 2.0), (2.0, 4.0)]), None);
-        let r = spearman(&[(1.0, 10.0), (2.0, 20.0), (3.0, 30.0)]).unwrap();
-        assert!((r - 1.0).abs() < 1e-12);
-        let r = spearman(&[(1.0, 30.0), (2.0, 20.0), (3.0, 10.0)]).unwrap();
-        assert!((r + 1.0).abs() < 1e-12);
-        // x ranks 0, 1, 2, 3; y ties at ranks 0.5, 0.5, 2, 3.
-        let r = spearman(&[(1.0, 5.0), (2.0, 5.0), (3.0, 6.0), (4.0, 7.0)]).unwrap();
-        let (a, b) = ([0.0, 1.0, 2.0, 3.0], [0.5, 0.5, 2.0, 3.0]);
-        let (ma, mb) = (1.5, 1.5);
-        let cov: f64 = (0..4).map(|i| (a[i] - ma) * (b[i] - mb)).sum();
-        let va: f64 = a.iter().map(|x| (x - ma) * (x - ma)).sum();
-        let vb: f64 = b.iter().map(|x| (x - mb) * (x - mb)).sum();
-        assert!((r - cov / (va * vb).sqrt()).abs() < 1e-12);
-        assert_eq!(spearman(&[(1.0, 1.0), (2.0, 1.0), (3.0, 1.0)]), None);
     }
 }

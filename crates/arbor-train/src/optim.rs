@@ -62,8 +62,21 @@ impl Default for AdamWConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct StepStats {
     pub lr: f64,
-    /// Global gradient norm before clipping.
+    /// Global gradient norm before clipping (of the parameters outside the
+    /// group, when there is one).
     pub grad_norm: f64,
+    /// The group's learning rate and gradient norm, when there is one.
+    pub group: Option<(f64, f64)>,
+}
+
+/// Parameters (names starting with `prefix`) with their own peak learning
+/// rate and gradient clip; the schedule's shape and AdamW's other settings
+/// are the optimizer's. Its gradient norm is clipped apart from the rest.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamGroup {
+    pub prefix: String,
+    pub lr: f64,
+    pub grad_clip: f64,
 }
 
 /// Summed gradients of several micro-batches.
@@ -103,6 +116,7 @@ impl GradAccum {
 #[derive(Debug)]
 pub struct AdamW {
     pub cfg: AdamWConfig,
+    group: Option<ParamGroup>,
     vars: Vec<(String, Var)>,
     m: Vec<Tensor>,
     v: Vec<Tensor>,
@@ -123,11 +137,39 @@ impl AdamW {
             .collect::<Result<Vec<_>, _>>()?;
         Ok(AdamW {
             cfg,
+            group: None,
             vars,
             m,
             v,
             step: 0,
         })
+    }
+
+    /// Give the parameters named `group.prefix*` their own learning rate
+    /// and gradient clip.
+    pub fn set_group(&mut self, group: ParamGroup) {
+        self.group = Some(group);
+    }
+
+    /// Start over with `cfg`: zero moments, step 0 (the group is kept).
+    pub fn reset(&mut self, cfg: AdamWConfig) -> Result<(), TrainError> {
+        for t in self.m.iter_mut().chain(self.v.iter_mut()) {
+            *t = t.zeros_like()?;
+        }
+        self.step = 0;
+        self.cfg = cfg;
+        Ok(())
+    }
+
+    /// The parameter group, if any.
+    pub fn group(&self) -> Option<&ParamGroup> {
+        self.group.as_ref()
+    }
+
+    fn in_group(&self, name: &str) -> bool {
+        self.group
+            .as_ref()
+            .is_some_and(|g| name.starts_with(&g.prefix))
     }
 
     pub fn vars(&self) -> &[(String, Var)] {
@@ -159,27 +201,31 @@ impl AdamW {
         self.step += 1;
         let t = self.step;
         let lr = self.lr_at(t);
-        let mut sq = 0f64;
-        for (_, v) in &self.vars {
+        // Squared gradient norms: [rest, group].
+        let mut sq = [0f64; 2];
+        for (name, v) in &self.vars {
             if let Some(g) = grads.get(v) {
-                sq += arbor_ops::sum_sq(g)?;
+                sq[usize::from(self.in_group(name))] += arbor_ops::sum_sq(g)?;
             }
         }
-        let norm = sq.sqrt();
-        if !norm.is_finite() {
+        let norms = [sq[0].sqrt(), sq[1].sqrt()];
+        if let Some(n) = norms.iter().find(|n| !n.is_finite()) {
             return Err(TrainError::NonFinite(format!(
-                "gradient norm {norm} at optimizer step {t}"
+                "gradient norm {n} at optimizer step {t}"
             )));
         }
-        let scale = if self.cfg.grad_clip > 0.0 && norm > self.cfg.grad_clip {
-            self.cfg.grad_clip / norm
-        } else {
-            1.0
+        let clip = |limit: f64, norm: f64| {
+            if limit > 0.0 && norm > limit {
+                limit / norm
+            } else {
+                1.0
+            }
         };
+        let group_lr = self.group.as_ref().map(|g| lr * g.lr / self.cfg.lr);
         let (b1, b2) = (self.cfg.beta1, self.cfg.beta2);
         let bc1 = 1.0 - b1.powi(t as i32);
         let bc2 = 1.0 - b2.powi(t as i32);
-        let h = arbor_ops::AdamWStep {
+        let hyper = |lr: f64, grad_scale: f64| arbor_ops::AdamWStep {
             lr,
             beta1: b1,
             beta2: b2,
@@ -187,15 +233,24 @@ impl AdamW {
             weight_decay: self.cfg.weight_decay,
             bias1: bc1,
             bias2: bc2,
-            grad_scale: scale,
+            grad_scale,
         };
-        for (i, (_, var)) in self.vars.iter().enumerate() {
+        let h = [
+            hyper(lr, clip(self.cfg.grad_clip, norms[0])),
+            match &self.group {
+                Some(g) => hyper(group_lr.unwrap_or(lr), clip(g.grad_clip, norms[1])),
+                None => hyper(lr, 1.0),
+            },
+        ];
+        for (i, (name, var)) in self.vars.iter().enumerate() {
             let Some(g) = grads.get(var) else { continue };
-            arbor_ops::adamw_step(var, &mut self.m[i], &mut self.v[i], g, &h)?;
+            let h = &h[usize::from(self.in_group(name))];
+            arbor_ops::adamw_step(var, &mut self.m[i], &mut self.v[i], g, h)?;
         }
         Ok(StepStats {
             lr,
-            grad_norm: norm,
+            grad_norm: norms[0],
+            group: group_lr.map(|l| (l, norms[1])),
         })
     }
 
@@ -300,6 +355,53 @@ mod tests {
         let got: Vec<f32> = var.as_tensor().to_vec1().unwrap();
         for i in 0..2 {
             assert!((got[i] as f64 - p[i]).abs() < 1e-5, "{got:?} vs {p:?}");
+        }
+    }
+
+    /// A group's parameters take their own learning rate and are clipped
+    /// by their own norm; the others are untouched by the group's settings.
+    #[test]
+    fn group_has_its_own_lr_and_clip() {
+        let dev = Device::Cpu;
+        let a = Var::new(&[0f32, 0.0], &dev).unwrap();
+        let b = Var::new(&[0f32, 0.0], &dev).unwrap();
+        let vars = vec![
+            ("policy.a".to_string(), a.clone()),
+            ("critic.b".to_string(), b.clone()),
+        ];
+        let cfg = AdamWConfig {
+            lr: 0.1,
+            grad_clip: 100.0,
+            ..Default::default()
+        };
+        let group = ParamGroup {
+            prefix: "critic.".into(),
+            lr: 0.01,
+            grad_clip: 1.0,
+        };
+        let mut opt = AdamW::new(vars.clone(), cfg).unwrap();
+        opt.set_group(group);
+        // loss = 3 a0 + 4 a1 + 30 b0 + 40 b1: norms 5 and 50.
+        let w = Tensor::new(&[3f32, 4.0], &dev).unwrap();
+        let loss = ((a.as_tensor() * &w).unwrap().sum_all().unwrap()
+            + (b.as_tensor() * (&w * 10.0).unwrap())
+                .unwrap()
+                .sum_all()
+                .unwrap())
+        .unwrap();
+        let mut acc = GradAccum::default();
+        acc.add(&vars, &loss.backward().unwrap()).unwrap();
+        let s = opt.step(&acc).unwrap();
+        assert!((s.grad_norm - 5.0).abs() < 1e-5);
+        let (glr, gnorm) = s.group.unwrap();
+        assert!((glr - 0.01).abs() < 1e-12 && (gnorm - 50.0).abs() < 1e-4);
+        // Adam's first step moves each coordinate by ~lr * sign(g),
+        // whatever the clip scale.
+        let a1: Vec<f32> = a.as_tensor().to_vec1().unwrap();
+        let b1: Vec<f32> = b.as_tensor().to_vec1().unwrap();
+        for (x, y) in a1.iter().zip(&b1) {
+            assert!((x + 0.1).abs() < 1e-4, "{a1:?}");
+            assert!((y + 0.01).abs() < 1e-4, "{b1:?}");
         }
     }
 

@@ -9,12 +9,14 @@ use arbor_engine::{Engine, EngineConfig};
 use arbor_model::{Checkpoint, ModelConfig};
 
 use crate::checkpoint::{self, TrainerState};
-use crate::config::{parse_device, TrainConfig};
+use crate::config::{parse_device, CriticInit, StepBudget, TrainConfig};
 use crate::learner::Learner;
-use crate::metrics::{spearman, MetricsLog, StepMetrics, Summary};
+use crate::metrics::{MetricsLog, StepMetrics, Summary};
+use crate::rollout::heldout::critic_vs_monte_carlo;
 use crate::rollout::{evaluate, policy_for, RolloutPolicy, StepContext};
 use crate::tasks::TaskSampler;
 use crate::TrainError;
+use arbor_rl::diagnostics::{explained_variance, spearman};
 
 /// The trainer.
 pub struct Trainer {
@@ -116,6 +118,13 @@ impl Trainer {
                 (learner, TrainerState::fresh(cfg.seed))
             }
         };
+        let mut learner = learner;
+        if cfg.algo.has_critic() {
+            learner.set_critic_optimizer(
+                cfg.critic.lr.unwrap_or(ocfg.lr),
+                cfg.critic.grad_clip.unwrap_or(ocfg.grad_clip),
+            );
+        }
         let engine_cfg = EngineConfig {
             kv_memory_mib: cfg.kv_memory_mib,
             max_seqs: 1024,
@@ -152,7 +161,40 @@ impl Trainer {
         let tasks = (0..n as u64)
             .map(|i| self.sampler.eval_task(i))
             .collect::<Result<Vec<_>, _>>()?;
-        evaluate(engine, tasks, &self.sampler.rollout_config(0.0))
+        evaluate(
+            engine,
+            tasks,
+            &self.sampler.rollout_config(0.0),
+            self.cfg.env_workers,
+        )
+    }
+
+    /// The critic against Monte-Carlo values on held-out states
+    /// (`[critic] heldout_tasks`): `(explained variance, Spearman, states)`.
+    fn critic_heldout(
+        &self,
+        engine: &mut Engine,
+        step: u64,
+    ) -> Result<(Option<f64>, Option<f64>, usize), TrainError> {
+        let c = self.cfg.critic;
+        let n = self
+            .sampler
+            .eval_len()
+            .map_or(c.heldout_tasks, |l| l.min(c.heldout_tasks));
+        let tasks = (0..n as u64)
+            .map(|i| self.sampler.eval_task(i))
+            .collect::<Result<Vec<_>, _>>()?;
+        let seed = crate::rollout::sched::mix64(self.cfg.seed ^ 0xC817_D1A6 ^ step.rotate_left(32));
+        let pairs = critic_vs_monte_carlo(
+            engine,
+            &self.learner,
+            tasks,
+            &self.sampler.rollout_config(self.cfg.temperature),
+            c.heldout_samples,
+            seed,
+            self.cfg.env_workers,
+        )?;
+        Ok((explained_variance(&pairs), spearman(&pairs), pairs.len()))
     }
 
     /// Supervised warm-up (skipped when resuming after it). Calls
@@ -187,14 +229,20 @@ impl Trainer {
             }
         }
         // The RL optimizer starts fresh after the warm-up.
-        let vars = self.learner.opt.vars().to_vec();
-        self.learner.opt = crate::optim::AdamW::new(vars, main_lr)?;
+        self.learner.opt.reset(main_lr)?;
         Ok(())
     }
 
     /// Run the remaining RL steps; `on_step` sees each step's metrics.
     pub fn run(&mut self, mut on_step: impl FnMut(&StepMetrics)) -> Result<Summary, TrainError> {
         let start = Instant::now();
+        if self.state.step == 0 && self.cfg.critic.init == CriticInit::Policy {
+            // After the warm-up: the critic starts from the policy it judges.
+            let n = self.learner.init_critic_from_policy()?;
+            if n > 0 {
+                tracing::info!("critic initialised from the policy ({n} tensors)");
+            }
+        }
         let mut engine = Engine::new(&self.learner.model.policy, None, self.engine_cfg.clone())?;
         if self.state.initial_eval.is_none() {
             self.state.initial_eval = Some(self.eval(&mut engine)?);
@@ -230,7 +278,14 @@ impl Trainer {
         // The weights are those of the last `invalidate` (or of the
         // engine's start), so they need no repack.
         engine.forget_cached_kv();
-        let n_tasks = self.policy.tasks_per_step();
+        let budget_tokens = match self.cfg.budget {
+            Some(StepBudget::Tokens(n)) => Some((n as i64 + self.state.budget_carry).max(1) as u64),
+            _ => None,
+        };
+        let n_tasks = match (budget_tokens, self.state.tokens_per_task) {
+            (Some(b), Some(per)) => self.policy.tasks_for_budget(b, per),
+            _ => self.policy.tasks_per_step(),
+        };
         let tasks = (0..n_tasks as u64)
             .map(|i| self.sampler.train_task(self.state.cursor + i))
             .collect::<Result<Vec<_>, _>>()?;
@@ -243,9 +298,20 @@ impl Trainer {
             rollout: &rollout,
             seed: &mut seed,
             step,
+            env_workers: self.cfg.env_workers,
+            budget_tokens,
         };
         let r = self.policy.rollouts(ctx, tasks)?;
         self.state.seed_counter = seed;
+        if let (Some(StepBudget::Tokens(n)), Some(b)) = (self.cfg.budget, budget_tokens) {
+            // What this step left or overspent, at most one budget either way.
+            let carry = b as i64 - r.stats.generated_tokens as i64;
+            self.state.budget_carry = carry.clamp(-(n as i64), n as i64);
+            self.state.tokens_per_task = Some(
+                r.tokens_per_task
+                    .unwrap_or(r.stats.generated_tokens as f64 / n_tasks.max(1) as f64),
+            );
+        }
         let t0 = Instant::now();
         let policy_on = !self.cfg.algo.has_critic() || step > self.cfg.critic_warmup_steps;
         let u = self.learner.update_with(&r.rows, policy_on)?;
@@ -254,11 +320,19 @@ impl Trainer {
         engine.invalidate();
         self.state.step = step;
         self.state.optimizer_step = self.learner.opt.steps_done();
-        let eval = if step.is_multiple_of(self.cfg.eval_every) || step == self.cfg.steps {
+        let eval_step = step.is_multiple_of(self.cfg.eval_every) || step == self.cfg.steps;
+        let eval = if eval_step {
             Some(self.eval(engine)?)
         } else {
             None
         };
+        let heldout =
+            if eval_step && self.cfg.algo.has_critic() && self.cfg.critic.heldout_tasks > 0 {
+                Some(self.critic_heldout(engine, step)?)
+            } else {
+                None
+            };
+        let alloc = r.allocation.as_ref();
         let n = r.rewards.len().max(1) as f64;
         Ok(StepMetrics {
             step,
@@ -287,6 +361,19 @@ impl Trainer {
             tool_calls_per_episode: r.stats.tool_calls as f64
                 / r.stats.finished_episodes.max(1) as f64,
             budget_tokens: r.stats.budget_tokens,
+            time_rollout_s: r.stats.rollout_s,
+            time_engine_idle_s: r.stats.engine_idle_s,
+            critic_grad_norm: u.critic_grad_norm,
+            critic_lr: u.critic_lr,
+            critic_heldout_ev: heldout.and_then(|h| h.0),
+            critic_heldout_rank_corr: heldout.and_then(|h| h.1),
+            critic_heldout_states: heldout.map(|h| h.2),
+            alloc_mean_depth: alloc.map(|a| a.mean_depth),
+            alloc_mean_n_eff: alloc.map(|a| a.mean_n_eff),
+            alloc_settled_fraction: alloc.map(|a| a.settled_token_fraction),
+            alloc_by_depth: alloc.map(|a| a.by_depth.clone()),
+            alloc_by_score: alloc.map(|a| a.by_score.clone()),
+            alloc_by_n_eff: alloc.map(|a| a.by_n_eff.clone()),
         })
     }
 

@@ -185,6 +185,8 @@ fn lora_policy_trains_and_resumes_exactly() {
         m.time_generate_s = 0.0;
         m.time_env_s = 0.0;
         m.time_train_s = 0.0;
+        m.time_rollout_s = 0.0;
+        m.time_engine_idle_s = 0.0;
         m
     };
     assert_eq!(strip(&got[2]), strip(&want[2]), "step 3 after resume");

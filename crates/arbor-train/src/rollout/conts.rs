@@ -1,14 +1,11 @@
-//! Continuations: each runs from a tree state to the end of its episode,
-//! all live ones batched through the engine together, then recorded as
-//! tree steps.
+//! Continuations: each runs from a tree state to the end of its episode
+//! (on the [`super::sched::Scheduler`]), then is recorded as tree steps.
 
 use std::collections::HashMap;
-use std::time::Instant;
 
-use arbor_engine::{Engine, SamplingParams};
 use arbor_rl::{NodeId, RolloutTree, Segment, Step, TokenKind};
 
-use super::{RolloutConfig, RolloutStats, TokenEpisode};
+use super::TokenEpisode;
 use crate::learner::Learner;
 use crate::TrainError;
 
@@ -37,6 +34,9 @@ pub(crate) struct Cont {
     pub(crate) replayed: Vec<(Vec<u32>, Vec<u32>)>,
     pub(crate) steps: Vec<SegmentRecord>,
     pub(crate) done: bool,
+    /// Sampling seed of the continuation (set at launch); segment `k`
+    /// samples with a seed derived from it and `k`.
+    pub(crate) seed: u64,
 }
 
 impl Cont {
@@ -56,6 +56,7 @@ impl Cont {
             replayed: Vec::new(),
             steps: Vec::new(),
             done: false,
+            seed: 0,
         }
     }
 
@@ -63,100 +64,6 @@ impl Cont {
     pub(crate) fn succeeded(&self) -> bool {
         self.steps.last().and_then(|s| s.reward).unwrap_or(0.0) >= 1.0
     }
-}
-
-/// Run every continuation to the end of its episode, batching all live
-/// continuations' next segments through the engine together.
-pub(crate) fn run_conts(
-    engine: &mut Engine,
-    conts: &mut [Cont],
-    cfg: &RolloutConfig,
-    seed: &mut u64,
-    stats: &mut RolloutStats,
-    keep_snapshots: bool,
-) -> Result<(), TrainError> {
-    loop {
-        // A context that has no room for another token ends truncated
-        // (reward 0) instead of failing the step (long multi-turn episodes).
-        let room = engine.max_context();
-        for c in conts
-            .iter_mut()
-            .filter(|c| !c.done && c.context.len() + 1 >= room)
-        {
-            end_episode(c, stats);
-            match c.steps.last_mut() {
-                Some(last) => last.reward = Some(0.0),
-                None => {
-                    return Err(TrainError::Rollout(format!(
-                        "a prompt of {} tokens leaves no room in the engine's context ({room})",
-                        c.context.len()
-                    )))
-                }
-            }
-        }
-        let live: Vec<usize> = (0..conts.len()).filter(|&i| !conts[i].done).collect();
-        if live.is_empty() {
-            return Ok(());
-        }
-        let t0 = Instant::now();
-        let mut ids = HashMap::new();
-        let before = engine.stats().clone();
-        for &i in &live {
-            *seed += 1;
-            let p = SamplingParams {
-                temperature: cfg.temperature,
-                max_tokens: cfg.max_segment_tokens,
-                stop_tokens: cfg.segment_stop.clone(),
-                seed: *seed,
-                ..Default::default()
-            };
-            let id = engine.submit(conts[i].context.clone(), vec![p])?[0];
-            ids.insert(id, i);
-        }
-        let done = engine.run(|_| {})?;
-        let after = engine.stats();
-        stats.generated_tokens += after.generated - before.generated;
-        stats.prefill_computed += after.prefill_computed - before.prefill_computed;
-        stats.prefill_cached += after.prefill_cached - before.prefill_cached;
-        stats.generate_s += t0.elapsed().as_secs_f64();
-        let t1 = Instant::now();
-        for c in done {
-            let i = ids[&c.id];
-            if let Some(e) = c.error {
-                return Err(TrainError::Rollout(format!("generation failed: {e}")));
-            }
-            let cont = &mut conts[i];
-            let out = cont.env.step(&c.tokens)?;
-            cont.context.extend(&c.tokens);
-            cont.context.extend(&out.observation);
-            let segments = cont.replayed.len() + cont.steps.len() + 1;
-            let truncated = out.reward.is_none() && segments >= cfg.max_segments;
-            let reward = if truncated { Some(0.0) } else { out.reward };
-            let snapshot = if keep_snapshots && reward.is_none() {
-                Some(cont.env.fork()?)
-            } else {
-                None
-            };
-            cont.steps.push(SegmentRecord {
-                action: c.tokens,
-                logprobs: c.logprobs,
-                observation: out.observation,
-                env_after: snapshot,
-                reward,
-            });
-            if reward.is_some() {
-                end_episode(cont, stats);
-            }
-        }
-        stats.env_s += t1.elapsed().as_secs_f64();
-    }
-}
-
-/// Mark a continuation's episode over and count it (and its tool calls).
-fn end_episode(c: &mut Cont, stats: &mut RolloutStats) {
-    c.done = true;
-    stats.finished_episodes += 1;
-    stats.tool_calls += c.env.tool_calls() as u64;
 }
 
 /// Turn a finished continuation into tree steps, with critic values at each

@@ -3,22 +3,24 @@
 use arbor_engine::Engine;
 use arbor_rl::NodeId;
 
-use super::conts::{run_conts, Cont};
-use super::{RolloutConfig, RolloutStats, TaskInstance};
+use super::conts::Cont;
+use super::sched::Scheduler;
+use super::{RolloutConfig, TaskInstance};
 use crate::TrainError;
 
 /// Greedy (temperature 0) pass rate over `tasks`: the fraction of episodes
-/// ending with reward 1.
+/// ending with reward 1 (`env_workers`: see [`Scheduler`]).
 pub fn evaluate(
     engine: &mut Engine,
     tasks: Vec<TaskInstance>,
     cfg: &RolloutConfig,
+    env_workers: usize,
 ) -> Result<f64, TrainError> {
     let n = tasks.len();
     if n == 0 {
         return Ok(0.0);
     }
-    let mut conts: Vec<Cont> = tasks
+    let conts: Vec<Cont> = tasks
         .into_iter()
         .map(|t| Cont::new(None, NodeId(0), t.prompt, t.episode))
         .collect();
@@ -26,9 +28,8 @@ pub fn evaluate(
         temperature: 0.0,
         ..cfg.clone()
     };
-    let mut stats = RolloutStats::default();
     let mut seed = 0;
-    run_conts(engine, &mut conts, &greedy, &mut seed, &mut stats, false)?;
+    let conts = Scheduler::new(engine, &greedy, &mut seed, false, env_workers)?.run_all(conts)?;
     let solved = conts.iter().filter(|c| c.succeeded()).count();
     Ok(solved as f64 / n as f64)
 }

@@ -3,15 +3,17 @@
 //! Eq. 1 backups, TD(lambda) advantages and critic targets.
 
 use arbor_rl::credit::{focus_credit, loss_rows, CreditConfig, Sharing};
-use arbor_rl::focus::{Allocator, AllocatorConfig, AsyncGain, Budget, Focus};
+use arbor_rl::diagnostics::AllocationLog;
+use arbor_rl::focus::{Allocator, AllocatorConfig, AsyncGain, Budget, Evidence, Focus, Posterior};
 use arbor_rl::RolloutTree;
 
 use super::conts::{cont_for, keep_snapshots, root_values, segment_values, to_steps, Snapshots};
-use super::{RolloutPolicy, RolloutStats, StepContext, StepRollouts, TaskInstance};
+use super::{RolloutPolicy, StepContext, StepRollouts, TaskInstance};
 use crate::config::FocusConfig;
 use crate::TrainError;
 
-/// `tasks` roots a step and `budget` continuations among their states.
+/// `tasks` roots a step and `budget` continuations among their states (or
+/// the step's token budget, when the run has one).
 #[derive(Debug, Clone)]
 pub struct FocusPolicy {
     pub tasks: usize,
@@ -22,6 +24,11 @@ pub struct FocusPolicy {
 
 impl RolloutPolicy for FocusPolicy {
     fn tasks_per_step(&self) -> usize {
+        self.tasks
+    }
+
+    /// The roots stay `tasks`; the budget is spent among their states.
+    fn tasks_for_budget(&self, _tokens: u64, _per_task: f64) -> usize {
         self.tasks
     }
 
@@ -39,40 +46,58 @@ impl RolloutPolicy for FocusPolicy {
             let root = tree.add_episode(t.id, t.prompt, Some(v))?;
             snapshots.insert(root, t.episode);
         }
-        let acfg = AllocatorConfig::new(
-            fcfg.worker_capacity,
-            Budget::Continuations(self.budget),
-            *ctx.seed,
-        );
-        let mut alloc = Allocator::new(acfg, Focus::new(fcfg.kappa, AsyncGain::EffectiveCount)?)?;
-        let mut stats = RolloutStats {
-            episodes: tree.episodes().len(),
-            ..Default::default()
-        };
-        while !alloc.is_done() {
-            let tickets = alloc.fill(&mut tree)?;
-            if tickets.is_empty() {
-                if stats.continuations == 0 {
-                    return Err(TrainError::Rollout(
-                        "FOCUS launched no continuation: no candidate state has a positive gain"
-                            .into(),
-                    ));
+        let budget = match ctx.budget_tokens {
+            // A launch reserves the longest continuation the harness allows,
+            // so the step never spends more than its budget (what it leaves
+            // carries over to the next step).
+            Some(total) => {
+                let max = (ctx.rollout.max_segments * ctx.rollout.max_segment_tokens) as u64;
+                Budget::Tokens {
+                    total: total.max(max),
+                    max_per_continuation: max,
                 }
+            }
+            None => Budget::Continuations(self.budget),
+        };
+        let acfg = AllocatorConfig::new(fcfg.worker_capacity, budget, *ctx.seed);
+        let mut alloc = Allocator::new(acfg, Focus::new(fcfg.kappa, AsyncGain::EffectiveCount)?)?;
+        let mut diag = AllocationLog::default();
+        // Continuous allocation: fill the free worker slots, then wait for
+        // the next continuations to end and allocate again while the others
+        // still run (their `m` counts in n_eff = n + m).
+        let mut sched = ctx.scheduler(true)?;
+        loop {
+            while let Some(t) = alloc.launch_next(&mut tree)? {
+                // The score it was chosen with (before its own launch).
+                let node = tree.node(t.node())?;
+                let g = Posterior::of(node, fcfg.kappa, Evidence::OnPolicy)
+                    .map(|p| p.gain(f64::from(node.in_flight().saturating_sub(1))));
+                diag.launched(&tree, t, g, fcfg.kappa)?;
+                sched.launch(cont_for(&tree, &snapshots, t)?)?;
+            }
+            let done = sched.wait()?;
+            if done.is_empty() {
                 break;
             }
-            let mut conts = tickets
-                .into_iter()
-                .map(|t| cont_for(&tree, &snapshots, t))
-                .collect::<Result<Vec<_>, _>>()?;
-            stats.continuations += conts.len();
-            ctx.run(&mut conts, &mut stats, true)?;
+            let conts: Vec<_> = done.into_iter().map(|(_, c)| c).collect();
             let values = segment_values(learner, &conts, &tree)?;
             for (c, v) in conts.into_iter().zip(values) {
                 let steps = to_steps(&c, Some(&v))?;
                 let ticket = c.ticket.expect("FOCUS continuations have tickets");
+                diag.completed(ticket, c.steps.iter().map(|s| s.action.len() as u64).sum());
                 let new = alloc.complete(&mut tree, ticket, steps)?;
                 keep_snapshots(&mut snapshots, new, c.steps);
             }
+        }
+        let mut stats = sched.finish();
+        stats.episodes = tree.episodes().len();
+        if stats.continuations == 0 {
+            return Err(TrainError::Rollout(
+                "FOCUS launched no continuation: no candidate state has a positive gain".into(),
+            ));
+        }
+        if let Budget::Tokens { total, .. } = budget {
+            stats.budget_tokens = Some(total);
         }
         let ccfg = CreditConfig {
             kappa: fcfg.kappa,
@@ -94,6 +119,9 @@ impl RolloutPolicy for FocusPolicy {
                 }
             }
         }
-        Ok(StepRollouts::new(tree, rows, stats, critic_vs_target))
+        let allocation = diag.summary(&tree)?;
+        let mut r = StepRollouts::new(tree, rows, stats, critic_vs_target);
+        r.allocation = Some(allocation);
+        Ok(r)
     }
 }

@@ -5,7 +5,7 @@ use arbor_rl::credit::{loss_rows, Sharing};
 use arbor_rl::RolloutTree;
 
 use super::conts::{to_steps, Cont};
-use super::{RolloutPolicy, RolloutStats, StepContext, StepRollouts, TaskInstance};
+use super::{RolloutPolicy, StepContext, StepRollouts, TaskInstance};
 use crate::TrainError;
 
 /// `tasks` tasks a step, `n` rollouts each.
@@ -33,8 +33,10 @@ impl RolloutPolicy for GrpoPolicy {
                 conts.push(Cont::new(None, root, t.prompt.clone(), t.episode.fork()?));
             }
         }
-        let mut stats = RolloutStats::started(conts.len());
-        ctx.run(&mut conts, &mut stats, false)?;
+        let mut sched = ctx.scheduler(false)?;
+        let conts = sched.run_all(conts)?;
+        let mut stats = sched.finish();
+        stats.episodes = conts.len();
         for c in &conts {
             tree.add_path(c.from, to_steps(c, None)?)?;
         }

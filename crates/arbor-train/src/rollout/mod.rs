@@ -28,7 +28,7 @@ use arbor_rl::credit::LossRow;
 use arbor_rl::RolloutTree;
 use serde::{Deserialize, Serialize};
 
-use crate::config::{Algo, TrainConfig};
+use crate::config::{Algo, StepBudget, TrainConfig};
 use crate::learner::Learner;
 use crate::TrainError;
 
@@ -36,8 +36,10 @@ pub mod conts;
 pub mod eval;
 pub mod focus;
 pub mod grpo;
+pub mod heldout;
 pub mod ppo;
 pub mod ps;
+pub mod sched;
 pub mod vineppo;
 
 pub use crate::config::FocusConfig;
@@ -93,8 +95,15 @@ pub struct RolloutStats {
     pub replayed_tokens: u64,
     pub prefill_computed: u64,
     pub prefill_cached: u64,
+    /// Seconds in engine steps.
     pub generate_s: f64,
+    /// Seconds of environment steps, summed over env workers.
     pub env_s: f64,
+    /// Seconds the engine had nothing to decode while episodes waited for
+    /// their environments (env workers only; inline steps are in `env_s`).
+    pub engine_idle_s: f64,
+    /// Wall seconds of the step's rollouts.
+    pub rollout_s: f64,
     /// Episodes that ended in this step's continuations, and the tool calls
     /// they made in all (per episode, replayed prefixes included).
     pub finished_episodes: u64,
@@ -104,13 +113,20 @@ pub struct RolloutStats {
 }
 
 impl RolloutStats {
-    /// The stats of a step that starts `n` episodes, one continuation each.
-    pub(crate) fn started(n: usize) -> Self {
-        RolloutStats {
-            episodes: n,
-            continuations: n,
-            ..Default::default()
-        }
+    /// Add `o`'s counts and times to these (`budget_tokens` is kept).
+    pub(crate) fn add(&mut self, o: &RolloutStats) {
+        self.episodes += o.episodes;
+        self.continuations += o.continuations;
+        self.generated_tokens += o.generated_tokens;
+        self.replayed_tokens += o.replayed_tokens;
+        self.prefill_computed += o.prefill_computed;
+        self.prefill_cached += o.prefill_cached;
+        self.generate_s += o.generate_s;
+        self.env_s += o.env_s;
+        self.engine_idle_s += o.engine_idle_s;
+        self.rollout_s += o.rollout_s;
+        self.finished_episodes += o.finished_episodes;
+        self.tool_calls += o.tool_calls;
     }
 }
 
@@ -125,6 +141,12 @@ pub struct StepRollouts {
     pub effective_group_fraction: f64,
     /// `(V_phi(s), Gbar(s))` at nodes with children (FOCUS health).
     pub critic_vs_target: Vec<(f64, f64)>,
+    /// Where the allocator spent the budget (FOCUS).
+    pub allocation: Option<arbor_rl::diagnostics::AllocationSummary>,
+    /// Generated tokens per task drawn, as the method's
+    /// [`RolloutPolicy::tasks_for_budget`] reads it (default: all of the
+    /// step's generated tokens over its tasks).
+    pub tokens_per_task: Option<f64>,
 }
 
 impl StepRollouts {
@@ -142,6 +164,8 @@ impl StepRollouts {
             rewards,
             effective_group_fraction,
             critic_vs_target,
+            allocation: None,
+            tokens_per_task: None,
         }
     }
 }
@@ -177,24 +201,26 @@ pub struct StepContext<'a> {
     pub seed: &'a mut u64,
     /// The RL step, from 1.
     pub step: u64,
+    /// Environment worker threads (0: environment steps run inline).
+    pub env_workers: usize,
+    /// The step's generated-token budget, when the run has one
+    /// (`budget = { tokens = N }`, plus what earlier steps left unspent).
+    pub budget_tokens: Option<u64>,
 }
 
 impl StepContext<'_> {
-    /// Run `conts` to the ends of their episodes (see [`conts::run_conts`]),
-    /// keeping environment snapshots after each segment if `keep_snapshots`.
-    pub(crate) fn run(
+    /// The rollout scheduler of this step, keeping environment snapshots
+    /// after each segment if `keep_snapshots` (see [`sched::Scheduler`]).
+    pub(crate) fn scheduler(
         &mut self,
-        conts: &mut [conts::Cont],
-        stats: &mut RolloutStats,
         keep_snapshots: bool,
-    ) -> Result<(), TrainError> {
-        conts::run_conts(
+    ) -> Result<sched::Scheduler<'_>, TrainError> {
+        sched::Scheduler::new(
             self.engine,
-            conts,
             self.rollout,
             self.seed,
-            stats,
             keep_snapshots,
+            self.env_workers,
         )
     }
 }
@@ -212,6 +238,12 @@ pub struct PolicyState {
 pub trait RolloutPolicy: Send {
     /// Tasks drawn for one step.
     fn tasks_per_step(&self) -> usize;
+    /// Tasks drawn for a step with a budget of `tokens` generated tokens,
+    /// when recent steps spent `per_task` per task: as many as the budget
+    /// buys, at least one.
+    fn tasks_for_budget(&self, tokens: u64, per_task: f64) -> usize {
+        ((tokens as f64 / per_task.max(1.0)).round() as usize).max(1)
+    }
     /// Generate the step's rollouts on `tasks` and assign their credit.
     fn rollouts(
         &mut self,
@@ -231,12 +263,15 @@ pub trait RolloutPolicy: Send {
 /// The rollout policy of `cfg.algo`, configured from `cfg`.
 pub fn policy_for(cfg: &TrainConfig) -> Box<dyn RolloutPolicy> {
     let n = cfg.samples_per_prompt;
-    let tasks = cfg.prompts_per_step;
+    let (tasks, conts) = match cfg.budget {
+        Some(StepBudget::Continuations(k)) => ((k as usize / n).max(1), k),
+        _ => (cfg.prompts_per_step, (cfg.prompts_per_step * n) as u64),
+    };
     match cfg.algo {
         Algo::Grpo => Box::new(grpo::GrpoPolicy { tasks, n }),
         Algo::Focus => Box::new(focus::FocusPolicy {
-            tasks,
-            budget: (tasks * n) as u64,
+            tasks: cfg.prompts_per_step,
+            budget: conts,
             cfg: cfg.focus,
         }),
         Algo::Ppo => Box::new(ppo::PpoPolicy {

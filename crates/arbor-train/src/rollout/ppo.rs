@@ -7,7 +7,7 @@ use arbor_rl::credit::{backup, loss_rows, CreditConfig, Sharing};
 use arbor_rl::RolloutTree;
 
 use super::conts::{begin_conts, complete_conts, root_values, segment_values, Snapshots};
-use super::{RolloutPolicy, RolloutStats, StepContext, StepRollouts, TaskInstance};
+use super::{RolloutPolicy, StepContext, StepRollouts, TaskInstance};
 use crate::TrainError;
 
 /// `tasks` tasks a step, `n` rollouts each; discount `gamma`, GAE `lambda`.
@@ -40,10 +40,13 @@ impl RolloutPolicy for PpoPolicy {
                 roots.push(root);
             }
         }
-        let mut conts = begin_conts(&mut tree, &snapshots, &roots)?;
-        let mut stats = RolloutStats::started(conts.len());
-        ctx.run(&mut conts, &mut stats, false)?;
-        let values = segment_values(ctx.learner, &conts, &tree)?;
+        let learner = ctx.learner;
+        let conts = begin_conts(&mut tree, &snapshots, &roots)?;
+        let mut sched = ctx.scheduler(false)?;
+        let conts = sched.run_all(conts)?;
+        let mut stats = sched.finish();
+        stats.episodes = conts.len();
+        let values = segment_values(learner, &conts, &tree)?;
         complete_conts(&mut tree, &mut snapshots, conts, Some(values))?;
         let adv = PpoGae {
             gamma: self.gamma,

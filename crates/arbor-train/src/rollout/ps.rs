@@ -4,7 +4,6 @@
 
 use std::collections::BTreeMap;
 
-use arbor_engine::Engine;
 use arbor_rl::baselines::{AdvantageEstimator, Grpo};
 use arbor_rl::credit::{loss_rows, Sharing};
 use arbor_rl::prefix::{
@@ -12,11 +11,8 @@ use arbor_rl::prefix::{
 };
 use arbor_rl::{NodeId, RolloutTree};
 
-use super::conts::{run_conts, to_steps, Cont};
-use super::{
-    PolicyState, RolloutConfig, RolloutPolicy, RolloutStats, StepContext, StepRollouts,
-    TaskInstance,
-};
+use super::conts::{to_steps, Cont};
+use super::{PolicyState, RolloutPolicy, StepContext, StepRollouts, TaskInstance};
 use crate::config::{PsSettings, TrainConfig};
 use crate::TrainError;
 
@@ -60,6 +56,17 @@ impl RolloutPolicy for PsPolicy {
         self.tasks
     }
 
+    /// The first pass's share of the budget, at the first pass's tokens
+    /// per task (`per_task`); re-rollouts spend the rest.
+    fn tasks_for_budget(&self, tokens: u64, per_task: f64) -> usize {
+        let share = if self.budget_prompts.is_some() {
+            1.0 - self.settings.reserve
+        } else {
+            1.0
+        };
+        ((share * tokens as f64 / per_task.max(1.0)).round() as usize).max(1)
+    }
+
     fn rollouts(
         &mut self,
         ctx: StepContext<'_>,
@@ -74,15 +81,7 @@ impl RolloutPolicy for PsPolicy {
         };
         let ctl = PrefixController::restore(self.settings.controller, self.buckets.clone())?;
         let mut sampler = PrefixSampler::with_controller(pcfg, ctl)?;
-        let r = ps_step(
-            ctx.engine,
-            tasks,
-            self.n,
-            self.budget_prompts,
-            &mut sampler,
-            ctx.rollout,
-            ctx.seed,
-        )?;
+        let r = ps_step(ctx, tasks, self.n, self.budget_prompts, &mut sampler)?;
         self.buckets = sampler
             .controller()
             .buckets()
@@ -113,13 +112,11 @@ impl RolloutPolicy for PsPolicy {
 /// a segment boundary; replayed tokens are masked. Re-rollout outcomes feed
 /// the per-bucket controller (one update per step).
 fn ps_step(
-    engine: &mut Engine,
+    mut ctx: StepContext<'_>,
     tasks: Vec<TaskInstance>,
     n: usize,
     budget_prompts: Option<usize>,
     sampler: &mut PrefixSampler,
-    cfg: &RolloutConfig,
-    seed: &mut u64,
 ) -> Result<StepRollouts, TrainError> {
     let mut conts = Vec::new();
     let mut meta = Vec::new(); // (task id, prompt) per group
@@ -134,13 +131,16 @@ fn ps_step(
         }
         meta.push((t.id.clone(), t.prompt.clone()));
     }
-    let mut stats = RolloutStats::started(conts.len());
-    run_conts(engine, &mut conts, cfg, seed, &mut stats, true)?;
-    // The baseline's budget: `budget_prompts` groups of `n` trajectories of
-    // the first pass's mean generated length; the first pass is charged.
+    let mut sched = ctx.scheduler(true)?;
+    let conts = sched.run_all(conts)?;
+    let mut stats = sched.finish();
+    stats.episodes = conts.len();
+    // The run's token budget, else the baseline's: `budget_prompts` groups
+    // of `n` trajectories of the first pass's mean generated length; the
+    // first pass is charged.
     let first_pass = stats.generated_tokens;
-    let budget = budget_prompts
-        .map(|p| (first_pass as u128 * p as u128 / tasks.len().max(1) as u128) as u64);
+    let budget = ctx.budget_tokens.or(budget_prompts
+        .map(|p| (first_pass as u128 * p as u128 / tasks.len().max(1) as u128) as u64));
     stats.budget_tokens = budget;
     let mut planned = first_pass;
 
@@ -234,8 +234,9 @@ fn ps_step(
             }
         }
     }
-    stats.continuations += reroll.len();
-    run_conts(engine, &mut reroll, cfg, seed, &mut stats, false)?;
+    let mut sched = ctx.scheduler(false)?;
+    let reroll = sched.run_all(reroll)?;
+    stats.add(&sched.finish());
     let mut outcomes: BTreeMap<Bucket, (u64, u64)> = Default::default();
     for (c, (_, b)) in reroll.iter().zip(&reroll_meta) {
         let e = outcomes.entry(*b).or_default();
@@ -254,11 +255,14 @@ fn ps_step(
         let root = tree.add_episode(meta[g].0.clone(), meta[g].1.clone(), None)?;
         tree.add_path(root, to_steps(c, None)?)?;
     }
+    let tokens_per_task = first_pass as f64 / tasks.len().max(1) as f64;
     let rows = if tree.is_empty() {
         Vec::new()
     } else {
         let adv = Grpo::default().advantages(&tree)?;
         loss_rows(&tree, &adv, None, Sharing::Once)?
     };
-    Ok(StepRollouts::new(tree, rows, stats, Vec::new()))
+    let mut r = StepRollouts::new(tree, rows, stats, Vec::new());
+    r.tokens_per_task = Some(tokens_per_task);
+    Ok(r)
 }

@@ -8,7 +8,7 @@ use arbor_rl::credit::{loss_rows, Sharing};
 use arbor_rl::{NodeId, RolloutTree};
 
 use super::conts::{begin_conts, complete_conts, Snapshots};
-use super::{RolloutPolicy, RolloutStats, StepContext, StepRollouts, TaskInstance};
+use super::{RolloutPolicy, StepContext, StepRollouts, TaskInstance};
 use crate::TrainError;
 
 /// `tasks` main trajectories a step, `k` Monte-Carlo samples per state.
@@ -38,31 +38,33 @@ impl RolloutPolicy for VinePpoPolicy {
             snapshots.insert(root, t.episode);
             roots.push(root);
         }
-        let mut stats = RolloutStats {
-            episodes: roots.len(),
-            ..Default::default()
-        };
-        let mut main = begin_conts(&mut tree, &snapshots, &roots)?;
-        stats.continuations += main.len();
-        ctx.run(&mut main, &mut stats, true)?;
-        complete_conts(&mut tree, &mut snapshots, main, None)?;
-        // Continuations launched at a root are main trajectories themselves,
-        // so their states are planned in the next round; later rounds
-        // launch only below the root and end the loop.
+        // Each main trajectory's states get their Monte-Carlo samples as
+        // soon as it ends, while the other tasks still generate. A
+        // continuation launched at a root is a main trajectory itself, so
+        // its states are planned when it completes; samples launched below
+        // a root add no main states and end the planning.
+        let mut sched = ctx.scheduler(true)?;
+        for c in begin_conts(&mut tree, &snapshots, &roots)? {
+            sched.launch(c)?;
+        }
         loop {
-            let plan = vine.plan(&tree, self.k)?;
-            if plan.is_empty() {
+            let done = sched.wait()?;
+            if done.is_empty() {
                 break;
             }
-            let from: Vec<NodeId> = plan
+            let conts: Vec<_> = done.into_iter().map(|(_, c)| c).collect();
+            complete_conts(&mut tree, &mut snapshots, conts, None)?;
+            let from: Vec<NodeId> = vine
+                .plan(&tree, self.k)?
                 .iter()
                 .flat_map(|&(n, c)| std::iter::repeat_n(n, c as usize))
                 .collect();
-            let mut mc = begin_conts(&mut tree, &snapshots, &from)?;
-            stats.continuations += mc.len();
-            ctx.run(&mut mc, &mut stats, true)?;
-            complete_conts(&mut tree, &mut snapshots, mc, None)?;
+            for c in begin_conts(&mut tree, &snapshots, &from)? {
+                sched.launch(c)?;
+            }
         }
+        let mut stats = sched.finish();
+        stats.episodes = roots.len();
         let adv = vine.advantages(&tree)?;
         let rows = loss_rows(&tree, &adv, None, Sharing::Once)?;
         Ok(StepRollouts::new(tree, rows, stats, Vec::new()))

@@ -1,0 +1,400 @@
+//! The rollout scheduler: one event loop that every method's continuations
+//! run on.
+//!
+//! A policy [`launch`](Scheduler::launch)es continuations whenever it
+//! likes and [`wait`](Scheduler::wait)s for the next ones to end their
+//! episodes, so an allocator can decide the next fork each time a
+//! continuation finishes while the others keep generating (FOCUS's `m`,
+//! continuations in flight, is then real). Inside, a continuation cycles
+//! between the engine and its environment:
+//!
+//! ```text
+//!   launch ──► engine (one segment, batched with every other live one)
+//!                 │ segment done
+//!                 ▼
+//!              environment step (inline, or on an env worker thread)
+//!                 │ observation
+//!                 ├── episode over ──► finished, returned by `wait`
+//!                 └── otherwise ─────► engine again
+//! ```
+//!
+//! With `env_workers = 0` environment steps run inline after the engine
+//! step that completed the segment: cheap environments (math, synthetic
+//! tasks) cost nothing to hand over, and the run is deterministic, so resume
+//! stays bit-exact. With `env_workers = N > 0` they run on `N` threads
+//! while the engine keeps decoding the other continuations, and a
+//! continuation re-enters the engine when its observation arrives: a batch
+//! of SWE episodes then takes about max(generation, the slowest episode's
+//! tool time) instead of their sum. Which continuations share an engine
+//! step then depends on timing, so results are reproducible only up to
+//! the engine's batch composition.
+//!
+//! Sampling seeds are derived from the step's seed, the continuation's
+//! launch index and the segment index, never from timing or batch order.
+
+use std::collections::HashMap;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use arbor_engine::{Completion, Engine, SamplingParams, SeqId};
+
+use super::conts::{Cont, SegmentRecord};
+use super::{RolloutConfig, RolloutStats};
+use crate::TrainError;
+
+/// SplitMix64 finaliser: a well-mixed 64-bit hash of `x`.
+pub(crate) fn mix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// An environment step handed to a worker: the continuation, the segment
+/// the engine generated for it.
+type EnvJob = (usize, Box<Cont>, Completion);
+/// A worker's answer: the continuation with the segment applied, or the
+/// error, and the seconds the step took.
+type EnvDone = (usize, Result<Box<Cont>, TrainError>, f64);
+
+/// A pool of environment worker threads.
+struct EnvPool {
+    jobs: Option<Sender<EnvJob>>,
+    done: Receiver<EnvDone>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl EnvPool {
+    fn new(n: usize, cfg: &RolloutConfig, keep_snapshots: bool) -> Result<Self, TrainError> {
+        let (jobs_tx, jobs_rx) = channel::<EnvJob>();
+        let (done_tx, done_rx) = channel::<EnvDone>();
+        let jobs_rx = Arc::new(Mutex::new(jobs_rx));
+        let mut threads = Vec::with_capacity(n);
+        for i in 0..n {
+            let (rx, tx, cfg) = (jobs_rx.clone(), done_tx.clone(), cfg.clone());
+            let t = std::thread::Builder::new()
+                .name(format!("arbor-env-{i}"))
+                .spawn(move || loop {
+                    let job = match rx.lock() {
+                        Ok(r) => r.recv(),
+                        Err(_) => return,
+                    };
+                    let Ok((key, mut cont, seg)) = job else {
+                        return;
+                    };
+                    let t0 = Instant::now();
+                    let r = apply_segment(&mut cont, seg, &cfg, keep_snapshots).map(|()| cont);
+                    if tx.send((key, r, t0.elapsed().as_secs_f64())).is_err() {
+                        return;
+                    }
+                })
+                .map_err(|e| TrainError::Rollout(format!("cannot start an env worker: {e}")))?;
+            threads.push(t);
+        }
+        Ok(EnvPool {
+            jobs: Some(jobs_tx),
+            done: done_rx,
+            threads,
+        })
+    }
+}
+
+impl Drop for EnvPool {
+    fn drop(&mut self) {
+        // Closing the job channel ends every worker after its current step.
+        self.jobs.take();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Feed the engine's segment `seg` to `cont`'s environment and record it:
+/// the observation, the environment snapshot (with `keep_snapshots`, at
+/// non-final states), the reward when the episode ends (0 when it reaches
+/// `cfg.max_segments` without ending).
+pub(crate) fn apply_segment(
+    cont: &mut Cont,
+    seg: Completion,
+    cfg: &RolloutConfig,
+    keep_snapshots: bool,
+) -> Result<(), TrainError> {
+    let out = cont.env.step(&seg.tokens)?;
+    cont.context.extend(&seg.tokens);
+    cont.context.extend(&out.observation);
+    let segments = cont.replayed.len() + cont.steps.len() + 1;
+    let truncated = out.reward.is_none() && segments >= cfg.max_segments;
+    let reward = if truncated { Some(0.0) } else { out.reward };
+    let snapshot = if keep_snapshots && reward.is_none() {
+        Some(cont.env.fork()?)
+    } else {
+        None
+    };
+    cont.steps.push(SegmentRecord {
+        action: seg.tokens,
+        logprobs: seg.logprobs,
+        observation: out.observation,
+        env_after: snapshot,
+        reward,
+    });
+    Ok(())
+}
+
+/// Where each launched continuation is.
+enum Slot {
+    /// Generating its next segment in the engine.
+    Engine(Box<Cont>),
+    /// At an environment worker.
+    Env,
+    /// Handed back by `wait`.
+    Taken,
+}
+
+/// The event loop over one engine; see the module docs.
+pub(crate) struct Scheduler<'a> {
+    engine: &'a mut Engine,
+    cfg: &'a RolloutConfig,
+    keep_snapshots: bool,
+    /// The run's seed counter; continuation `i` samples from
+    /// `mix64(base + i)`, and the counter moves past them on drop.
+    seed: &'a mut u64,
+    base_seed: u64,
+    slots: Vec<Slot>,
+    in_engine: HashMap<SeqId, usize>,
+    at_env: usize,
+    pool: Option<EnvPool>,
+    /// Ended episodes, not yet returned by `wait`.
+    ended: Vec<(usize, Box<Cont>)>,
+    stats: RolloutStats,
+    started: Instant,
+}
+
+impl<'a> Scheduler<'a> {
+    /// A scheduler over `engine`; `keep_snapshots` keeps each non-final
+    /// state's environment (FOCUS, VinePPO and PS sources fork there);
+    /// `env_workers` environment threads (0: inline).
+    pub(crate) fn new(
+        engine: &'a mut Engine,
+        cfg: &'a RolloutConfig,
+        seed: &'a mut u64,
+        keep_snapshots: bool,
+        env_workers: usize,
+    ) -> Result<Self, TrainError> {
+        let pool = match env_workers {
+            0 => None,
+            n => Some(EnvPool::new(n, cfg, keep_snapshots)?),
+        };
+        Ok(Scheduler {
+            base_seed: *seed,
+            engine,
+            cfg,
+            keep_snapshots,
+            seed,
+            slots: Vec::new(),
+            in_engine: HashMap::new(),
+            at_env: 0,
+            pool,
+            ended: Vec::new(),
+            stats: RolloutStats::default(),
+            started: Instant::now(),
+        })
+    }
+
+    /// Start `cont` (its next segment joins the engine's queue); returns its
+    /// launch index, the key [`Scheduler::wait`] returns it under.
+    pub(crate) fn launch(&mut self, mut cont: Cont) -> Result<usize, TrainError> {
+        let key = self.slots.len();
+        cont.seed = mix64(self.base_seed.wrapping_add(key as u64));
+        self.stats.continuations += 1;
+        self.slots.push(Slot::Taken);
+        self.submit(key, Box::new(cont))?;
+        Ok(key)
+    }
+
+    /// Drive the engine and the environments until at least one episode
+    /// ends; returns every continuation whose episode has ended since the
+    /// last call (launch order), or nothing once none is in flight.
+    pub(crate) fn wait(&mut self) -> Result<Vec<(usize, Cont)>, TrainError> {
+        loop {
+            self.drain_env(false)?;
+            if !self.ended.is_empty() {
+                let mut out: Vec<(usize, Cont)> =
+                    self.ended.drain(..).map(|(k, c)| (k, *c)).collect();
+                out.sort_by_key(|(k, _)| *k);
+                return Ok(out);
+            }
+            if self.engine.has_pending() {
+                let before = self.engine.stats().clone();
+                let t0 = Instant::now();
+                self.engine
+                    .step()
+                    .map_err(|e| TrainError::Rollout(format!("generation failed: {e}")))?;
+                self.stats.generate_s += t0.elapsed().as_secs_f64();
+                let after = self.engine.stats();
+                self.stats.generated_tokens += after.generated - before.generated;
+                self.stats.prefill_computed += after.prefill_computed - before.prefill_computed;
+                self.stats.prefill_cached += after.prefill_cached - before.prefill_cached;
+                for seg in self.engine.take_finished() {
+                    self.on_segment(seg)?;
+                }
+            } else if self.at_env > 0 {
+                // Nothing to decode until an observation comes back.
+                let t0 = Instant::now();
+                self.drain_env(true)?;
+                self.stats.engine_idle_s += t0.elapsed().as_secs_f64();
+            } else {
+                return Ok(Vec::new());
+            }
+        }
+    }
+
+    /// Launch every continuation of `conts` and run them all to the ends of
+    /// their episodes; returns them in the order given.
+    pub(crate) fn run_all(&mut self, conts: Vec<Cont>) -> Result<Vec<Cont>, TrainError> {
+        let first = self.slots.len();
+        let n = conts.len();
+        for c in conts {
+            self.launch(c)?;
+        }
+        let mut out: Vec<Option<Cont>> = (0..n).map(|_| None).collect();
+        let mut got = 0;
+        while got < n {
+            let done = self.wait()?;
+            if done.is_empty() {
+                return Err(TrainError::Rollout(
+                    "the scheduler lost a continuation".into(),
+                ));
+            }
+            for (k, c) in done {
+                if k >= first && k < first + n {
+                    out[k - first] = Some(c);
+                    got += 1;
+                }
+            }
+        }
+        Ok(out.into_iter().flatten().collect())
+    }
+
+    /// The accounting, with the rollout's wall time.
+    pub(crate) fn finish(mut self) -> RolloutStats {
+        self.stats.rollout_s = self.started.elapsed().as_secs_f64();
+        std::mem::take(&mut self.stats)
+    }
+
+    /// Queue `cont`'s next segment, or end it (reward 0) when its context
+    /// has no room for another token.
+    fn submit(&mut self, key: usize, mut cont: Box<Cont>) -> Result<(), TrainError> {
+        let room = self.engine.max_context();
+        if cont.context.len() + 1 >= room {
+            match cont.steps.last_mut() {
+                Some(last) => last.reward = Some(0.0),
+                None => {
+                    return Err(TrainError::Rollout(format!(
+                        "a prompt of {} tokens leaves no room in the engine's context ({room})",
+                        cont.context.len()
+                    )))
+                }
+            }
+            self.end(key, cont);
+            return Ok(());
+        }
+        let segment = (cont.replayed.len() + cont.steps.len()) as u64;
+        let p = SamplingParams {
+            temperature: self.cfg.temperature,
+            max_tokens: self.cfg.max_segment_tokens,
+            stop_tokens: self.cfg.segment_stop.clone(),
+            seed: mix64(cont.seed ^ mix64(segment)),
+            ..Default::default()
+        };
+        let id = self.engine.submit(cont.context.clone(), vec![p])?[0];
+        self.in_engine.insert(id, key);
+        self.slots[key] = Slot::Engine(cont);
+        Ok(())
+    }
+
+    /// A segment came out of the engine: step its environment.
+    fn on_segment(&mut self, seg: Completion) -> Result<(), TrainError> {
+        let key = self
+            .in_engine
+            .remove(&seg.id)
+            .ok_or_else(|| TrainError::Rollout(format!("unknown engine sequence {}", seg.id)))?;
+        if let Some(e) = &seg.error {
+            return Err(TrainError::Rollout(format!("generation failed: {e}")));
+        }
+        let Slot::Engine(mut cont) = std::mem::replace(&mut self.slots[key], Slot::Env) else {
+            return Err(TrainError::Rollout(format!(
+                "continuation {key} finished a segment it was not generating"
+            )));
+        };
+        match &self.pool {
+            Some(pool) => {
+                let tx = pool.jobs.as_ref().expect("open while the pool lives");
+                tx.send((key, cont, seg))
+                    .map_err(|_| TrainError::Rollout("the env workers have stopped".into()))?;
+                self.at_env += 1;
+                Ok(())
+            }
+            None => {
+                let t0 = Instant::now();
+                apply_segment(&mut cont, seg, self.cfg, self.keep_snapshots)?;
+                self.stats.env_s += t0.elapsed().as_secs_f64();
+                self.after_env(key, cont)
+            }
+        }
+    }
+
+    /// Take answers from the env workers (waiting for one if `block`).
+    fn drain_env(&mut self, block: bool) -> Result<(), TrainError> {
+        let mut answers = Vec::new();
+        if let Some(pool) = &self.pool {
+            if block && self.at_env > 0 {
+                answers.push(
+                    pool.done
+                        .recv()
+                        .map_err(|_| TrainError::Rollout("the env workers have stopped".into()))?,
+                );
+            }
+            answers.extend(pool.done.try_iter());
+        }
+        for (key, r, secs) in answers {
+            self.at_env -= 1;
+            self.stats.env_s += secs;
+            self.after_env(key, r?)?;
+        }
+        Ok(())
+    }
+
+    /// After an environment step: the episode ended, or its next segment.
+    fn after_env(&mut self, key: usize, cont: Box<Cont>) -> Result<(), TrainError> {
+        if cont.steps.last().is_some_and(|s| s.reward.is_some()) {
+            self.end(key, cont);
+            Ok(())
+        } else {
+            self.submit(key, cont)
+        }
+    }
+
+    fn end(&mut self, key: usize, mut cont: Box<Cont>) {
+        cont.done = true;
+        self.stats.finished_episodes += 1;
+        self.stats.tool_calls += cont.env.tool_calls() as u64;
+        self.slots[key] = Slot::Taken;
+        self.ended.push((key, cont));
+    }
+}
+
+impl Drop for Scheduler<'_> {
+    fn drop(&mut self) {
+        // Continuations still in the engine (an error ended the rollout)
+        // are dropped there, so the engine can be used again.
+        for id in self.in_engine.keys().copied().collect::<Vec<_>>() {
+            let _ = self.engine.abort(id);
+        }
+        let _ = self.engine.take_finished();
+        *self.seed = self
+            .base_seed
+            .wrapping_add(self.slots.len() as u64)
+            .wrapping_add(1);
+    }
+}
