@@ -33,9 +33,15 @@ pub enum BenchCommand {
     /// (FOCUS, random, uniform, raw residual; constant and random critic).
     /// Table, PNG, JSON.
     Audit(crate::bench_audit::AuditArgs),
-    /// FOCUS vs Prefix Sampling vs GRPO on the built-in task from the same
-    /// warm-started policy, several seeds: reward vs generated tokens.
+    /// FOCUS, Prefix Sampling, GRPO, PPO and VinePPO on a built-in task
+    /// from the same warm-started policy at equal generated tokens per step,
+    /// several seeds: held-out pass rate vs tokens, intervals, critic
+    /// diagnostics.
     Algos(crate::bench_algos::AlgosArgs),
+    /// The rollout scheduler with slow environments: wall, engine,
+    /// environment and engine-idle time with environment steps inline and
+    /// on worker threads.
+    Rollout(crate::bench_rollout::RolloutBenchArgs),
     /// Peak memory of token logprobs: the fused chunked op (forward +
     /// backward) vs the naive full-logits log_softmax path, by allocation
     /// accounting.
@@ -431,6 +437,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Fork(a) => fork_bench(a),
         BenchCommand::Audit(a) => crate::bench_audit::run(a),
         BenchCommand::Algos(a) => crate::bench_algos::run(a),
+        BenchCommand::Rollout(a) => crate::bench_rollout::run(a),
         BenchCommand::LogprobMemory(a) => logprob_memory(a),
     }
 }

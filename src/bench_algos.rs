@@ -12,6 +12,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use arbor_model::CriticMode;
+use arbor_rl::focus::{Evidence, Score};
 use arbor_train::{read_metrics, Algo, CriticInit, StepBudget, TrainConfig, Trainer};
 use clap::Args;
 use serde::Serialize;
@@ -24,6 +25,7 @@ pub struct AlgosArgs {
     pub config: Option<PathBuf>,
     /// Comma-separated rows: a method (focus, ps, grpo, ppo, vineppo),
     /// optionally with settings joined by `+`: `lambda=X`, `kappa=X`,
+    /// `score=spec|bias|propagated`, `evidence=on_policy|subtree`,
     /// `critic=shared|separate`, `critic_init=policy|own`, `critic_lr=X`.
     #[arg(
         long,
@@ -71,6 +73,9 @@ struct AlgoSummary {
     final_eval_mean: f64,
     /// Half-width of the 95% Student-t interval of the final eval mean.
     final_eval_ci95: f64,
+    /// Final eval minus GRPO's on the same seed (same warm-started policy):
+    /// mean and 95% interval half-width.
+    paired_vs_grpo: Option<(f64, f64)>,
     final_reward_mean: f64,
     generated_tokens_mean: f64,
     /// Generated tokens at which the seed-mean eval pass rate first reaches
@@ -95,6 +100,21 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
                 cfg.ppo.lambda = num()?;
             }
             "kappa" => cfg.focus.kappa = num()?,
+            "score" => {
+                cfg.focus.score = match v {
+                    "spec" => Score::Spec,
+                    "bias" => Score::Bias,
+                    "propagated" => Score::Propagated,
+                    _ => anyhow::bail!("row setting `{kv}`: spec, bias or propagated"),
+                }
+            }
+            "evidence" => {
+                cfg.focus.evidence = match v {
+                    "on_policy" => Evidence::OnPolicy,
+                    "subtree" => Evidence::Subtree,
+                    _ => anyhow::bail!("row setting `{kv}`: on_policy or subtree"),
+                }
+            }
             "critic_lr" => cfg.critic.lr = Some(num()?),
             "critic" => {
                 cfg.learner.critic = match v {
@@ -111,7 +131,8 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
                 }
             }
             _ => anyhow::bail!(
-                "row setting `{kv}`: unknown key (lambda, kappa, critic, critic_init, critic_lr)"
+                "row setting `{kv}`: unknown key (lambda, kappa, score, evidence, critic, \
+                 critic_init, critic_lr)"
             ),
         }
     }
@@ -258,10 +279,21 @@ pub fn run(a: AlgosArgs) -> Result<()> {
             grpo_final.and_then(|(_, target)| curve.iter().find(|c| c.1 >= target).map(|c| c.0));
         let finals: Vec<f64> = runs.iter().map(|r| r.final_eval).collect();
         let (final_eval_mean, final_eval_ci95) = mean_ci95(&finals);
+        let diffs: Vec<f64> = runs
+            .iter()
+            .filter_map(|r| {
+                results
+                    .iter()
+                    .find(|g| g.algo == "grpo" && g.seed == r.seed)
+                    .map(|g| r.final_eval - g.final_eval)
+            })
+            .collect();
+        let paired_vs_grpo = (!diffs.is_empty() && name != "grpo").then(|| mean_ci95(&diffs));
         summaries.push(AlgoSummary {
             algo: name.clone(),
             final_eval_mean,
             final_eval_ci95,
+            paired_vs_grpo,
             final_reward_mean: runs.iter().map(|r| r.final_reward).sum::<f64>() / k,
             generated_tokens_mean: runs.iter().map(|r| r.generated_tokens as f64).sum::<f64>() / k,
             tokens_to_grpo_final: reach,
@@ -282,14 +314,17 @@ pub fn run(a: AlgosArgs) -> Result<()> {
             r.replayed_tokens
         );
     }
-    println!("\n| algo | eval after (mean +- 95% CI) | mean final training reward | mean generated tokens | tokens to GRPO's final eval | ratio to GRPO |");
-    println!("|---|---|---|---|---|---|");
+    println!("\n| algo | eval after (mean +- 95% CI) | minus GRPO, same seed (mean +- 95% CI) | mean final training reward | mean generated tokens | tokens to GRPO's final eval | ratio to GRPO |");
+    println!("|---|---|---|---|---|---|---|");
     for s in &summaries {
         println!(
-            "| {} | {:.3} +- {:.3} | {:.3} | {:.0} | {} | {} |",
+            "| {} | {:.3} +- {:.3} | {} | {:.3} | {:.0} | {} | {} |",
             s.algo,
             s.final_eval_mean,
             s.final_eval_ci95,
+            s.paired_vs_grpo
+                .map(|(m, c)| format!("{m:+.3} +- {c:.3}"))
+                .unwrap_or_else(|| "-".into()),
             s.final_reward_mean,
             s.generated_tokens_mean,
             s.tokens_to_grpo_final
@@ -377,4 +412,45 @@ fn plot(
         "eval pass rate",
         &series,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interval_matches_hand_computation() {
+        // mean 2, sample sd 1, n = 4: half-width t(3) * 1 / 2.
+        let (m, c) = mean_ci95(&[1.0, 2.0, 2.0, 3.0]);
+        assert!((m - 2.0).abs() < 1e-12);
+        let sd = (2.0f64 / 3.0).sqrt();
+        assert!((c - 3.182 * sd / 2.0).abs() < 1e-9, "{c}");
+        assert!(mean_ci95(&[1.0]).1.is_nan());
+        assert_eq!(t95(4), 2.776);
+        assert_eq!(t95(1000), 1.96);
+    }
+
+    #[test]
+    fn row_settings_apply_and_bad_ones_are_named() {
+        let mut cfg = TrainConfig::default();
+        apply_row(
+            &mut cfg,
+            &[
+                "lambda=1",
+                "score=bias",
+                "critic_init=own",
+                "critic_lr=0.003",
+            ],
+        )
+        .unwrap();
+        assert_eq!(cfg.focus.lambda, 1.0);
+        assert_eq!(cfg.ppo.lambda, 1.0);
+        assert_eq!(cfg.focus.score, Score::Bias);
+        assert_eq!(cfg.critic.init, CriticInit::Own);
+        assert_eq!(cfg.critic.lr, Some(0.003));
+        let e = apply_row(&mut cfg, &["gamma=1"]).unwrap_err().to_string();
+        assert!(e.contains("gamma=1"), "{e}");
+        let e = apply_row(&mut cfg, &["lambda"]).unwrap_err().to_string();
+        assert!(e.contains("key=value"), "{e}");
+    }
 }

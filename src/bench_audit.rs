@@ -11,7 +11,7 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, Context, Result};
-use arbor_rl::audit::{run_audit, AuditConfig, AuditReport, CriticKind, Metric};
+use arbor_rl::audit::{run_audit, AuditConfig, AuditReport, CriticKind, Metric, WorldKind};
 use arbor_rl::focus::SelectorKind;
 use clap::Args;
 use plotters::prelude::*;
@@ -45,6 +45,16 @@ pub struct AuditArgs {
     /// Continuations spent per run.
     #[arg(long, default_value_t = 512)]
     pub budget: u64,
+    /// Continuations of the large-budget run that gives each selector's
+    /// limit (0: none).
+    #[arg(long, default_value_t = 2048)]
+    pub limit_budget: u64,
+    /// Continuations' new states cannot be forked (only the audit tree's).
+    #[arg(long)]
+    pub no_resumable: bool,
+    /// Share of states the `accurate` critic gets wrong.
+    #[arg(long, default_value_t = 0.1)]
+    pub wrong: f64,
     /// Continuations in flight (rollout workers).
     #[arg(long, default_value_t = 8)]
     pub workers: u32,
@@ -73,10 +83,17 @@ impl AuditArgs {
             floor_hi: self.floor_hi,
             kappa: self.kappa,
             budget: self.budget,
+            limit_budget: self.limit_budget,
             workers: self.workers,
             record_every: self.record_every,
+            resumable_continuations: !self.no_resumable,
             seeds: (0..self.seeds).collect(),
-            critics: vec![CriticKind::Constant(self.constant), CriticKind::Random],
+            worlds: vec![WorldKind::Even, WorldKind::Uneven],
+            critics: vec![
+                CriticKind::Constant(self.constant),
+                CriticKind::Random,
+                CriticKind::Accurate(self.wrong),
+            ],
             selectors: SelectorKind::ALL.to_vec(),
             oracle: !self.no_oracle,
         }
@@ -97,8 +114,9 @@ pub fn run(a: AuditArgs) -> Result<()> {
     Ok(())
 }
 
-/// The mean MSE at 0, 1/4, 1/2, 3/4 and all of the budget, and the budget at
-/// which each selector first reaches random selection's final MSE.
+/// The mean MSE at 0, 1/4, 1/2, 3/4 and all of the budget, the limit, and
+/// the budget at which each selector first reaches random selection's
+/// final MSE; then one verdict line per panel.
 fn table(r: &AuditReport) -> String {
     let g = &r.grid;
     let at = |f: f64| {
@@ -109,83 +127,118 @@ fn table(r: &AuditReport) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "audit tree: {} seeds, {:.1} audit nodes per world, budget {} continuations, {} workers, kappa {}",
+        "audit tree: {} seeds, {:.1} audit nodes per world, budget {} continuations (limit run {}), {} workers, kappa {}, continuation states {}",
         r.config.seeds.len(),
         r.audit_nodes,
         r.config.budget,
+        r.config.limit_budget,
         r.config.workers,
-        r.config.kappa
+        r.config.kappa,
+        if r.config.resumable_continuations { "resumable" } else { "not resumable" }
     );
-    for &critic in &r.config.critics {
-        for metric in Metric::ALL {
-            let random_final = r
-                .curve(critic, SelectorKind::Random.name(), metric)
-                .map_or(f64::NAN, arbor_rl::audit::AuditCurve::final_mse);
-            let _ = writeln!(
-                s,
-                "\ncritic {}, {} estimate (mean MSE over seeds)",
-                critic.name(),
-                metric.name()
-            );
-            let _ = write!(s, "{:<14}", "selector");
-            for &i in &cols {
-                let _ = write!(s, "{:>10}", format!("@{}", g[i]));
-            }
-            let _ = writeln!(s, "{:>18}", "reach random@end");
-            for c in r
-                .curves
-                .iter()
-                .filter(|c| c.critic == critic && c.metric == metric)
-            {
-                let _ = write!(s, "{:<14}", c.selector);
+    for &world in &r.config.worlds {
+        for &critic in &r.config.critics {
+            for metric in Metric::ALL {
+                let random_final = r
+                    .curve(world, critic, SelectorKind::Random.name(), metric)
+                    .map_or(f64::NAN, arbor_rl::audit::AuditCurve::final_mse);
+                let _ = writeln!(
+                    s,
+                    "\n{} world, critic {}, {} estimate (mean MSE over seeds)",
+                    world.name(),
+                    critic.name(),
+                    metric.name()
+                );
+                let _ = write!(s, "{:<18}", "selector");
                 for &i in &cols {
-                    let _ = write!(s, "{:>10.5}", c.mean[i]);
+                    let _ = write!(s, "{:>10}", format!("@{}", g[i]));
                 }
-                let reach = c
-                    .budget_to_reach(g, random_final)
-                    .map_or("never".to_string(), |b| b.to_string());
-                let _ = writeln!(s, "{reach:>18}");
+                let _ = write!(s, "{:>10}", format!("@{}", r.config.limit_budget));
+                let _ = writeln!(s, "{:>18}", "reach random@end");
+                for c in r
+                    .curves
+                    .iter()
+                    .filter(|c| c.world == world && c.critic == critic && c.metric == metric)
+                {
+                    let _ = write!(s, "{:<18}", c.selector);
+                    for &i in &cols {
+                        let _ = write!(s, "{:>10.5}", c.mean[i]);
+                    }
+                    let _ = write!(
+                        s,
+                        "{:>10}",
+                        c.limit.map_or("-".to_string(), |l| format!("{l:.5}"))
+                    );
+                    let reach = c
+                        .budget_to_reach(g, random_final)
+                        .map_or("never".to_string(), |b| b.to_string());
+                    let _ = writeln!(s, "{reach:>18}");
+                }
             }
         }
     }
     let _ = writeln!(s);
+    let pct = |f: Option<f64>| f.map_or("never".to_string(), |f| format!("{:.0}%", 100.0 * f));
     for v in &r.verdicts {
+        let variants: Vec<String> = v
+            .variant_budget_fractions
+            .iter()
+            .map(|(n, f)| format!("{n} {}", pct(*f)))
+            .collect();
         let _ = writeln!(
             s,
-            "{} / {}: FOCUS reaches random's final MSE {:.5} at {} ({}) -> half-budget claim {}; raw residual {:.5} vs FOCUS {:.5} -> worse: {}",
+            "{} / {} / {}: to random's final MSE {:.5}: oracle {}, FOCUS {} ({}) -> half-budget claim {}; raw residual {:.5} vs FOCUS {:.5} -> worse: {}",
+            v.world.name(),
             v.critic.name(),
             v.metric.name(),
             v.random_final,
-            v.focus_budget_to_random_final
-                .map_or("never".to_string(), |b| b.to_string()),
-            v.focus_budget_fraction
-                .map_or("-".to_string(), |f| format!("{:.0}% of the budget", 100.0 * f)),
-            if v.focus_within_half_budget { "MET" } else { "MISSED" },
+            pct(v.oracle_budget_fraction),
+            pct(v.focus_budget_fraction),
+            variants.join(", "),
+            match (v.claim_applies, v.focus_within_half_budget) {
+                (false, _) => "not testable (the oracle misses it)",
+                (true, true) => "MET",
+                (true, false) => "MISSED",
+            },
             v.residual_final,
             v.focus_final,
             v.residual_worse_than_focus
         );
     }
+    let testable: Vec<_> = r.verdicts.iter().filter(|v| v.claim_applies).collect();
+    let _ = writeln!(
+        s,
+        "\nhalf-budget claim: met in {} of the {} panels where the oracle meets it ({} panels in all)",
+        testable.iter().filter(|v| v.focus_within_half_budget).count(),
+        testable.len(),
+        r.verdicts.len()
+    );
     s
 }
 
-/// One panel per (critic, metric): mean MSE vs continuations per selector.
+/// One panel per (world, critic, metric): mean MSE vs continuations per
+/// selector.
 fn plot(r: &AuditReport, path: &Path) -> Result<()> {
     crate::plot::register_font()?;
     let e = |e: &dyn std::fmt::Display| anyhow!("plotting: {e}");
-    let root =
-        BitMapBackend::new(path, (1600, 560 * r.config.critics.len() as u32)).into_drawing_area();
+    let rows: Vec<(WorldKind, CriticKind)> = r
+        .config
+        .worlds
+        .iter()
+        .flat_map(|&w| r.config.critics.iter().map(move |&c| (w, c)))
+        .collect();
+    let root = BitMapBackend::new(path, (2400, 420 * rows.len() as u32)).into_drawing_area();
     root.fill(&WHITE).map_err(|x| e(&x))?;
-    let panels = root.split_evenly((r.config.critics.len(), Metric::ALL.len()));
+    let panels = root.split_evenly((rows.len(), Metric::ALL.len()));
     let budget = r.config.budget as f64;
     let mut panel = panels.iter();
-    for &critic in &r.config.critics {
+    for &(world, critic) in &rows {
         for metric in Metric::ALL {
             let Some(area) = panel.next() else { break };
             let curves: Vec<_> = r
                 .curves
                 .iter()
-                .filter(|c| c.critic == critic && c.metric == metric)
+                .filter(|c| c.world == world && c.critic == critic && c.metric == metric)
                 .collect();
             let ymax = curves
                 .iter()
@@ -194,8 +247,13 @@ fn plot(r: &AuditReport, path: &Path) -> Result<()> {
                 * 1.05;
             let mut chart = ChartBuilder::on(area)
                 .caption(
-                    format!("critic {}, {} estimate", critic.name(), metric.name()),
-                    ("sans-serif", 24),
+                    format!(
+                        "{} world, critic {}, {}",
+                        world.name(),
+                        critic.name(),
+                        metric.name()
+                    ),
+                    ("sans-serif", 20),
                 )
                 .margin(12)
                 .x_label_area_size(40)

@@ -152,24 +152,65 @@ pub trait Selector {
     /// non-terminal, resumable and under its in-flight cap). `None` (or a
     /// NaN) excludes the node.
     fn priority(&mut self, id: NodeId, node: &Node, rng: &mut StdRng) -> Option<f64>;
+    /// Called once before each pick with the whole tree (selectors whose
+    /// score depends on a node's ancestors precompute it here).
+    fn prepare(&mut self, _tree: &RolloutTree) {}
 }
 
 impl<S: Selector + ?Sized> Selector for Box<S> {
     fn name(&self) -> &'static str {
         (**self).name()
     }
+    fn prepare(&mut self, tree: &RolloutTree) {
+        (**self).prepare(tree);
+    }
     fn priority(&mut self, id: NodeId, node: &Node, rng: &mut StdRng) -> Option<f64> {
         (**self).priority(id, node, rng)
     }
 }
 
+/// Variants of FOCUS's score, each an option beside the spec's `g`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Score {
+    /// The spec: `g = mu*(1-mu) / (a + m + 1)^2`.
+    #[default]
+    Spec,
+    /// `g` plus the expected shrinkage of the critic's bias: with the
+    /// bias estimated from the evidence, `b = cbar - v` (`n > 0`), the
+    /// prior's share of the squared error is `kappa^2 b^2 / (kappa + n)^2`,
+    /// and one more outcome removes
+    /// `kappa^2 b^2 * (1/(kappa+n_eff)^2 - 1/(kappa+n_eff+1)^2)`.
+    /// A confident but wrong critic no longer starves its state.
+    Bias,
+    /// `g` times `1 + sum over ancestors a of w(a, c)^2`, where
+    /// `w(a, c) = prod over the path a .. parent(c) of 1/(kappa + |C(x)|)`
+    /// is `c`'s weight in `Vtilde(a)` (Eq. 1): one more outcome at `c`
+    /// also cuts the variance of every ancestor's backed-up value.
+    Propagated,
+}
+
+impl Score {
+    /// Report name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Score::Spec => "spec",
+            Score::Bias => "bias",
+            Score::Propagated => "propagated",
+        }
+    }
+}
+
 /// FOCUS: priority `g` (see the module docs); candidates need `g > 0` and a
 /// critic value.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Focus {
     kappa: f64,
     async_gain: AsyncGain,
     evidence: Evidence,
+    score: Score,
+    /// [`Score::Propagated`]: `1 + sum_a w(a, c)^2` by node index.
+    factor: Vec<f64>,
 }
 
 impl Focus {
@@ -180,7 +221,15 @@ impl Focus {
             kappa,
             async_gain,
             evidence: Evidence::OnPolicy,
+            score: Score::Spec,
+            factor: Vec::new(),
         })
+    }
+
+    /// Chooses the score variant.
+    pub fn with_score(mut self, score: Score) -> Self {
+        self.score = score;
+        self
     }
 
     /// Chooses which outcomes count as evidence.
@@ -189,7 +238,7 @@ impl Focus {
         self
     }
 
-    /// The score of a node (`None` without a critic value).
+    /// The spec's score `g` of a node (`None` without a critic value).
     pub fn score(&self, node: &Node) -> Option<f64> {
         let post = Posterior::of(node, self.kappa, self.evidence)?;
         let m = f64::from(node.in_flight());
@@ -198,14 +247,60 @@ impl Focus {
             AsyncGain::Lookahead => post.gain_lookahead(m),
         })
     }
+
+    /// The score of node `id` under the configured variant.
+    pub fn variant_score(&self, id: NodeId, node: &Node) -> Option<f64> {
+        let g = self.score(node)?;
+        Some(match self.score {
+            Score::Spec => g,
+            Score::Bias => {
+                let (n, sum) = match self.evidence {
+                    Evidence::OnPolicy => (node.completed(), node.reward_sum()),
+                    Evidence::Subtree => (node.subtree_completed(), node.subtree_reward_sum()),
+                };
+                if n == 0 {
+                    g
+                } else {
+                    let v = node.value()?.clamp(0.0, 1.0);
+                    let b = sum / f64::from(n) - v;
+                    let k = self.kappa;
+                    let a = k + f64::from(n + node.in_flight());
+                    g + k * k * b * b * (1.0 / (a * a) - 1.0 / ((a + 1.0) * (a + 1.0)))
+                }
+            }
+            Score::Propagated => g * self.factor.get(id.index()).copied().unwrap_or(1.0),
+        })
+    }
 }
 
 impl Selector for Focus {
     fn name(&self) -> &'static str {
-        "focus"
+        match (self.score, self.evidence) {
+            (Score::Spec, Evidence::OnPolicy) => "focus",
+            (Score::Spec, Evidence::Subtree) => "focus_subtree",
+            (Score::Bias, _) => "focus_bias",
+            (Score::Propagated, _) => "focus_propagated",
+        }
     }
-    fn priority(&mut self, _: NodeId, node: &Node, _: &mut StdRng) -> Option<f64> {
-        self.score(node).filter(|g| *g > 0.0)
+    fn prepare(&mut self, tree: &RolloutTree) {
+        if self.score != Score::Propagated {
+            return;
+        }
+        // Parents come before their children in node order.
+        self.factor.clear();
+        self.factor.resize(tree.len(), 1.0);
+        let mut sum = vec![0.0f64; tree.len()];
+        for (id, node) in tree.nodes() {
+            if let Some(p) = node.parent() {
+                let parent = tree.node(p).map(|n| n.children().len()).unwrap_or(1);
+                let w = 1.0 / (self.kappa + parent as f64);
+                sum[id.index()] = (sum[p.index()] + 1.0) * w * w;
+            }
+            self.factor[id.index()] = 1.0 + sum[id.index()];
+        }
+    }
+    fn priority(&mut self, id: NodeId, node: &Node, _: &mut StdRng) -> Option<f64> {
+        self.variant_score(id, node).filter(|g| *g > 0.0)
     }
 }
 
@@ -268,16 +363,22 @@ pub enum SelectorKind {
     RawResidual,
     /// FOCUS with [`Evidence::Subtree`] (the literal reading of the spec).
     FocusSubtree,
+    /// FOCUS with [`Score::Bias`].
+    FocusBias,
+    /// FOCUS with [`Score::Propagated`].
+    FocusPropagated,
 }
 
 impl SelectorKind {
     /// All of them, FOCUS first.
-    pub const ALL: [SelectorKind; 5] = [
+    pub const ALL: [SelectorKind; 7] = [
         SelectorKind::Focus,
         SelectorKind::Random,
         SelectorKind::Uniform,
         SelectorKind::RawResidual,
         SelectorKind::FocusSubtree,
+        SelectorKind::FocusBias,
+        SelectorKind::FocusPropagated,
     ];
 
     /// The selector (FOCUS with prior strength `kappa`, spec async form).
@@ -290,6 +391,12 @@ impl SelectorKind {
             SelectorKind::FocusSubtree => Box::new(
                 Focus::new(kappa, AsyncGain::EffectiveCount)?.with_evidence(Evidence::Subtree),
             ),
+            SelectorKind::FocusBias => {
+                Box::new(Focus::new(kappa, AsyncGain::EffectiveCount)?.with_score(Score::Bias))
+            }
+            SelectorKind::FocusPropagated => Box::new(
+                Focus::new(kappa, AsyncGain::EffectiveCount)?.with_score(Score::Propagated),
+            ),
         })
     }
 
@@ -301,6 +408,8 @@ impl SelectorKind {
             SelectorKind::Uniform => "uniform",
             SelectorKind::RawResidual => "raw_residual",
             SelectorKind::FocusSubtree => "focus_subtree",
+            SelectorKind::FocusBias => "focus_bias",
+            SelectorKind::FocusPropagated => "focus_propagated",
         }
     }
 }
@@ -456,6 +565,7 @@ impl<S: Selector> Allocator<S> {
         if tree.in_flight() >= self.cfg.worker_capacity as usize || !self.budget_allows_launch() {
             return None;
         }
+        self.selector.prepare(tree);
         let mut best: Option<(f64, NodeId)> = None;
         let mut ties = 0u32;
         for (id, node) in tree.nodes() {

@@ -97,7 +97,7 @@ impl Default for ModelSpec {
 
 impl ModelSpec {
     /// The tiny model's architecture for a vocabulary of `vocab` tokens.
-    pub(crate) fn config(&self, vocab: usize) -> ModelConfig {
+    pub fn config(&self, vocab: usize) -> ModelConfig {
         ModelConfig {
             arch: Arch::Qwen3,
             vocab_size: vocab,
@@ -168,6 +168,13 @@ pub struct FocusConfig {
     pub lambda: f64,
     /// Continuations in flight at once (the engine batch, >= 1).
     pub worker_capacity: u32,
+    /// The allocation score: the spec's `g` (default) or a variant
+    /// (`bias`: plus the critic-bias term; `propagated`: weighted by the
+    /// Eq. 1 weights to the ancestors). See `arbor_rl::focus::Score`.
+    pub score: arbor_rl::focus::Score,
+    /// Which outcomes count as a state's evidence `n`: `on_policy`
+    /// (default) or `subtree` (every outcome below it).
+    pub evidence: arbor_rl::focus::Evidence,
 }
 
 impl Default for FocusConfig {
@@ -177,6 +184,8 @@ impl Default for FocusConfig {
             gamma: 1.0,
             lambda: 0.0,
             worker_capacity: 64,
+            score: arbor_rl::focus::Score::Spec,
+            evidence: arbor_rl::focus::Evidence::OnPolicy,
         }
     }
 }

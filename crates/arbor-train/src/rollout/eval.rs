@@ -1,15 +1,12 @@
 //! Evaluation: one greedy episode per held-out task.
 
 use arbor_engine::Engine;
-use arbor_rl::NodeId;
 
-use super::conts::Cont;
-use super::sched::Scheduler;
-use super::{RolloutConfig, TaskInstance};
+use super::{run_episodes, RolloutConfig, TaskInstance};
 use crate::TrainError;
 
 /// Greedy (temperature 0) pass rate over `tasks`: the fraction of episodes
-/// ending with reward 1 (`env_workers`: see [`Scheduler`]).
+/// ending with reward 1 (`env_workers`: see [`super::sched`]).
 pub fn evaluate(
     engine: &mut Engine,
     tasks: Vec<TaskInstance>,
@@ -20,16 +17,11 @@ pub fn evaluate(
     if n == 0 {
         return Ok(0.0);
     }
-    let conts: Vec<Cont> = tasks
-        .into_iter()
-        .map(|t| Cont::new(None, NodeId(0), t.prompt, t.episode))
-        .collect();
     let greedy = RolloutConfig {
         temperature: 0.0,
         ..cfg.clone()
     };
-    let mut seed = 0;
-    let conts = Scheduler::new(engine, &greedy, &mut seed, false, env_workers)?.run_all(conts)?;
-    let solved = conts.iter().filter(|c| c.succeeded()).count();
+    let (rewards, _) = run_episodes(engine, tasks, &greedy, 0, env_workers)?;
+    let solved = rewards.iter().filter(|&&r| r >= 1.0).count();
     Ok(solved as f64 / n as f64)
 }

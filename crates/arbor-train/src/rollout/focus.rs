@@ -60,7 +60,10 @@ impl RolloutPolicy for FocusPolicy {
             None => Budget::Continuations(self.budget),
         };
         let acfg = AllocatorConfig::new(fcfg.worker_capacity, budget, *ctx.seed);
-        let mut alloc = Allocator::new(acfg, Focus::new(fcfg.kappa, AsyncGain::EffectiveCount)?)?;
+        let focus = Focus::new(fcfg.kappa, AsyncGain::EffectiveCount)?
+            .with_score(fcfg.score)
+            .with_evidence(fcfg.evidence);
+        let mut alloc = Allocator::new(acfg, focus)?;
         let mut diag = AllocationLog::default();
         // Continuous allocation: fill the free worker slots, then wait for
         // the next continuations to end and allocate again while the others

@@ -189,6 +189,34 @@ fn group_stats(tree: &RolloutTree) -> (Vec<f64>, f64) {
     (rewards, mixed as f64 / by_task.len().max(1) as f64)
 }
 
+/// Run one episode per task to its end on the rollout scheduler, sampling
+/// with `cfg` from the seed counter `seed` ([`sched`] derives each
+/// segment's seed from it), environment steps inline (`env_workers = 0`) or
+/// on that many threads. Returns each episode's final reward, in task
+/// order, and the accounting (wall, engine, environment and engine-idle
+/// time).
+pub fn run_episodes(
+    engine: &mut Engine,
+    tasks: Vec<TaskInstance>,
+    cfg: &RolloutConfig,
+    mut seed: u64,
+    env_workers: usize,
+) -> Result<(Vec<f64>, RolloutStats), TrainError> {
+    let conts: Vec<conts::Cont> = tasks
+        .into_iter()
+        .map(|t| conts::Cont::new(None, arbor_rl::NodeId(0), t.prompt, t.episode))
+        .collect();
+    let mut sched = sched::Scheduler::new(engine, cfg, &mut seed, false, env_workers)?;
+    let done = sched.run_all(conts)?;
+    let mut stats = sched.finish();
+    stats.episodes = done.len();
+    let rewards = done
+        .iter()
+        .map(|c| c.steps.last().and_then(|s| s.reward).unwrap_or(0.0))
+        .collect();
+    Ok((rewards, stats))
+}
+
 /// What a rollout policy gets from the trainer for one step.
 pub struct StepContext<'a> {
     /// The rollout engine over the learner's current weights.
