@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use arbor_model::CriticMode;
 use arbor_rl::focus::{Evidence, Score};
+use arbor_train::config::FocusConfig;
 use arbor_train::{read_metrics, Algo, CriticInit, StepBudget, TrainConfig, Trainer};
 use clap::Args;
 use serde::Serialize;
@@ -84,7 +85,38 @@ struct AlgoSummary {
     ratio_to_grpo: Option<f64>,
 }
 
-/// Apply a row's `+key=value` settings to `cfg`.
+/// The config of one run: `base` with the row's method, seed and settings;
+/// FOCUS on a separate critic, the others on the shared one; `[focus]`
+/// back at its defaults for the other methods (it is FOCUS's own, and PPO
+/// and VinePPO refuse a changed one).
+fn row_config(
+    base: &TrainConfig,
+    algo: Algo,
+    settings: &[&str],
+    seed: u64,
+    steps: Option<u64>,
+) -> Result<TrainConfig> {
+    let mut cfg = base.clone();
+    cfg.algo = algo;
+    cfg.seed = seed;
+    cfg.checkpoint_every = 0;
+    cfg.keep_last = 1;
+    if let Some(s) = steps {
+        cfg.steps = s;
+    }
+    if algo == Algo::Focus {
+        cfg.learner.critic = CriticMode::Separate;
+    } else {
+        cfg.learner.critic = CriticMode::Shared;
+        cfg.focus = FocusConfig::default();
+    }
+    apply_row(&mut cfg, settings)?;
+    cfg.validate("bench algos")?;
+    Ok(cfg)
+}
+
+/// Apply a row's `+key=value` settings to `cfg` (`lambda` is FOCUS's for
+/// FOCUS, PPO's GAE lambda otherwise).
 fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
     for kv in settings {
         let (k, v) = kv
@@ -95,10 +127,8 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
                 .with_context(|| format!("row setting `{kv}`: not a number"))
         };
         match k {
-            "lambda" => {
-                cfg.focus.lambda = num()?;
-                cfg.ppo.lambda = num()?;
-            }
+            "lambda" if cfg.algo == Algo::Focus => cfg.focus.lambda = num()?,
+            "lambda" => cfg.ppo.lambda = num()?,
             "kappa" => cfg.focus.kappa = num()?,
             "score" => {
                 cfg.focus.score = match v {
@@ -193,21 +223,8 @@ pub fn run(a: AlgosArgs) -> Result<()> {
         let algo = parse_algo(parts.next().unwrap_or_default())?;
         let settings: Vec<&str> = parts.collect();
         for seed in 0..a.seeds {
-            let mut cfg = base.clone();
-            cfg.algo = algo;
-            cfg.seed = seed;
-            cfg.checkpoint_every = 0;
-            cfg.keep_last = 1;
-            if let Some(s) = a.steps {
-                cfg.steps = s;
-            }
-            cfg.learner.critic = if algo == Algo::Focus {
-                CriticMode::Separate
-            } else {
-                CriticMode::Shared
-            };
-            apply_row(&mut cfg, &settings)?;
-            cfg.validate(&format!("bench algos row `{name}`"))?;
+            let cfg = row_config(&base, algo, &settings, seed, a.steps)
+                .with_context(|| format!("bench algos row `{name}`"))?;
             let dir = a
                 .out
                 .join(format!("{}-seed{seed}", name.replace(['+', '='], "_")));
@@ -444,7 +461,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(cfg.focus.lambda, 1.0);
-        assert_eq!(cfg.ppo.lambda, 1.0);
+        assert_eq!(cfg.ppo.lambda, 0.0);
         assert_eq!(cfg.focus.score, Score::Bias);
         assert_eq!(cfg.critic.init, CriticInit::Own);
         assert_eq!(cfg.critic.lr, Some(0.003));
@@ -452,5 +469,28 @@ mod tests {
         assert!(e.contains("gamma=1"), "{e}");
         let e = apply_row(&mut cfg, &["lambda"]).unwrap_err().to_string();
         assert!(e.contains("key=value"), "{e}");
+    }
+
+    /// Every method's row is a valid config on the shipped bases, whose
+    /// `[focus]` departs from the defaults (`lambda = 1`).
+    #[test]
+    fn every_method_runs_on_the_shipped_configs() {
+        let long = include_str!("../configs/long-horizon.toml");
+        for text in [crate::train::QUICKSTART, long] {
+            let base = TrainConfig::from_toml(text, "test").unwrap();
+            for algo in ["focus", "ps", "grpo", "ppo", "vineppo"] {
+                let algo = parse_algo(algo).unwrap();
+                let cfg = row_config(&base, algo, &["lambda=0.5"], 3, Some(2)).unwrap();
+                assert_eq!(cfg.seed, 3);
+                assert_eq!(cfg.steps, 2);
+                if algo == Algo::Focus {
+                    assert_eq!(cfg.focus.lambda, 0.5);
+                    assert_eq!(cfg.learner.critic, CriticMode::Separate);
+                } else {
+                    assert_eq!(cfg.ppo.lambda, 0.5);
+                    assert_eq!(cfg.focus, FocusConfig::default());
+                }
+            }
+        }
     }
 }
