@@ -115,6 +115,16 @@ pub fn run(a: TrainArgs) -> Result<()> {
     );
     println!("| generated tokens | {} |", summary.generated_tokens);
     println!("| RL wall time | {:.1} s |", summary.seconds);
+    let ms = read_metrics(&out.join("metrics.jsonl"))?;
+    let total = |f: fn(&StepMetrics) -> f64| ms.iter().map(f).sum::<f64>();
+    println!(
+        "| of which rollouts (engine / environments / engine idle) | {:.1} s ({:.1} / {:.1} / {:.1}) |",
+        total(|m| m.time_rollout_s),
+        total(|m| m.time_generate_s),
+        total(|m| m.time_env_s),
+        total(|m| m.time_engine_idle_s)
+    );
+    println!("| of which updates | {:.1} s |", total(|m| m.time_train_s));
     println!(
         "\nmetrics: {}\nplot:    {}",
         out.join("metrics.jsonl").display(),
@@ -130,10 +140,11 @@ pub fn report(a: ReportArgs) -> Result<()> {
     }
     let png = plot_run(&a.run_dir)?;
     let md = a.run_dir.join("summary.md");
-    let mut s = String::from("| step | reward | pass rate | eval | effective groups | generated | KL | clip | value loss | critic rank corr |\n|---|---|---|---|---|---|---|---|---|---|\n");
+    let mut s = String::from("| step | reward | pass rate | eval | effective groups | generated | KL | clip | value loss | critic rank corr | held-out critic rank corr | rollout s | env s | engine idle s | update s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    let opt = |x: Option<f64>| x.map(|c| format!("{c:.2}")).unwrap_or_default();
     for m in &metrics {
         s += &format!(
-            "| {} | {:.3} | {:.3} | {} | {:.2} | {} | {:.4} | {:.3} | {:.4} | {} |\n",
+            "| {} | {:.3} | {:.3} | {} | {:.2} | {} | {:.4} | {:.3} | {:.4} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} |\n",
             m.step,
             m.reward,
             m.pass_rate,
@@ -145,9 +156,12 @@ pub fn report(a: ReportArgs) -> Result<()> {
             m.kl,
             m.clip_fraction,
             m.value_loss,
-            m.critic_rank_corr
-                .map(|c| format!("{c:.2}"))
-                .unwrap_or_default()
+            opt(m.critic_rank_corr),
+            opt(m.critic_heldout_rank_corr),
+            m.time_rollout_s,
+            m.time_env_s,
+            m.time_engine_idle_s,
+            m.time_train_s
         );
     }
     std::fs::write(&md, &s)?;
