@@ -27,6 +27,7 @@ pub struct AlgosArgs {
     /// Comma-separated rows: a method (focus, ps, grpo, ppo, vineppo),
     /// optionally with settings joined by `+`: `lambda=X`, `kappa=X`,
     /// `score=spec|bias|propagated`, `evidence=on_policy|subtree`,
+    /// `prune_settled=K`,
     /// `critic=shared|separate`, `critic_init=policy|own`, `critic_lr=X`.
     #[arg(
         long,
@@ -130,6 +131,7 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
             "lambda" if cfg.algo == Algo::Focus => cfg.focus.lambda = num()?,
             "lambda" => cfg.ppo.lambda = num()?,
             "kappa" => cfg.focus.kappa = num()?,
+            "prune_settled" => cfg.focus.prune_settled = num()? as u32,
             "score" => {
                 cfg.focus.score = match v {
                     "spec" => Score::Spec,
@@ -161,8 +163,8 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
                 }
             }
             _ => anyhow::bail!(
-                "row setting `{kv}`: unknown key (lambda, kappa, score, evidence, critic, \
-                 critic_init, critic_lr)"
+                "row setting `{kv}`: unknown key (lambda, kappa, score, evidence, \
+                 prune_settled, critic, critic_init, critic_lr)"
             ),
         }
     }

@@ -209,6 +209,9 @@ pub struct Focus {
     async_gain: AsyncGain,
     evidence: Evidence,
     score: Score,
+    /// Skip states whose subtree has at least this many outcomes, all
+    /// equal (0: never).
+    prune_settled: u32,
     /// [`Score::Propagated`]: `1 + sum_a w(a, c)^2` by node index.
     factor: Vec<f64>,
 }
@@ -222,8 +225,18 @@ impl Focus {
             async_gain,
             evidence: Evidence::OnPolicy,
             score: Score::Spec,
+            prune_settled: 0,
             factor: Vec::new(),
         })
+    }
+
+    /// Exclude *settled* states: those whose subtree already ended with at
+    /// least `k` outcomes, all 0 or all 1 (`k = 0`: none are excluded; the
+    /// spec has no such rule). More samples there rarely change the
+    /// credit: every trajectory through them gets the same reward.
+    pub fn with_prune_settled(mut self, k: u32) -> Self {
+        self.prune_settled = k;
+        self
     }
 
     /// Chooses the score variant.
@@ -248,8 +261,16 @@ impl Focus {
         })
     }
 
-    /// The score of node `id` under the configured variant.
+    /// The score of node `id` under the configured variant (`None` for a
+    /// pruned settled state).
     pub fn variant_score(&self, id: NodeId, node: &Node) -> Option<f64> {
+        let k = node.subtree_completed();
+        if self.prune_settled > 0 && k >= self.prune_settled {
+            let sum = node.subtree_reward_sum();
+            if sum == 0.0 || sum == f64::from(k) {
+                return None;
+            }
+        }
         let g = self.score(node)?;
         Some(match self.score {
             Score::Spec => g,
@@ -815,6 +836,46 @@ mod tests {
         assert!(g_busy < g_root);
         t.abort(tk).unwrap();
         assert!(Focus::new(0.0, AsyncGain::EffectiveCount).is_err());
+    }
+
+    /// The variants against hand values on the chain tree (root, a, b each
+    /// with one success below them).
+    #[test]
+    fn score_variants_and_pruning() {
+        let (mut t, root, ids) = chain_tree();
+        let mut rng = StdRng::seed_from_u64(0);
+        let spec = Focus::new(1.0, AsyncGain::EffectiveCount).unwrap();
+        // a: v = 0.9, one success: mu = 0.95, a = 2; bias b = 0.1.
+        let g = spec.score(t.node(ids[0]).unwrap()).unwrap();
+        let mut bias = spec.clone().with_score(Score::Bias);
+        let want = g + 0.01 * (1.0 / 4.0 - 1.0 / 9.0);
+        let got = bias
+            .priority(ids[0], t.node(ids[0]).unwrap(), &mut rng)
+            .unwrap();
+        assert!((got - want).abs() < 1e-15, "{got} vs {want}");
+        // Propagated: b's ancestors are a and the root, each with one child:
+        // w(a, b) = 1/2, w(root, b) = 1/4 -> factor 1 + 1/4 + 1/16.
+        let mut prop = spec.clone().with_score(Score::Propagated);
+        prop.prepare(&t);
+        let gb = spec.score(t.node(ids[1]).unwrap()).unwrap();
+        let got = prop
+            .priority(ids[1], t.node(ids[1]).unwrap(), &mut rng)
+            .unwrap();
+        assert!((got - gb * (1.0 + 0.25 + 0.0625)).abs() < 1e-15);
+        // Pruning: a second success below the root settles it at k = 2.
+        let mut prune = spec.clone().with_prune_settled(2);
+        assert!(prune
+            .priority(root, t.node(root).unwrap(), &mut rng)
+            .is_some());
+        t.add_path(root, vec![step(1).terminal(1.0)]).unwrap();
+        assert!(prune
+            .priority(root, t.node(root).unwrap(), &mut rng)
+            .is_none());
+        // A mixed subtree is never pruned.
+        t.add_path(root, vec![step(1).terminal(0.0)]).unwrap();
+        assert!(prune
+            .priority(root, t.node(root).unwrap(), &mut rng)
+            .is_some());
     }
 
     #[test]

@@ -175,6 +175,9 @@ pub struct FocusConfig {
     /// Which outcomes count as a state's evidence `n`: `on_policy`
     /// (default) or `subtree` (every outcome below it).
     pub evidence: arbor_rl::focus::Evidence,
+    /// Skip states whose subtree already ended with at least this many
+    /// outcomes, all equal (0: off, the spec).
+    pub prune_settled: u32,
 }
 
 impl Default for FocusConfig {
@@ -186,6 +189,7 @@ impl Default for FocusConfig {
             worker_capacity: 64,
             score: arbor_rl::focus::Score::Spec,
             evidence: arbor_rl::focus::Evidence::OnPolicy,
+            prune_settled: 0,
         }
     }
 }

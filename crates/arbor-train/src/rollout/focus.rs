@@ -62,7 +62,8 @@ impl RolloutPolicy for FocusPolicy {
         let acfg = AllocatorConfig::new(fcfg.worker_capacity, budget, *ctx.seed);
         let focus = Focus::new(fcfg.kappa, AsyncGain::EffectiveCount)?
             .with_score(fcfg.score)
-            .with_evidence(fcfg.evidence);
+            .with_evidence(fcfg.evidence)
+            .with_prune_settled(fcfg.prune_settled);
         let mut alloc = Allocator::new(acfg, focus)?;
         let mut diag = AllocationLog::default();
         // Continuous allocation: fill the free worker slots, then wait for
