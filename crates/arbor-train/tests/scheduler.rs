@@ -144,3 +144,66 @@ fn focus_logs_allocation_and_heldout_critic() {
         }
     }
 }
+
+/// An environment that panics on its first step.
+struct Panics;
+
+impl arbor_train::rollout::TokenEpisode for Panics {
+    fn step(
+        &mut self,
+        _: &[u32],
+    ) -> Result<arbor_train::rollout::StepOut, arbor_train::TrainError> {
+        panic!("environment bug");
+    }
+    fn fork(&self) -> Result<Box<dyn arbor_train::rollout::TokenEpisode>, arbor_train::TrainError> {
+        Ok(Box::new(Panics))
+    }
+}
+
+/// A panic inside an environment on a worker thread fails the rollout with
+/// a clear error instead of leaving it waiting for an answer forever.
+#[test]
+fn a_panicking_environment_fails_the_rollout_instead_of_hanging() {
+    use arbor_train::config::ModelSpec;
+    use arbor_train::learner::{Learner, LearnerConfig};
+    use arbor_train::optim::AdamWConfig;
+    use arbor_train::rollout::{run_episodes, TaskInstance};
+    use arbor_train::tasks::{TaskConfig, TaskSampler};
+
+    let sampler = TaskSampler::new(
+        TaskConfig::RunningSum { difficulty: 3 },
+        0,
+        None,
+        Vec::new(),
+    )
+    .unwrap();
+    let mcfg = ModelSpec::default().config(sampler.vocab_size());
+    let learner = Learner::new(
+        &mcfg,
+        None,
+        None,
+        0,
+        &candle_core::Device::Cpu,
+        LearnerConfig::default(),
+        AdamWConfig::default(),
+        None,
+    )
+    .unwrap();
+    let mut engine = arbor_engine::Engine::new(
+        &learner.model.policy,
+        None,
+        arbor_engine::EngineConfig::default(),
+    )
+    .unwrap();
+    let t = sampler.train_task(0).unwrap();
+    let tasks = (0..4)
+        .map(|_| TaskInstance {
+            id: t.id.clone(),
+            prompt: t.prompt.clone(),
+            episode: Box::new(Panics),
+        })
+        .collect();
+    let cfg = sampler.rollout_config(1.0);
+    let err = run_episodes(&mut engine, tasks, &cfg, 0, 2).unwrap_err();
+    assert!(err.to_string().contains("panicked"), "{err}");
+}

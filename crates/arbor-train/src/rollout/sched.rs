@@ -84,7 +84,17 @@ impl EnvPool {
                         return;
                     };
                     let t0 = Instant::now();
-                    let r = apply_segment(&mut cont, seg, &cfg, keep_snapshots).map(|()| cont);
+                    // A panicking environment must not leave the scheduler
+                    // waiting forever for this answer.
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        apply_segment(&mut cont, seg, &cfg, keep_snapshots)
+                    }))
+                    .unwrap_or_else(|_| {
+                        Err(TrainError::Rollout(
+                            "an environment step panicked on an env worker".into(),
+                        ))
+                    })
+                    .map(|()| cont);
                     if tx.send((key, r, t0.elapsed().as_secs_f64())).is_err() {
                         return;
                     }
