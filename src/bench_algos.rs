@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use arbor_model::CriticMode;
 use arbor_rl::focus::{Evidence, Score};
-use arbor_train::config::FocusConfig;
+use arbor_train::config::{CriticTargets, FocusConfig};
 use arbor_train::{read_metrics, Algo, CriticInit, StepBudget, TrainConfig, Trainer};
 use clap::Args;
 use serde::Serialize;
@@ -27,7 +27,7 @@ pub struct AlgosArgs {
     /// Comma-separated rows: a method (focus, ps, grpo, ppo, vineppo),
     /// optionally with settings joined by `+`: `lambda=X`, `kappa=X`,
     /// `score=spec|bias|propagated`, `evidence=on_policy|subtree`,
-    /// `prune_settled=K`,
+    /// `prune_settled=K`, `critic_targets=gbar|monte_carlo`,
     /// `critic=shared|separate`, `critic_init=policy|own`, `critic_lr=X`.
     #[arg(
         long,
@@ -132,6 +132,13 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
             "lambda" => cfg.ppo.lambda = num()?,
             "kappa" => cfg.focus.kappa = num()?,
             "prune_settled" => cfg.focus.prune_settled = num()? as u32,
+            "critic_targets" => {
+                cfg.focus.critic_targets = match v {
+                    "gbar" => CriticTargets::Gbar,
+                    "monte_carlo" => CriticTargets::MonteCarlo,
+                    _ => anyhow::bail!("row setting `{kv}`: gbar or monte_carlo"),
+                }
+            }
             "score" => {
                 cfg.focus.score = match v {
                     "spec" => Score::Spec,
@@ -164,7 +171,7 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
             }
             _ => anyhow::bail!(
                 "row setting `{kv}`: unknown key (lambda, kappa, score, evidence, \
-                 prune_settled, critic, critic_init, critic_lr)"
+                 prune_settled, critic_targets, critic, critic_init, critic_lr)"
             ),
         }
     }
@@ -467,6 +474,9 @@ mod tests {
         assert_eq!(cfg.focus.score, Score::Bias);
         assert_eq!(cfg.critic.init, CriticInit::Own);
         assert_eq!(cfg.critic.lr, Some(0.003));
+        apply_row(&mut cfg, &["critic_targets=monte_carlo", "prune_settled=2"]).unwrap();
+        assert_eq!(cfg.focus.critic_targets, CriticTargets::MonteCarlo);
+        assert_eq!(cfg.focus.prune_settled, 2);
         let e = apply_row(&mut cfg, &["gamma=1"]).unwrap_err().to_string();
         assert!(e.contains("gamma=1"), "{e}");
         let e = apply_row(&mut cfg, &["lambda"]).unwrap_err().to_string();

@@ -178,6 +178,21 @@ pub struct FocusConfig {
     /// Skip states whose subtree already ended with at least this many
     /// outcomes, all equal (0: off, the spec).
     pub prune_settled: u32,
+    /// The critic's regression targets: `gbar` (the spec: Eq. 1's `Gbar`,
+    /// which mixes the critic's own values into every level) or
+    /// `monte_carlo` (the same backup with `kappa = 0`: the mean outcome
+    /// below each state, recursively, with no critic in it). Allocation
+    /// and advantages are unchanged.
+    pub critic_targets: CriticTargets,
+}
+
+/// What FOCUS's critic regresses onto (`[focus] critic_targets`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CriticTargets {
+    #[default]
+    Gbar,
+    MonteCarlo,
 }
 
 impl Default for FocusConfig {
@@ -190,6 +205,7 @@ impl Default for FocusConfig {
             score: arbor_rl::focus::Score::Spec,
             evidence: arbor_rl::focus::Evidence::OnPolicy,
             prune_settled: 0,
+            critic_targets: CriticTargets::Gbar,
         }
     }
 }

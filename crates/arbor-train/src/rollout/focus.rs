@@ -2,14 +2,14 @@
 //! tree state where one more sample cuts the expected critic MSE most;
 //! Eq. 1 backups, TD(lambda) advantages and critic targets.
 
-use arbor_rl::credit::{focus_credit, loss_rows, CreditConfig, Sharing};
+use arbor_rl::credit::{backup, focus_credit, loss_rows, CreditConfig, Sharing};
 use arbor_rl::diagnostics::AllocationLog;
 use arbor_rl::focus::{Allocator, AllocatorConfig, AsyncGain, Budget, Evidence, Focus, Posterior};
 use arbor_rl::RolloutTree;
 
 use super::conts::{cont_for, keep_snapshots, root_values, segment_values, to_steps, Snapshots};
 use super::{RolloutPolicy, StepContext, StepRollouts, TaskInstance};
-use crate::config::FocusConfig;
+use crate::config::{CriticTargets, FocusConfig};
 use crate::TrainError;
 
 /// `tasks` roots a step and `budget` continuations among their states (or
@@ -109,15 +109,18 @@ impl RolloutPolicy for FocusPolicy {
             lambda: fcfg.lambda,
         };
         let credit = focus_credit(&tree, &ccfg)?;
-        let rows = loss_rows(
-            &tree,
-            &credit.tokens,
-            Some(&credit.backup.gbar),
-            Sharing::Once,
-        )?;
+        let mc;
+        let targets = match fcfg.critic_targets {
+            CriticTargets::Gbar => &credit.backup.gbar,
+            CriticTargets::MonteCarlo => {
+                mc = backup(&tree, &CreditConfig { kappa: 0.0, ..ccfg })?.gbar;
+                &mc
+            }
+        };
+        let rows = loss_rows(&tree, &credit.tokens, Some(targets), Sharing::Once)?;
         let mut critic_vs_target = Vec::new();
         for (id, node) in tree.nodes() {
-            if let (Some(v), Some(g)) = (node.value(), credit.backup.gbar[id.index()]) {
+            if let (Some(v), Some(g)) = (node.value(), targets[id.index()]) {
                 if !node.children().is_empty() {
                     critic_vs_target.push((v, g));
                 }
