@@ -12,9 +12,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use arbor_model::CriticMode;
-use arbor_rl::focus::{Evidence, Score};
-use arbor_train::config::{CriticTargets, FocusConfig};
-use arbor_train::{read_metrics, Algo, CriticInit, StepBudget, TrainConfig, Trainer};
+use arbor_train::config::FocusConfig;
+use arbor_train::{read_metrics, Algo, StepBudget, TrainConfig, Trainer};
 use clap::Args;
 use serde::Serialize;
 
@@ -132,43 +131,12 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
             "lambda" => cfg.ppo.lambda = num()?,
             "kappa" => cfg.focus.kappa = num()?,
             "prune_settled" => cfg.focus.prune_settled = num()? as u32,
-            "critic_targets" => {
-                cfg.focus.critic_targets = match v {
-                    "gbar" => CriticTargets::Gbar,
-                    "monte_carlo" => CriticTargets::MonteCarlo,
-                    _ => anyhow::bail!("row setting `{kv}`: gbar or monte_carlo"),
-                }
-            }
-            "score" => {
-                cfg.focus.score = match v {
-                    "spec" => Score::Spec,
-                    "bias" => Score::Bias,
-                    "propagated" => Score::Propagated,
-                    _ => anyhow::bail!("row setting `{kv}`: spec, bias or propagated"),
-                }
-            }
-            "evidence" => {
-                cfg.focus.evidence = match v {
-                    "on_policy" => Evidence::OnPolicy,
-                    "subtree" => Evidence::Subtree,
-                    _ => anyhow::bail!("row setting `{kv}`: on_policy or subtree"),
-                }
-            }
+            "critic_targets" => cfg.focus.critic_targets = variant(kv, v)?,
+            "score" => cfg.focus.score = variant(kv, v)?,
+            "evidence" => cfg.focus.evidence = variant(kv, v)?,
             "critic_lr" => cfg.critic.lr = Some(num()?),
-            "critic" => {
-                cfg.learner.critic = match v {
-                    "shared" => CriticMode::Shared,
-                    "separate" => CriticMode::Separate,
-                    _ => anyhow::bail!("row setting `{kv}`: shared or separate"),
-                }
-            }
-            "critic_init" => {
-                cfg.critic.init = match v {
-                    "policy" => CriticInit::Policy,
-                    "own" => CriticInit::Own,
-                    _ => anyhow::bail!("row setting `{kv}`: policy or own"),
-                }
-            }
+            "critic" => cfg.learner.critic = variant(kv, v)?,
+            "critic_init" => cfg.critic.init = variant(kv, v)?,
             _ => anyhow::bail!(
                 "row setting `{kv}`: unknown key (lambda, kappa, score, evidence, \
                  prune_settled, critic_targets, critic, critic_init, critic_lr)"
@@ -176,6 +144,14 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A config enum from its name as the TOML spells it (`monte_carlo`),
+/// through its serde form; the error lists the names it accepts.
+fn variant<T: serde::de::DeserializeOwned>(kv: &str, v: &str) -> Result<T> {
+    use serde::de::IntoDeserializer;
+    let de: serde::de::value::StrDeserializer<'_, serde::de::value::Error> = v.into_deserializer();
+    T::deserialize(de).map_err(|e| anyhow::anyhow!("row setting `{kv}`: {e}"))
 }
 
 /// Two-sided 95% Student-t quantile with `df` degrees of freedom.
@@ -443,6 +419,9 @@ fn plot(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use arbor_rl::focus::Score;
+    use arbor_train::config::CriticTargets;
+    use arbor_train::CriticInit;
 
     #[test]
     fn interval_matches_hand_computation() {

@@ -73,9 +73,7 @@
 //! fixed bad critic Eq. 1 is not consistent in the budget; `subtree_mc` and
 //! `refined_once` are.
 
-use std::cell::RefCell;
 use std::collections::VecDeque;
-use std::rc::Rc;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -434,13 +432,7 @@ struct AuditWorld {
     tree: RolloutTree,
     /// Abstract state of every non-terminal node (by node index).
     state: Vec<Option<usize>>,
-    /// True value of every audit node (by node index; `None` for the
-    /// nodes continuations add), shared with the oracle selector: the
-    /// oracle is the yardstick of the audit nodes' errors, so it spends
-    /// only on them.
-    truth: Rc<RefCell<Vec<Option<f64>>>>,
-    /// Set once the audit tree is built.
-    built: bool,
+    /// The audit nodes and their true values.
     audit: Vec<(NodeId, f64)>,
 }
 
@@ -454,8 +446,6 @@ impl AuditWorld {
             envs,
             tree: RolloutTree::new(),
             state: Vec::new(),
-            truth: Rc::new(RefCell::new(Vec::new())),
-            built: false,
             audit: Vec::new(),
         };
         for k in 0..cfg.tasks {
@@ -463,14 +453,12 @@ impl AuditWorld {
                 w.tree
                     .add_episode(format!("task{k}"), vec![0], Some(w.envs[k].critic[0]))?;
             w.state.push(Some(0));
-            w.truth.borrow_mut().push(Some(w.envs[k].value[0]));
             for _ in 0..cfg.trajectories_per_task {
                 let (steps, states) = w.envs[k].rollout(0, true, &mut rng);
                 let ids = w.tree.add_path(root, steps)?;
-                w.record_states(k, &ids, &states);
+                w.record_states(&ids, &states);
             }
         }
-        w.built = true;
         w.audit = w
             .tree
             .nodes()
@@ -483,16 +471,10 @@ impl AuditWorld {
         Ok(w)
     }
 
-    fn record_states(&mut self, episode: usize, ids: &[NodeId], states: &[usize]) {
+    fn record_states(&mut self, ids: &[NodeId], states: &[usize]) {
         // Every step but a terminal last one has a state, in order.
-        let mut truth = self.truth.borrow_mut();
         for (k, _) in ids.iter().enumerate() {
-            let s = states.get(k).copied();
-            self.state.push(s);
-            truth.push(
-                s.filter(|_| !self.built)
-                    .map(|s| self.envs[episode].value[s]),
-            );
+            self.state.push(states.get(k).copied());
         }
     }
 
@@ -548,9 +530,10 @@ pub fn subtree_mc(tree: &RolloutTree) -> Result<Vec<Option<f64>>> {
 }
 
 /// The oracle yardstick (see the module docs): true values of the audit
-/// nodes by node index.
+/// nodes by node index (`None`, so never chosen, for the nodes
+/// continuations add: the oracle spends only on the nodes it is scored on).
 struct Oracle {
-    truth: Rc<RefCell<Vec<Option<f64>>>>,
+    truth: Vec<Option<f64>>,
     kappa: f64,
 }
 
@@ -566,7 +549,7 @@ impl Selector for Oracle {
         "oracle"
     }
     fn priority(&mut self, id: NodeId, node: &Node, _: &mut StdRng) -> Option<f64> {
-        let p = (*self.truth.borrow().get(id.index())?)?;
+        let p = (*self.truth.get(id.index())?)?;
         let v = node.value()?.clamp(0.0, 1.0);
         let n = f64::from(node.completed() + node.in_flight());
         Some(self.mse(n, p, v) - self.mse(n + 1.0, p, v))
@@ -617,10 +600,16 @@ fn run_one(
     let acfg = AllocatorConfig::new(cfg.workers, Budget::Continuations(total), seed ^ salt);
     let selector: Box<dyn Selector> = match which {
         Which::Kind(k) => k.build(cfg.kappa)?,
-        Which::Oracle => Box::new(Oracle {
-            truth: Rc::clone(&w.truth),
-            kappa: cfg.kappa,
-        }),
+        Which::Oracle => {
+            let mut truth = vec![None; w.tree.len()];
+            for &(id, p) in &w.audit {
+                truth[id.index()] = Some(p);
+            }
+            Box::new(Oracle {
+                truth,
+                kappa: cfg.kappa,
+            })
+        }
     };
     let mut alloc = Allocator::new(acfg, selector)?;
     let mut rng = StdRng::seed_from_u64(seed.wrapping_add(salt));
@@ -637,7 +626,7 @@ fn run_one(
             .ok_or_else(|| RlError::node(from, "audit node without a state"))?;
         let (steps, states) = w.envs[episode].rollout(s, cfg.resumable_continuations, &mut rng);
         let ids = alloc.complete(&mut w.tree, t, steps)?;
-        w.record_states(episode, &ids, &states);
+        w.record_states(&ids, &states);
         done += 1;
         if grid.get(curve.len()) == Some(&done) {
             curve.push(w.mse(cfg)?);

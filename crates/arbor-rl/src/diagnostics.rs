@@ -65,8 +65,9 @@ pub struct AllocationSummary {
 
 impl AllocationLog {
     /// Record `ticket`, just launched from its node; `score` is the
-    /// selector's `g` (with prior strength `kappa`) or `None` for other
-    /// selectors. Call after [`RolloutTree::begin`]: the node's in-flight
+    /// priority it was chosen with ([`crate::focus::Allocator::last_priority`]:
+    /// FOCUS's `g` with prior strength `kappa`, or a variant's score), `None`
+    /// where there is none. Call after [`RolloutTree::begin`]: the node's in-flight
     /// count already includes this launch.
     pub fn launched(
         &mut self,

@@ -516,6 +516,8 @@ pub struct Allocator<S: Selector> {
     spend: Spend,
     /// Ticket id -> tokens reserved, for this allocator's launches.
     reserved: BTreeMap<u64, u64>,
+    /// The priority the last launch was chosen with.
+    last_priority: Option<f64>,
 }
 
 impl<S: Selector> std::fmt::Debug for Allocator<S> {
@@ -538,6 +540,7 @@ impl<S: Selector> Allocator<S> {
             selector,
             spend: Spend::default(),
             reserved: BTreeMap::new(),
+            last_priority: None,
         })
     }
 
@@ -581,8 +584,19 @@ impl<S: Selector> Allocator<S> {
         !self.budget_allows_launch() && self.reserved.is_empty()
     }
 
+    /// The priority the last [`Allocator::launch_next`] chose its node with
+    /// (for FOCUS, its score before the launch).
+    pub fn last_priority(&self) -> Option<f64> {
+        self.last_priority
+    }
+
     /// The candidate that would be launched next, without launching it.
     pub fn pick(&mut self, tree: &RolloutTree) -> Option<NodeId> {
+        self.best(tree).map(|(_, id)| id)
+    }
+
+    /// The candidate to launch next and its priority.
+    fn best(&mut self, tree: &RolloutTree) -> Option<(f64, NodeId)> {
         if tree.in_flight() >= self.cfg.worker_capacity as usize || !self.budget_allows_launch() {
             return None;
         }
@@ -616,15 +630,16 @@ impl<S: Selector> Allocator<S> {
                 }
             }
         }
-        best.map(|(_, id)| id)
+        best
     }
 
     /// Launches one continuation from the best candidate, if the caps and
     /// the budget allow and a candidate exists.
     pub fn launch_next(&mut self, tree: &mut RolloutTree) -> Result<Option<Ticket>> {
-        let Some(id) = self.pick(tree) else {
+        let Some((priority, id)) = self.best(tree) else {
             return Ok(None);
         };
+        self.last_priority = Some(priority);
         let ticket = tree.begin(id)?;
         let r = self.reservation();
         self.reserved.insert(ticket.id(), r);

@@ -161,11 +161,6 @@ impl AdamW {
         Ok(())
     }
 
-    /// The parameter group, if any.
-    pub fn group(&self) -> Option<&ParamGroup> {
-        self.group.as_ref()
-    }
-
     fn in_group(&self, name: &str) -> bool {
         self.group
             .as_ref()

@@ -94,7 +94,7 @@ impl Trainer {
         }
         let metrics = MetricsLog::new(out_dir);
         let mut policy = policy_for(&cfg);
-        let (learner, state) = match latest {
+        let (mut learner, state) = match latest {
             Some((_, dir)) => {
                 let (learner, state, policy_state) =
                     checkpoint::restore(&dir, &cfg, &mcfg, hf_ckpt.as_ref(), &dev, ocfg)?;
@@ -118,7 +118,6 @@ impl Trainer {
                 (learner, TrainerState::fresh(cfg.seed))
             }
         };
-        let mut learner = learner;
         if cfg.algo.has_critic() {
             learner.set_critic_optimizer(
                 cfg.critic.lr.unwrap_or(ocfg.lr),
@@ -154,19 +153,19 @@ impl Trainer {
 
     /// Greedy pass rate on the held-out tasks.
     fn eval(&self, engine: &mut Engine) -> Result<f64, TrainError> {
-        let n = self
-            .sampler
-            .eval_len()
-            .map_or(self.cfg.eval_tasks, |l| l.min(self.cfg.eval_tasks));
-        let tasks = (0..n as u64)
-            .map(|i| self.sampler.eval_task(i))
-            .collect::<Result<Vec<_>, _>>()?;
+        let tasks = self.eval_tasks(self.cfg.eval_tasks)?;
         evaluate(
             engine,
             tasks,
             &self.sampler.rollout_config(0.0),
             self.cfg.env_workers,
         )
+    }
+
+    /// The first `n` held-out tasks (capped by a dataset's size).
+    fn eval_tasks(&self, n: usize) -> Result<Vec<crate::rollout::TaskInstance>, TrainError> {
+        let n = self.sampler.eval_len().map_or(n, |l| l.min(n));
+        (0..n as u64).map(|i| self.sampler.eval_task(i)).collect()
     }
 
     /// The critic against Monte-Carlo values on held-out states
@@ -177,13 +176,7 @@ impl Trainer {
         step: u64,
     ) -> Result<(Option<f64>, Option<f64>, usize), TrainError> {
         let c = self.cfg.critic;
-        let n = self
-            .sampler
-            .eval_len()
-            .map_or(c.heldout_tasks, |l| l.min(c.heldout_tasks));
-        let tasks = (0..n as u64)
-            .map(|i| self.sampler.eval_task(i))
-            .collect::<Result<Vec<_>, _>>()?;
+        let tasks = self.eval_tasks(c.heldout_tasks)?;
         let seed = crate::rollout::sched::mix64(self.cfg.seed ^ 0xC817_D1A6 ^ step.rotate_left(32));
         let pairs = critic_vs_monte_carlo(
             engine,

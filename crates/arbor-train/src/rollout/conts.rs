@@ -33,7 +33,6 @@ pub(crate) struct Cont {
     /// already executed in `env`; masked in the loss.
     pub(crate) replayed: Vec<(Vec<u32>, Vec<u32>)>,
     pub(crate) steps: Vec<SegmentRecord>,
-    pub(crate) done: bool,
     /// Sampling seed of the continuation (set at launch); segment `k`
     /// samples with a seed derived from it and `k`.
     pub(crate) seed: u64,
@@ -55,7 +54,6 @@ impl Cont {
             env,
             replayed: Vec::new(),
             steps: Vec::new(),
-            done: false,
             seed: 0,
         }
     }

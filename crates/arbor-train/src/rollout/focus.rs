@@ -4,7 +4,7 @@
 
 use arbor_rl::credit::{backup, focus_credit, loss_rows, CreditConfig, Sharing};
 use arbor_rl::diagnostics::AllocationLog;
-use arbor_rl::focus::{Allocator, AllocatorConfig, AsyncGain, Budget, Evidence, Focus, Posterior};
+use arbor_rl::focus::{Allocator, AllocatorConfig, AsyncGain, Budget, Focus};
 use arbor_rl::RolloutTree;
 
 use super::conts::{cont_for, keep_snapshots, root_values, segment_values, to_steps, Snapshots};
@@ -72,11 +72,7 @@ impl RolloutPolicy for FocusPolicy {
         let mut sched = ctx.scheduler(true)?;
         loop {
             while let Some(t) = alloc.launch_next(&mut tree)? {
-                // The score it was chosen with (before its own launch).
-                let node = tree.node(t.node())?;
-                let g = Posterior::of(node, fcfg.kappa, Evidence::OnPolicy)
-                    .map(|p| p.gain(f64::from(node.in_flight().saturating_sub(1))));
-                diag.launched(&tree, t, g, fcfg.kappa)?;
+                diag.launched(&tree, t, alloc.last_priority(), fcfg.kappa)?;
                 sched.launch(cont_for(&tree, &snapshots, t)?)?;
             }
             let done = sched.wait()?;

@@ -57,7 +57,6 @@ pub fn critic_vs_monte_carlo(
         .collect();
     let mc = begin_conts(&mut tree, &snapshots, &from)?;
     let mc = sched.run_all(mc)?;
-    drop(sched);
     complete_conts(&mut tree, &mut snapshots, mc, None)?;
     let mut out = Vec::with_capacity(states.len());
     for s in states {

@@ -217,6 +217,12 @@ pub fn run_episodes(
     Ok((rewards, stats))
 }
 
+/// How many tasks `tokens` generated tokens buy at `per_task` each
+/// (rounded, at least one).
+pub(crate) fn tasks_buying(tokens: f64, per_task: f64) -> usize {
+    ((tokens / per_task.max(1.0)).round() as usize).max(1)
+}
+
 /// What a rollout policy gets from the trainer for one step.
 pub struct StepContext<'a> {
     /// The rollout engine over the learner's current weights.
@@ -270,7 +276,7 @@ pub trait RolloutPolicy: Send {
     /// when recent steps spent `per_task` per task: as many as the budget
     /// buys, at least one.
     fn tasks_for_budget(&self, tokens: u64, per_task: f64) -> usize {
-        ((tokens as f64 / per_task.max(1.0)).round() as usize).max(1)
+        tasks_buying(tokens as f64, per_task)
     }
     /// Generate the step's rollouts on `tasks` and assign their credit.
     fn rollouts(

@@ -64,7 +64,7 @@ impl RolloutPolicy for PsPolicy {
         } else {
             1.0
         };
-        ((share * tokens as f64 / per_task.max(1.0)).round() as usize).max(1)
+        super::tasks_buying(share * tokens as f64, per_task)
     }
 
     fn rollouts(

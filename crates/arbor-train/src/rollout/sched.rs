@@ -151,16 +151,6 @@ pub(crate) fn apply_segment(
     Ok(())
 }
 
-/// Where each launched continuation is.
-enum Slot {
-    /// Generating its next segment in the engine.
-    Engine(Box<Cont>),
-    /// At an environment worker.
-    Env,
-    /// Handed back by `wait`.
-    Taken,
-}
-
 /// The event loop over one engine; see the module docs.
 pub(crate) struct Scheduler<'a> {
     engine: &'a mut Engine,
@@ -170,8 +160,12 @@ pub(crate) struct Scheduler<'a> {
     /// `mix64(base + i)`, and the counter moves past them on drop.
     seed: &'a mut u64,
     base_seed: u64,
-    slots: Vec<Slot>,
-    in_engine: HashMap<SeqId, usize>,
+    /// Continuations launched so far (the next one's key).
+    launched: usize,
+    /// Continuations generating a segment, by engine sequence: their key
+    /// and state.
+    in_engine: HashMap<SeqId, (usize, Box<Cont>)>,
+    /// Continuations at an environment worker.
     at_env: usize,
     pool: Option<EnvPool>,
     /// Ended episodes, not yet returned by `wait`.
@@ -201,7 +195,7 @@ impl<'a> Scheduler<'a> {
             cfg,
             keep_snapshots,
             seed,
-            slots: Vec::new(),
+            launched: 0,
             in_engine: HashMap::new(),
             at_env: 0,
             pool,
@@ -214,10 +208,10 @@ impl<'a> Scheduler<'a> {
     /// Start `cont` (its next segment joins the engine's queue); returns its
     /// launch index, the key [`Scheduler::wait`] returns it under.
     pub(crate) fn launch(&mut self, mut cont: Cont) -> Result<usize, TrainError> {
-        let key = self.slots.len();
+        let key = self.launched;
+        self.launched += 1;
         cont.seed = mix64(self.base_seed.wrapping_add(key as u64));
         self.stats.continuations += 1;
-        self.slots.push(Slot::Taken);
         self.submit(key, Box::new(cont))?;
         Ok(key)
     }
@@ -262,7 +256,7 @@ impl<'a> Scheduler<'a> {
     /// Launch every continuation of `conts` and run them all to the ends of
     /// their episodes; returns them in the order given.
     pub(crate) fn run_all(&mut self, conts: Vec<Cont>) -> Result<Vec<Cont>, TrainError> {
-        let first = self.slots.len();
+        let first = self.launched;
         let n = conts.len();
         for c in conts {
             self.launch(c)?;
@@ -318,25 +312,19 @@ impl<'a> Scheduler<'a> {
             ..Default::default()
         };
         let id = self.engine.submit(cont.context.clone(), vec![p])?[0];
-        self.in_engine.insert(id, key);
-        self.slots[key] = Slot::Engine(cont);
+        self.in_engine.insert(id, (key, cont));
         Ok(())
     }
 
     /// A segment came out of the engine: step its environment.
     fn on_segment(&mut self, seg: Completion) -> Result<(), TrainError> {
-        let key = self
+        let (key, mut cont) = self
             .in_engine
             .remove(&seg.id)
             .ok_or_else(|| TrainError::Rollout(format!("unknown engine sequence {}", seg.id)))?;
         if let Some(e) = &seg.error {
             return Err(TrainError::Rollout(format!("generation failed: {e}")));
         }
-        let Slot::Engine(mut cont) = std::mem::replace(&mut self.slots[key], Slot::Env) else {
-            return Err(TrainError::Rollout(format!(
-                "continuation {key} finished a segment it was not generating"
-            )));
-        };
         match &self.pool {
             Some(pool) => {
                 let tx = pool.jobs.as_ref().expect("open while the pool lives");
@@ -385,11 +373,9 @@ impl<'a> Scheduler<'a> {
         }
     }
 
-    fn end(&mut self, key: usize, mut cont: Box<Cont>) {
-        cont.done = true;
+    fn end(&mut self, key: usize, cont: Box<Cont>) {
         self.stats.finished_episodes += 1;
         self.stats.tool_calls += cont.env.tool_calls() as u64;
-        self.slots[key] = Slot::Taken;
         self.ended.push((key, cont));
     }
 }
@@ -404,7 +390,7 @@ impl Drop for Scheduler<'_> {
         let _ = self.engine.take_finished();
         *self.seed = self
             .base_seed
-            .wrapping_add(self.slots.len() as u64)
+            .wrapping_add(self.launched as u64)
             .wrapping_add(1);
     }
 }
