@@ -42,6 +42,10 @@ static UNIT_WORDS: LazyLock<Regex> = LazyLock::new(|| {
 static IN_PREFIX: LazyLock<Regex> = LazyLock::new(|| re(r"^[A-Za-z]\s*\\in\s*"));
 static BRACED_SUB: LazyLock<Regex> = LazyLock::new(|| re(r"([_^])\{([0-9A-Za-z])\}"));
 static THOUSANDS: LazyLock<Regex> = LazyLock::new(|| re(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$"));
+/// A LaTeX thousands separator between digit groups: `{,}`, `,\!`, `,\,`,
+/// `\,` or `\!` (optionally followed by spaces) before exactly 3 digits.
+static LATEX_THOUSANDS: LazyLock<Regex> =
+    LazyLock::new(|| re(r"(\d)(?:\{,\}|,\s*\\[!,]|\\[!,]),?\s*(\d{3})"));
 static MIXED: LazyLock<Regex> = LazyLock::new(|| re(r"^(-?)(\d+)\\frac\{?(\d+)\}?\{?(\d+)\}?$"));
 static CHOICE: LazyLock<Regex> = LazyLock::new(|| re(r"^\(?([A-E])\)?$"));
 static WORDS: LazyLock<Regex> = LazyLock::new(|| re(r"^[A-Za-z][A-Za-z ]+$"));
@@ -65,7 +69,8 @@ static SIZED: LazyLock<Regex> =
 /// 11. `_{5}` / `^{2}` -> `_5` / `^2`;
 /// 12. removes whitespace (keeping one space between a command and a letter,
 ///     as in `\cot x`) and a trailing period;
-/// 13. thousands separators (`10,080` -> `10080`);
+/// 13. thousands separators (`10,080`, `10{,}080`, `10\,080`, `10\!080`
+///     -> `10080`);
 /// 14. mixed numbers (`1\frac{4}{5}` -> `1+\frac{4}{5}`);
 /// 15. a leading `+`.
 pub fn normalize(answer: &str) -> Normalized {
@@ -76,7 +81,8 @@ pub fn normalize(answer: &str) -> Normalized {
             t = t[open.len()..t.len() - close.len()].trim().to_string();
         }
     }
-    // 2.
+    // 2. (and LaTeX thousands separators as plain commas)
+    t = plain_thousands(&t);
     t = t.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac");
     // 3.
     t = t.replace("\\left.", "").replace("\\right.", "");
@@ -162,6 +168,24 @@ pub fn normalize(answer: &str) -> Normalized {
         t = rest.to_string();
     }
     Normalized { text: t, percent }
+}
+
+/// Writes LaTeX thousands separators between digit groups as plain
+/// commas, as math-verify reads them: `1{,}000`, `1\,000`, `1\!000` and
+/// `10,\!080` become `1,000`, `1,000`, `1,000` and `10,080` (which
+/// [`normalize`]'s thousands rule and [`super::extract::last_number`] then
+/// read as one number).
+pub fn plain_thousands(s: &str) -> String {
+    let mut t = s.to_string();
+    // Each round rewrites the non-overlapping separators; adjacent groups
+    // (`1{,}000{,}000`) share a digit, so repeat until none is left.
+    loop {
+        let next = LATEX_THOUSANDS.replace_all(&t, "$1,$2").into_owned();
+        if next == t {
+            return t;
+        }
+        t = next;
+    }
 }
 
 /// Replaces the control space `\ ` by a space, leaving the row separator
@@ -567,6 +591,30 @@ mod tests {
         assert_eq!(n("-1,234.5"), "-1234.5");
         assert_eq!(n("1,-2"), "1,-2");
         assert_eq!(n("12,34"), "12,34");
+        // LaTeX separators, as math-verify reads them.
+        assert_eq!(n("1{,}000"), "1000");
+        assert_eq!(n("12{,}345{,}678"), "12345678");
+        assert_eq!(n("1\\,000\\,000"), "1000000");
+        assert_eq!(n("1\\!000"), "1000");
+        assert_eq!(n("10,\\,080.5"), "10080.5");
+        // Not a thousands group: left alone.
+        assert_eq!(n("(1{,}2)"), "(1{,}2)");
+        assert_eq!(n("x\\,y"), "xy");
+    }
+
+    #[test]
+    fn latex_thousands_separators_grade_as_plain_numbers() {
+        for r in [
+            "The total is $\\boxed{1{,}000}$.",
+            "\\boxed{1\\,000}",
+            "\\boxed{1\\!000}",
+            "so we get 1{,}000 in all",
+            "so we get 1\\,000 in all",
+        ] {
+            let g = super::super::grade(r, "1000");
+            assert!(g.correct, "{r}: extracted {:?}", g.extracted);
+        }
+        assert!(!super::super::grade("\\boxed{1{,}001}", "1000").correct);
     }
 
     #[test]

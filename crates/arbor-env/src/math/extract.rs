@@ -211,7 +211,7 @@ pub fn extract_answer(response: &str) -> Option<Extracted> {
             method: ExtractMethod::AnswerIs,
         });
     }
-    last_number(text).map(|n| Extracted {
+    last_number(&super::equiv::plain_thousands(text)).map(|n| Extracted {
         text: n,
         method: ExtractMethod::LastNumber,
     })
