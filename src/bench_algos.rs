@@ -27,7 +27,11 @@ pub struct AlgosArgs {
     /// optionally with settings joined by `+`: `lambda=X`, `kappa=X`,
     /// `score=spec|bias|propagated`, `evidence=on_policy|subtree`,
     /// `prune_settled=K`, `critic_targets=gbar|monte_carlo`,
-    /// `critic=shared|separate`, `critic_init=policy|own`, `critic_lr=X`.
+    /// `critic=shared|separate`, `critic_init=policy|own`, `critic_lr=X`;
+    /// Prefix Sampling's `reserve=X`, `band=X`, `eta=X`,
+    /// `cut=auto|tokens|lines|boundaries`, `replay=execute|snapshot`,
+    /// `rerollouts=M`, `sources=S`, `attempts=K`, `probe=Q`, `anchor=B`, `keep_skewed=B`,
+    /// `match_budget=B`.
     #[arg(
         long,
         default_value = "focus,ps,grpo,ppo,vineppo",
@@ -66,6 +70,79 @@ struct RunResult {
     /// depth.
     settled_fraction: Option<f64>,
     mean_depth: Option<f64>,
+    /// Mean over steps of the groups in the update with mixed rewards.
+    effective_groups: f64,
+    /// Prefix Sampling's re-rollout statistics (PS rows).
+    ps: Option<PsRun>,
+}
+
+/// Prefix Sampling over one run: re-rollout groups and pass rates, and each
+/// bucket's EMA after the warm-up (steps past [`PS_WARMUP`]).
+#[derive(Debug, Serialize)]
+struct PsRun {
+    reroll_groups: usize,
+    reroll_degenerate: usize,
+    probes_agreed: usize,
+    reroll_tokens: u64,
+    reroll_tokens_wasted: u64,
+    rerollout_pass_rate: Option<f64>,
+    first_pass_pass_rate: f64,
+    /// Bucket -> (mean EMA after the warm-up, share of those steps with the
+    /// EMA within 0.5 +- 0.1).
+    bucket_ema: std::collections::BTreeMap<String, (f64, f64)>,
+}
+
+/// Steps of a PS run before its controller's EMAs are judged.
+const PS_WARMUP: u64 = 10;
+
+impl PsRun {
+    fn of(ms: &[arbor_train::StepMetrics]) -> Option<PsRun> {
+        let ps: Vec<(u64, &arbor_train::rollout::ps::PsReport)> = ms
+            .iter()
+            .filter_map(|m| m.ps.as_ref().map(|p| (m.step, p)))
+            .collect();
+        if ps.is_empty() {
+            return None;
+        }
+        let mut emas: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
+        for (step, p) in &ps {
+            if *step > PS_WARMUP {
+                for (b, r) in &p.buckets {
+                    if let Some(e) = r.ema {
+                        emas.entry(b.clone()).or_default().push(e);
+                    }
+                }
+            }
+        }
+        let (mut wins, mut trials) = (0.0, 0.0);
+        for (_, p) in &ps {
+            if let Some(r) = p.reroll_pass_rate {
+                // The pass rate of the step's re-rollouts, weighted by them.
+                let k = (p.reroll_groups) as f64;
+                wins += r * k;
+                trials += k;
+            }
+        }
+        Some(PsRun {
+            reroll_groups: ps.iter().map(|(_, p)| p.reroll_groups).sum(),
+            reroll_degenerate: ps.iter().map(|(_, p)| p.reroll_degenerate).sum(),
+            probes_agreed: ps.iter().map(|(_, p)| p.probes_agreed).sum(),
+            reroll_tokens: ps.iter().map(|(_, p)| p.reroll_tokens).sum(),
+            reroll_tokens_wasted: ps.iter().map(|(_, p)| p.reroll_tokens_wasted).sum(),
+            rerollout_pass_rate: (trials > 0.0).then(|| wins / trials),
+            first_pass_pass_rate: ps.iter().map(|(_, p)| p.first_pass_pass_rate).sum::<f64>()
+                / ps.len() as f64,
+            bucket_ema: emas
+                .into_iter()
+                .map(|(b, v)| {
+                    let k = v.len() as f64;
+                    let mean = v.iter().sum::<f64>() / k;
+                    let near = v.iter().filter(|e| (*e - 0.5).abs() <= 0.1).count() as f64 / k;
+                    (b, (mean, near))
+                })
+                .collect(),
+        })
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -137,13 +214,33 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
             "critic_lr" => cfg.critic.lr = Some(num()?),
             "critic" => cfg.learner.critic = variant(kv, v)?,
             "critic_init" => cfg.critic.init = variant(kv, v)?,
+            "reserve" => cfg.ps.reserve = num()?,
+            "band" => cfg.ps.band = num()?,
+            "eta" => cfg.ps.controller.eta = num()?,
+            "cut" => cfg.ps.cut = variant(kv, v)?,
+            "replay" => cfg.ps.replay = variant(kv, v)?,
+            "rerollouts" => cfg.ps.rerollouts = num()? as usize,
+            "attempts" => cfg.ps.attempts = num()? as u32,
+            "sources" => cfg.ps.sources = num()? as usize,
+            "probe" => cfg.ps.probe = num()? as usize,
+            "anchor" => cfg.ps.anchor = flag(kv, v)?,
+            "keep_skewed" => cfg.ps.keep_skewed = flag(kv, v)?,
+            "match_budget" => cfg.ps.match_budget = flag(kv, v)?,
             _ => anyhow::bail!(
                 "row setting `{kv}`: unknown key (lambda, kappa, score, evidence, \
-                 prune_settled, critic_targets, critic, critic_init, critic_lr)"
+                 prune_settled, critic_targets, critic, critic_init, critic_lr; PS: reserve, \
+                 band, eta, cut, replay, rerollouts, sources, attempts, probe, anchor, keep_skewed, \
+                 match_budget)"
             ),
         }
     }
     Ok(())
+}
+
+/// A `true` / `false` row setting.
+fn flag(kv: &str, v: &str) -> Result<bool> {
+    v.parse()
+        .map_err(|_| anyhow::anyhow!("row setting `{kv}`: expected true or false"))
 }
 
 /// A config enum from its name as the TOML spells it (`monte_carlo`),
@@ -236,6 +333,9 @@ pub fn run(a: AlgosArgs) -> Result<()> {
             };
             let settled_fraction = mean_of(&|m| m.alloc_settled_fraction);
             let mean_depth = mean_of(&|m| m.alloc_mean_depth);
+            let effective_groups =
+                ms.iter().map(|m| m.effective_groups as f64).sum::<f64>() / ms.len().max(1) as f64;
+            let ps = PsRun::of(&ms);
             let n = ms.len().clamp(1, 10);
             let final_reward = ms.iter().rev().take(n).map(|m| m.reward).sum::<f64>() / n as f64;
             results.push(RunResult {
@@ -250,6 +350,8 @@ pub fn run(a: AlgosArgs) -> Result<()> {
                 critic_curve,
                 settled_fraction,
                 mean_depth,
+                effective_groups,
+                ps,
             });
         }
     }
@@ -374,6 +476,7 @@ pub fn run(a: AlgosArgs) -> Result<()> {
             avg(&|r| r.mean_depth)
         );
     }
+    print_groups(&a.algos, &results);
     std::fs::create_dir_all(&a.out)?;
     std::fs::write(
         a.out.join("algos.json"),
@@ -386,6 +489,82 @@ pub fn run(a: AlgosArgs) -> Result<()> {
         a.out.join("algos.png").display()
     );
     Ok(())
+}
+
+/// Effective groups per step against GRPO's, and Prefix Sampling's
+/// re-rollout statistics (seed means).
+fn print_groups(algos: &[String], results: &[RunResult]) {
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let runs_of =
+        |name: &str| -> Vec<&RunResult> { results.iter().filter(|r| r.algo == name).collect() };
+    let grpo = mean(
+        &runs_of("grpo")
+            .iter()
+            .map(|r| r.effective_groups)
+            .collect::<Vec<_>>(),
+    );
+    println!("\n| algo | effective groups per step (mixed rewards, in the update) | vs GRPO |");
+    println!("|---|---|---|");
+    for name in algos {
+        let e = mean(
+            &runs_of(name)
+                .iter()
+                .map(|r| r.effective_groups)
+                .collect::<Vec<_>>(),
+        );
+        let vs = if grpo > 0.0 {
+            format!("{:.2}x", e / grpo)
+        } else {
+            "-".into()
+        };
+        println!("| {name} | {e:.2} | {vs} |");
+    }
+    let mut header = false;
+    for name in algos {
+        let ps: Vec<&PsRun> = runs_of(name).iter().filter_map(|r| r.ps.as_ref()).collect();
+        if ps.is_empty() {
+            continue;
+        }
+        if !header {
+            println!("\n| algo | first-pass pass rate | re-rollout pass rate | re-rollout groups per run | degenerate groups (all alike) | agreeing probes per run | re-rollout tokens in no trained group | bucket EMA after step {PS_WARMUP}: mean (share of steps within 0.5 +- 0.1) |");
+            println!("|---|---|---|---|---|---|---|---|");
+            header = true;
+        }
+        let groups: usize = ps.iter().map(|p| p.reroll_groups).sum();
+        let degenerate: usize = ps.iter().map(|p| p.reroll_degenerate).sum();
+        let probes: usize = ps.iter().map(|p| p.probes_agreed).sum();
+        let tokens: u64 = ps.iter().map(|p| p.reroll_tokens).sum();
+        let wasted: u64 = ps.iter().map(|p| p.reroll_tokens_wasted).sum();
+        let rates: Vec<f64> = ps.iter().filter_map(|p| p.rerollout_pass_rate).collect();
+        let mut buckets: std::collections::BTreeMap<&str, Vec<(f64, f64)>> = Default::default();
+        for p in &ps {
+            for (b, v) in &p.bucket_ema {
+                buckets.entry(b.as_str()).or_default().push(*v);
+            }
+        }
+        let cells: Vec<String> = buckets
+            .iter()
+            .map(|(b, v)| {
+                let m = mean(&v.iter().map(|x| x.0).collect::<Vec<_>>());
+                let near = mean(&v.iter().map(|x| x.1).collect::<Vec<_>>());
+                format!("{b}: {m:.2} ({:.0}%)", 100.0 * near)
+            })
+            .collect();
+        println!(
+            "| {name} | {:.3} | {:.3} | {:.1} | {:.1}% | {:.1} | {:.1}% | {} |",
+            mean(
+                &ps.iter()
+                    .map(|p| p.first_pass_pass_rate)
+                    .collect::<Vec<_>>()
+            ),
+            mean(&rates),
+            groups as f64 / ps.len() as f64,
+            100.0 * degenerate as f64 / groups.max(1) as f64,
+            probes as f64 / ps.len() as f64,
+            100.0 * wasted as f64 / tokens.max(1) as f64,
+            cells.join(", ")
+        );
+    }
 }
 
 fn plot(

@@ -71,6 +71,7 @@ pub fn run(a: RolloutBenchArgs) -> Result<()> {
     let sampler = TaskSampler::new(
         TaskConfig::RunningSum {
             difficulty: a.difficulty,
+            one_turn: false,
         },
         a.seed,
         None,

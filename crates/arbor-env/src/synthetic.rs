@@ -141,10 +141,15 @@ fn final_observation(mode: &Mode, prev_action: &str) -> Observation {
 /// Configuration of [`RunningSum`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunningSumConfig {
-    /// Number of digits `k` (= answers = segments per episode).
+    /// Number of digits `k` (= answers; segments per episode unless
+    /// `one_turn`).
     pub difficulty: usize,
     /// Token or text surface.
     pub mode: Mode,
+    /// Single-turn variant: all `k` digits in the prompt, all `k` running
+    /// sums in one response (one segment per episode).
+    #[serde(default)]
+    pub one_turn: bool,
 }
 
 impl RunningSumConfig {
@@ -153,6 +158,15 @@ impl RunningSumConfig {
         RunningSumConfig {
             difficulty: k,
             mode: Mode::Tokens,
+            one_turn: false,
+        }
+    }
+
+    /// The single-turn small-vocabulary token task with `k` digits.
+    pub fn tokens_one_turn(k: usize) -> Self {
+        RunningSumConfig {
+            one_turn: true,
+            ..RunningSumConfig::tokens(k)
         }
     }
 
@@ -161,6 +175,7 @@ impl RunningSumConfig {
         RunningSumConfig {
             difficulty: k,
             mode: Mode::Text(chat),
+            one_turn: false,
         }
     }
 }
@@ -177,6 +192,13 @@ impl RunningSumConfig {
 /// Text surface ([`Mode::Text`]): an instruction plus `Digit 1 of k: d1`,
 /// then `Digit i of k: di` per turn; the answer is the last number in the
 /// response (after any `</think>`), which must be a single digit.
+///
+/// Single turn (`one_turn`): the prompt holds every digit (tokens:
+/// `[<bos>, d1, ..., dk, =]`) and the one response holds all `k` running
+/// sums (tokens: `k` digit tokens, optionally `<eos>`; text: the last `k`
+/// numbers of the response, each a single digit); reward 1 iff all are
+/// right. A response token cut anywhere leaves a meaningful prefix: the
+/// first sums, right or wrong.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct RunningSum {
     cfg: RunningSumConfig,
@@ -195,8 +217,9 @@ impl RunningSum {
         let mut rng = SplitMix64::new(seed ^ 0x5255_4E53_554D); // "RUNSUM"
         let digits = (0..cfg.difficulty).map(|_| rng.below(10) as u8).collect();
         let surface = cfg.mode.name();
+        let turns = if cfg.one_turn { ",turns=1" } else { "" };
         let id = format!(
-            "running-sum:k={},seed={seed},mode={surface}",
+            "running-sum:k={},seed={seed},mode={surface}{turns}",
             cfg.difficulty
         );
         Ok(RunningSum {
@@ -227,6 +250,17 @@ impl RunningSum {
 
     /// The actions of a perfect policy (token or text as the mode asks).
     pub fn oracle_actions(&self) -> Vec<Action> {
+        if self.cfg.one_turn {
+            let sums = self.expected();
+            return vec![match self.cfg.mode {
+                Mode::Tokens => {
+                    Action::Tokens(sums.iter().map(|&s| u32::from(s)).chain([EOS]).collect())
+                }
+                Mode::Text(_) => {
+                    Action::Text(sums.iter().map(u8::to_string).collect::<Vec<_>>().join(" "))
+                }
+            }];
+        }
         self.expected()
             .into_iter()
             .map(|s| match self.cfg.mode {
@@ -253,6 +287,51 @@ impl RunningSum {
             self.digits.len(),
             self.digits[i]
         )
+    }
+
+    /// The `k` answers of a single-turn response.
+    fn parse_all(&self, action: &Action) -> std::result::Result<Vec<u8>, String> {
+        let k = self.digits.len();
+        match (action, &self.cfg.mode) {
+            (Action::Tokens(ids), Mode::Tokens) => {
+                let ids = strip_token_action(ids);
+                if ids.len() == k && ids.iter().all(|&d| d < 10) {
+                    Ok(ids.iter().map(|&d| d as u8).collect())
+                } else {
+                    Err(format!(
+                        "expected {k} digit tokens (optionally followed by <eos>), got {}",
+                        SmallVocab.decode_lossy(&ids)
+                    ))
+                }
+            }
+            (Action::Text(s), Mode::Tokens) => match SmallVocab.encode(s) {
+                Ok(ids) => self.parse_all(&Action::Tokens(ids)),
+                Err(e) => Err(e.to_string()),
+            },
+            (Action::Text(s), Mode::Text(_)) => {
+                let body = strip_think(s).replace(IM_END, "");
+                let runs: Vec<&str> = body
+                    .split(|c: char| !c.is_ascii_digit())
+                    .filter(|r| !r.is_empty())
+                    .collect();
+                if runs.len() < k {
+                    return Err(format!(
+                        "{} numbers in the answer, expected {k}",
+                        runs.len()
+                    ));
+                }
+                runs[runs.len() - k..]
+                    .iter()
+                    .map(|r| match r.as_bytes() {
+                        [d] => Ok(d - b'0'),
+                        _ => Err(format!("answer `{r}` is not a single digit")),
+                    })
+                    .collect()
+            }
+            (Action::Tokens(_), Mode::Text(_)) => {
+                Err("this is a text task: send Action::Text".to_string())
+            }
+        }
     }
 
     fn parse(&self, action: &Action) -> std::result::Result<u8, String> {
@@ -284,10 +363,31 @@ impl Env for RunningSum {
     fn reset(&mut self) -> Result<Observation> {
         self.answers.clear();
         self.started = true;
+        let k = self.digits.len();
+        if self.cfg.one_turn {
+            return Ok(match &self.cfg.mode {
+                Mode::Tokens => Observation::tokens(
+                    &SmallVocab,
+                    std::iter::once(BOS)
+                        .chain(self.digits.iter().map(|&d| u32::from(d)))
+                        .chain([EQUALS])
+                        .collect(),
+                ),
+                Mode::Text(chat) => {
+                    let digits: Vec<String> = self.digits.iter().map(u8::to_string).collect();
+                    let user = format!(
+                        "Running sum modulo 10. Digits: {}. Reply with the {k} running sums \
+                         modulo 10 (the sum of the first i digits, for i = 1 to {k}), as single \
+                         digits separated by spaces.",
+                        digits.join(" ")
+                    );
+                    Observation::text(chat.first(None, &[], &user))
+                }
+            });
+        }
         Ok(match &self.cfg.mode {
             Mode::Tokens => Observation::tokens(&SmallVocab, vec![BOS, u32::from(self.digits[0])]),
             Mode::Text(chat) => {
-                let k = self.digits.len();
                 let user = format!(
                     "Running sum modulo 10. You will see {k} digits, one per turn. After each \
                      digit, reply with the sum of all digits so far modulo 10, as a single digit.\n{}",
@@ -306,9 +406,23 @@ impl Env for RunningSum {
         if self.answers.len() >= k {
             return Err(EnvError::protocol(&self.id, "step after the episode ended"));
         }
-        let parsed = self.parse(action);
-        let error = parsed.as_ref().err().cloned();
-        self.answers.push(parsed.ok());
+        let error = if self.cfg.one_turn {
+            match self.parse_all(action) {
+                Ok(a) => {
+                    self.answers.extend(a.into_iter().map(Some));
+                    None
+                }
+                Err(e) => {
+                    self.answers.resize(k, None);
+                    Some(e)
+                }
+            }
+        } else {
+            let parsed = self.parse(action);
+            let error = parsed.as_ref().err().cloned();
+            self.answers.push(parsed.ok());
+            error
+        };
         let prev = action
             .to_text(Some(&SmallVocab), &self.id)
             .unwrap_or_default();
@@ -742,13 +856,15 @@ impl Env for Register {
 // ------------------------------------------------------------------- specs
 
 /// Builds a synthetic task from its spec, the format of its
-/// [`Env::task_id`]: `running-sum:k=4,seed=7,mode=tokens` or
+/// [`Env::task_id`]: `running-sum:k=4,seed=7,mode=tokens` (`,turns=1`: the
+/// single-turn variant) or
 /// `register:k=4,seed=7,subtract=true,mode=qwen` (`mode`: `tokens`, `text`
 /// or `qwen`; defaults `seed=0`, `mode=tokens`, `subtract=false`).
 pub fn from_spec(spec: &str) -> Result<Box<dyn Env>> {
     let bad = |msg: String| EnvError::task(spec, msg);
     let (name, rest) = spec.split_once(':').unwrap_or((spec, ""));
     let (mut k, mut seed, mut mode, mut subtract) = (None, 0u64, Mode::Tokens, false);
+    let mut one_turn = false;
     for kv in rest.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let (key, val) = kv
             .split_once('=')
@@ -764,6 +880,13 @@ pub fn from_spec(spec: &str) -> Result<Box<dyn Env>> {
                 seed = val
                     .parse()
                     .map_err(|_| bad(format!("seed `{val}` is not an integer")))?;
+            }
+            "turns" if name == "running-sum" => {
+                one_turn = match val {
+                    "1" => true,
+                    "k" => false,
+                    _ => return Err(bad(format!("turns `{val}`: expected 1 or k"))),
+                }
             }
             "subtract" => {
                 subtract = val
@@ -784,7 +907,11 @@ pub fn from_spec(spec: &str) -> Result<Box<dyn Env>> {
     let difficulty = k.ok_or_else(|| bad("missing k=<difficulty>".into()))?;
     match name {
         "running-sum" => Ok(Box::new(RunningSum::new(
-            RunningSumConfig { difficulty, mode },
+            RunningSumConfig {
+                difficulty,
+                mode,
+                one_turn,
+            },
             seed,
         )?)),
         "register" => Ok(Box::new(Register::new(
@@ -879,6 +1006,55 @@ mod tests {
             let ep = run_actions(env.fresh().unwrap(), bad);
             assert_eq!(ep.total_reward(), 0.0);
         }
+    }
+
+    #[test]
+    fn running_sum_one_turn() {
+        for k in [1, 5, 12] {
+            let env = RunningSum::new(RunningSumConfig::tokens_one_turn(k), 11).unwrap();
+            let d: Vec<u32> = env.digits().iter().map(|&x| u32::from(x)).collect();
+            let mut ep = Episode::new(env.fresh().unwrap());
+            let prompt = ep.reset().unwrap().tokens.unwrap();
+            assert_eq!(prompt.len(), k + 2);
+            assert_eq!(
+                (prompt[0], &prompt[1..=k], prompt[k + 1]),
+                (BOS, &d[..], EQUALS)
+            );
+            let good = env.oracle_actions();
+            assert_eq!(good.len(), 1);
+            let ep = run_actions(env.fresh().unwrap(), good.clone());
+            assert!(ep.is_done());
+            assert_eq!((ep.total_reward(), ep.segments().len()), (1.0, 1));
+            // A wrong sum anywhere, a missing one, or a stray token: 0.
+            let Action::Tokens(t) = &good[0] else {
+                unreachable!()
+            };
+            let mut wrong = t.clone();
+            wrong[k - 1] = (wrong[k - 1] + 1) % 10;
+            let short = t[..k - 1].to_vec();
+            for bad in [wrong, short, vec![QUERY]] {
+                let mut ep = Episode::new(env.fresh().unwrap());
+                ep.reset().unwrap();
+                let o = ep.step(Action::Tokens(bad)).unwrap();
+                assert!(o.done && o.reward == 0.0);
+            }
+        }
+        let text = RunningSum::new(
+            RunningSumConfig {
+                one_turn: true,
+                ..RunningSumConfig::text(3, ChatFormat::Plain)
+            },
+            2,
+        )
+        .unwrap();
+        let sums: Vec<String> = text.expected().iter().map(u8::to_string).collect();
+        let answer = format!("<think>1 2 3 4</think>The sums: {}", sums.join(", "));
+        let ep = run_actions(text.fresh().unwrap(), vec![Action::Text(answer)]);
+        assert_eq!(ep.total_reward(), 1.0);
+        let spec = "running-sum:k=4,seed=7,mode=tokens,turns=1";
+        assert_eq!(from_spec(spec).unwrap().task_id(), spec);
+        assert!(from_spec("running-sum:k=4,turns=2").is_err());
+        assert!(from_spec("register:k=4,turns=1").is_err());
     }
 
     #[test]

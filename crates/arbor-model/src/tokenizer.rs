@@ -79,6 +79,18 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// Ids whose text holds a newline (a cut after one starts a new line),
+    /// ascending.
+    pub fn line_end_ids(&self) -> Vec<u32> {
+        (0..self.vocab_size() as u32)
+            .filter(|&id| {
+                self.inner
+                    .decode(&[id], false)
+                    .is_ok_and(|t| t.contains('\n'))
+            })
+            .collect()
+    }
+
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)

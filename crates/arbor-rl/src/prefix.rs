@@ -5,16 +5,21 @@
 //! `k/N`. All-fail (`0/N`) and all-pass (`N/N`) groups carry no contrast and
 //! are dropped; balanced groups (`|k/N - 1/2| <= band`, default band `1/8`,
 //! so `3/8..5/8` for `N = 8`) are kept as they are; skewed groups (`1/8`,
-//! `2/8`, `6/8`, `7/8`) are replaced one for one by `N` re-rollouts that
-//! continue from a replayed prefix:
+//! `2/8`, `6/8`, `7/8`) get a group of re-rollouts that all continue from
+//! one replayed prefix of one source trajectory of the group (one prefix,
+//! one baseline):
 //!
-//! - hard bucket (`k/N < 1/2`): the prefix comes from a *successful*
-//!   trajectory of the group (a head start);
-//! - easy bucket (`k/N > 1/2`): from a *failed* one (a handicap).
+//! - hard bucket (`k/N < 1/2`): the source is a *successful* trajectory
+//!   (a head start);
+//! - easy bucket (`k/N > 1/2`): a *failed* one (a handicap).
 //!
 //! The prefix length is `ratio * len` of the source's generated tokens,
-//! snapped to an action/turn boundary (agents) or a token boundary (math);
-//! replayed tokens are masked in the loss ([`crate::tree::TokenKind::Replayed`]).
+//! snapped to an allowed cut: an action/turn boundary (agents) or any token
+//! (single-turn tasks); replayed tokens are masked in the loss
+//! ([`crate::tree::TokenKind::Replayed`]). A re-rollout group whose members
+//! all end alike carries no contrast; [`CutSearch`] then bisects the cut
+//! (longer or shorter prefix, by which way the group missed) for the
+//! group's next attempt.
 //! Each bucket `b` has its own ratio, driven by an EMA of the bucket's
 //! re-rollout pass rate (one update per step):
 //!
@@ -36,7 +41,7 @@
 use std::collections::BTreeMap;
 
 use rand::rngs::StdRng;
-use rand::seq::SliceRandom;
+use rand::seq::IndexedRandom;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
@@ -211,6 +216,13 @@ pub struct SourceTrajectory {
     /// Allowed cut points (token offsets into the response) for
     /// [`CutGranularity::Boundaries`]; ignored for `Tokens`.
     pub boundaries: Vec<usize>,
+    /// Response tokens this trajectory shares, from the start, with a
+    /// member of the group that had the other outcome (the longest such
+    /// prefix; 0 when none or unknown). For a failure this is where it
+    /// left every path known to succeed: the planner's anchor for easy
+    /// groups ([`PsConfig::anchor`]).
+    #[serde(default)]
+    pub shared: usize,
 }
 
 /// The prefix length for `ratio` of a `len`-token response: the allowed cut
@@ -227,15 +239,93 @@ pub fn snap_cut(
     let target = ratio * len as f64;
     Ok(match granularity {
         CutGranularity::Tokens => (len >= 2).then(|| (target.round() as usize).clamp(1, len - 1)),
-        CutGranularity::Boundaries => boundaries
-            .iter()
-            .copied()
-            .filter(|&b| b > 0 && b < len)
+        CutGranularity::Boundaries => allowed_cuts(len, granularity, boundaries)
+            .into_iter()
             .min_by(|&a, &b| {
                 let (da, db) = ((a as f64 - target).abs(), (b as f64 - target).abs());
                 da.total_cmp(&db).then(a.cmp(&b))
             }),
     })
+}
+
+/// Every allowed cut strictly inside `(0, len)`, ascending: each token for
+/// [`CutGranularity::Tokens`], the listed boundaries otherwise.
+pub fn allowed_cuts(len: usize, granularity: CutGranularity, boundaries: &[usize]) -> Vec<usize> {
+    match granularity {
+        CutGranularity::Tokens => (1..len).collect(),
+        CutGranularity::Boundaries => {
+            let mut v: Vec<usize> = boundaries
+                .iter()
+                .copied()
+                .filter(|&b| b > 0 && b < len)
+                .collect();
+            v.sort_unstable();
+            v.dedup();
+            v
+        }
+    }
+}
+
+/// Bisection of one skewed group's cut over its source's allowed cuts.
+///
+/// A re-rollout group that came out all-pass or all-fail says which way
+/// the prefix was wrong: a hard group (successful source) that all failed
+/// needs a longer head start, one that all passed a shorter one; an easy
+/// group (failed source) that all passed needs a longer handicap, one that
+/// all failed a shorter one (its prefix already holds the error). The next
+/// cut is the median allowed cut strictly between the bounds learnt so far
+/// (`lo < cut < hi`, starting from `0 < cut < len`), so each attempt halves
+/// the interval.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CutSearch {
+    cuts: Vec<usize>,
+    direction: Direction,
+    lo: usize,
+    hi: usize,
+    cut: usize,
+}
+
+impl CutSearch {
+    /// The search over `cuts` (ascending, inside `(0, len)`), first trying
+    /// `first`.
+    pub fn new(cuts: Vec<usize>, len: usize, first: usize, direction: Direction) -> Self {
+        CutSearch {
+            cuts,
+            direction,
+            lo: 0,
+            hi: len,
+            cut: first,
+        }
+    }
+
+    /// The cut of the current attempt.
+    pub fn cut(&self) -> usize {
+        self.cut
+    }
+
+    /// The attempt at [`cut`](Self::cut) came out all-pass (`all_passed`)
+    /// or all-fail: narrow the interval and return the next cut, `None`
+    /// when no allowed cut is left inside it.
+    pub fn refine(&mut self, all_passed: bool) -> Option<usize> {
+        let longer = match self.direction {
+            Direction::Hard => !all_passed,
+            Direction::Easy => all_passed,
+        };
+        if longer {
+            self.lo = self.cut;
+        } else {
+            self.hi = self.cut;
+        }
+        let inside: Vec<usize> = self
+            .cuts
+            .iter()
+            .copied()
+            .filter(|&c| c > self.lo && c < self.hi)
+            .collect();
+        let next = *inside.get(inside.len() / 2)?;
+        self.cut = next;
+        Some(next)
+    }
 }
 
 /// Settings of the per-bucket ratio controller.
@@ -388,6 +478,13 @@ pub struct PsConfig {
     pub band: f64,
     pub granularity: CutGranularity,
     pub controller: ControllerConfig,
+    /// Easy groups: cut a failed source no later than the last allowed cut
+    /// inside the prefix it shares with a success
+    /// ([`SourceTrajectory::shared`]), so the re-rollouts face the decision
+    /// where it went wrong instead of a prefix that may already hold the
+    /// error. The bucket ratio still sets the cut when it is shorter.
+    #[serde(default)]
+    pub anchor: bool,
     /// Seed of the source choice.
     pub seed: u64,
 }
@@ -400,19 +497,10 @@ impl PsConfig {
             band: 0.125,
             granularity: CutGranularity::Tokens,
             controller: ControllerConfig::default(),
+            anchor: false,
             seed,
         }
     }
-}
-
-/// One planned re-rollout: continue from the first `cut` tokens of member
-/// `source`'s response.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Rerollout {
-    pub source: usize,
-    pub cut: usize,
-    /// The bucket ratio the cut was snapped from.
-    pub ratio: f64,
 }
 
 /// What to do with a group.
@@ -423,10 +511,14 @@ pub enum GroupPlan {
     Drop,
     /// Balanced (or skewed without a usable source): train on it as is.
     Keep,
-    /// Replace the group one for one with these re-rollouts.
+    /// Skewed: re-roll from the first `cut` response tokens of member
+    /// `source` (every re-rollout of the group shares that one prefix).
     Replay {
         bucket: Bucket,
-        rerollouts: Vec<Rerollout>,
+        source: usize,
+        cut: usize,
+        /// The bucket ratio the cut was snapped from.
+        ratio: f64,
     },
 }
 
@@ -472,9 +564,8 @@ impl PrefixSampler {
         &self.controller
     }
 
-    /// Plans a group. Sources are the members with the outcome the bucket
-    /// needs, shuffled by the seeded RNG and used round-robin (project
-    /// choice), so every source contributes when several exist.
+    /// Plans a group. The source is one member with the outcome the bucket
+    /// needs and a usable cut, drawn by the seeded RNG.
     pub fn plan(&mut self, group: &[SourceTrajectory]) -> Result<GroupPlan> {
         if group.len() != self.cfg.group_size as usize {
             return Err(RlError::input(
@@ -488,27 +579,52 @@ impl PrefixSampler {
             GroupClass::Balanced => return Ok(GroupPlan::Keep),
             GroupClass::Skewed(b) => b,
         };
-        let want = bucket.direction().source_success();
         let ratio = self.controller.ratio(bucket);
         let mut sources = Vec::new();
         for (i, t) in group.iter().enumerate() {
-            if t.success == want {
-                if let Some(cut) = snap_cut(t.len, ratio, self.cfg.granularity, &t.boundaries)? {
-                    sources.push((i, cut));
-                }
+            if let Some(cut) = self.cut_for(bucket, t)? {
+                sources.push((i, cut));
             }
         }
-        if sources.is_empty() {
+        let Some(&(source, cut)) = sources.choose(&mut self.rng) else {
             return Ok(GroupPlan::Keep);
+        };
+        Ok(GroupPlan::Replay {
+            bucket,
+            source,
+            cut,
+            ratio,
+        })
+    }
+
+    /// Where member `t` of a group in `bucket` would be cut as a source:
+    /// `None` when its outcome is not the one the bucket needs or it has no
+    /// allowed cut. The bucket's ratio, snapped to an allowed cut, and for
+    /// easy buckets with [`PsConfig::anchor`] no later than the last
+    /// allowed cut inside [`SourceTrajectory::shared`].
+    pub fn cut_for(&self, bucket: Bucket, t: &SourceTrajectory) -> Result<Option<usize>> {
+        let want = bucket.direction().source_success();
+        if t.success != want {
+            return Ok(None);
         }
-        sources.shuffle(&mut self.rng);
-        let rerollouts = (0..group.len())
-            .map(|j| {
-                let (source, cut) = sources[j % sources.len()];
-                Rerollout { source, cut, ratio }
-            })
-            .collect();
-        Ok(GroupPlan::Replay { bucket, rerollouts })
+        let ratio = self.controller.ratio(bucket);
+        let Some(mut cut) = snap_cut(t.len, ratio, self.cfg.granularity, &t.boundaries)? else {
+            return Ok(None);
+        };
+        if self.cfg.anchor && !want && t.shared > 0 {
+            let at_shared = allowed_cuts(t.len, self.cfg.granularity, &t.boundaries)
+                .into_iter()
+                .rfind(|&c| c <= t.shared);
+            if let Some(a) = at_shared {
+                cut = cut.min(a);
+            }
+        }
+        Ok(Some(cut))
+    }
+
+    /// The allowed cuts of a source under this sampler's granularity.
+    pub fn allowed_cuts(&self, source: &SourceTrajectory) -> Vec<usize> {
+        allowed_cuts(source.len, self.cfg.granularity, &source.boundaries)
     }
 
     /// Records outcomes of re-rollouts planned for `bucket` this step.
@@ -673,18 +789,16 @@ mod tests {
                     success,
                     len,
                     boundaries: (0..len).step_by(7).collect(),
+                    shared: 0,
                 })
                 .collect();
             let k = outcomes.iter().filter(|x| **x).count() as u32;
             match ps.plan(&group).unwrap() {
-                GroupPlan::Replay { bucket, rerollouts } => {
+                GroupPlan::Replay { bucket, source, cut, .. } => {
                     prop_assert_eq!(bucket.successes, k);
-                    prop_assert_eq!(rerollouts.len(), 8);
-                    for r in rerollouts {
-                        let src = &group[r.source];
-                        prop_assert_eq!(src.success, bucket.direction().source_success());
-                        prop_assert!(r.cut > 0 && r.cut < src.len);
-                    }
+                    let src = &group[source];
+                    prop_assert_eq!(src.success, bucket.direction().source_success());
+                    prop_assert!(cut > 0 && cut < src.len);
                 }
                 GroupPlan::Drop => prop_assert!(k == 0 || k == 8),
                 GroupPlan::Keep => prop_assert!(k > 0 && k < 8),
@@ -804,7 +918,38 @@ mod tests {
             success,
             len: 40,
             boundaries: vec![10, 20, 30],
+            shared: 0,
         }
+    }
+
+    #[test]
+    fn easy_groups_anchor_at_the_shared_prefix() {
+        let mut cfg = PsConfig::new(8, 1);
+        cfg.granularity = CutGranularity::Boundaries;
+        cfg.controller = ControllerConfig::fixed(0.75);
+        // 7/8: the failure shares 14 tokens with a success; ratio 0.75 -> 30.
+        let mut g: Vec<_> = (0..8).map(|i| member(i != 3)).collect();
+        g[3].shared = 14;
+        let cut_of = |anchor: bool, g: &[SourceTrajectory]| {
+            let mut ps = PrefixSampler::new(PsConfig { anchor, ..cfg }).unwrap();
+            match ps.plan(g).unwrap() {
+                GroupPlan::Replay { cut, .. } => cut,
+                p => panic!("{p:?}"),
+            }
+        };
+        assert_eq!(cut_of(false, &g), 30);
+        assert_eq!(
+            cut_of(true, &g),
+            10,
+            "last boundary inside the shared prefix"
+        );
+        // Nothing allowed inside it, or a shorter ratio cut: the ratio's.
+        g[3].shared = 5;
+        assert_eq!(cut_of(true, &g), 30);
+        // Hard groups ignore it.
+        let mut h: Vec<_> = (0..8).map(|i| member(i == 3)).collect();
+        h[3].shared = 14;
+        assert_eq!(cut_of(true, &h), 30);
     }
 
     #[test]
@@ -814,32 +959,62 @@ mod tests {
         let mut ps = PrefixSampler::new(cfg).unwrap();
         // 2/8 hard: sources must be the two successes.
         let mut g: Vec<_> = (0..8).map(|i| member(i == 2 || i == 5)).collect();
-        let GroupPlan::Replay { bucket, rerollouts } = ps.plan(&g).unwrap() else {
-            panic!()
-        };
-        assert_eq!(
-            bucket,
-            Bucket {
-                successes: 2,
-                group_size: 8
-            }
-        );
-        assert_eq!(rerollouts.len(), 8);
-        assert!(rerollouts
-            .iter()
-            .all(|r| (r.source == 2 || r.source == 5) && r.cut == 20));
-        assert_eq!(rerollouts.iter().filter(|r| r.source == 2).count(), 4);
+        let mut picked = std::collections::BTreeSet::new();
+        for _ in 0..32 {
+            let GroupPlan::Replay {
+                bucket,
+                source,
+                cut,
+                ratio,
+            } = ps.plan(&g).unwrap()
+            else {
+                panic!()
+            };
+            assert_eq!(
+                bucket,
+                Bucket {
+                    successes: 2,
+                    group_size: 8
+                }
+            );
+            assert!((source == 2 || source == 5) && cut == 20 && ratio == 0.5);
+            picked.insert(source);
+        }
+        assert_eq!(picked.len(), 2, "both sources get drawn");
         // 7/8 easy: the one failure.
         g = (0..8).map(|i| i != 6).map(member).collect();
-        let GroupPlan::Replay { rerollouts, .. } = ps.plan(&g).unwrap() else {
+        let GroupPlan::Replay { source, .. } = ps.plan(&g).unwrap() else {
             panic!()
         };
-        assert!(rerollouts.iter().all(|r| r.source == 6));
+        assert_eq!(source, 6);
         g = (0..8).map(|i| i < 4).map(member).collect();
         assert_eq!(ps.plan(&g).unwrap(), GroupPlan::Keep);
         g = (0..8).map(|_| true).map(member).collect();
         assert_eq!(ps.plan(&g).unwrap(), GroupPlan::Drop);
         assert!(ps.plan(&g[..3]).is_err());
+    }
+
+    #[test]
+    fn cut_search_bisects_toward_the_missing_outcome() {
+        let cuts = allowed_cuts(16, CutGranularity::Tokens, &[]);
+        assert_eq!(cuts, (1..16).collect::<Vec<_>>());
+        // Hard (successful source): all failed -> longer, all passed -> shorter.
+        let mut s = CutSearch::new(cuts.clone(), 16, 8, Direction::Hard);
+        assert_eq!(s.refine(false), Some(12));
+        assert_eq!(s.refine(true), Some(10));
+        assert_eq!(s.refine(true), Some(9));
+        assert_eq!(s.refine(false), None, "nothing left between 9 and 10");
+        // Easy (failed source): all failed -> shorter, all passed -> longer.
+        let mut s = CutSearch::new(cuts, 16, 8, Direction::Easy);
+        assert_eq!(s.refine(false), Some(4));
+        assert_eq!(s.refine(true), Some(6));
+        assert_eq!(s.cut(), 6);
+        // Boundaries: only listed cuts, inside (0, len).
+        let b = allowed_cuts(40, CutGranularity::Boundaries, &[30, 0, 10, 40, 20, 10]);
+        assert_eq!(b, vec![10, 20, 30]);
+        let mut s = CutSearch::new(b, 40, 20, Direction::Hard);
+        assert_eq!(s.refine(false), Some(30));
+        assert_eq!(s.refine(false), None);
     }
 
     #[test]

@@ -29,7 +29,7 @@
 //!
 //! **Holding 0.5** ([`PsSimReport::holds_half`]): after the warm-up, the
 //! pooled re-rollout pass rate of every bucket, and its pass rate pooled
-//! over every sliding window of `window` (25) steps, lie within
+//! over every sliding window of `window` (50) steps, lie within
 //! `0.5 +- 0.1`. A single step's rate cannot: the `N` re-rollouts of a
 //! group share one source, and for easy buckets whether that failed
 //! source's error falls inside the replayed prefix decides most of them
@@ -94,7 +94,7 @@ impl Default for PsSimConfig {
             groups_per_step: 64,
             steps: 200,
             warmup: 50,
-            window: 25,
+            window: 50,
             mode: PsMode::Replay(ControllerConfig::default()),
             logit_lo: -4.0,
             logit_hi: 4.0,
@@ -275,6 +275,7 @@ pub fn simulate_ps(cfg: &PsSimConfig) -> Result<PsSimReport> {
             band: cfg.band,
             granularity: cfg.granularity,
             controller,
+            anchor: false,
             seed: cfg.seed ^ 0x5eed,
         })?),
     };
@@ -317,30 +318,36 @@ pub fn simulate_ps(cfg: &PsSimConfig) -> Result<PsSimReport> {
                     success: r.error_at >= 1.0,
                     len: r.len,
                     boundaries: r.boundaries.clone(),
+                    shared: 0,
                 })
                 .collect();
-            let GroupPlan::Replay { bucket, rerollouts } = ps.plan(&sources)? else {
+            let GroupPlan::Replay {
+                bucket,
+                source,
+                cut,
+                ..
+            } = ps.plan(&sources)?
+            else {
                 st.effective_groups += u64::from(contrast);
                 continue;
             };
-            let cost: u64 = rerollouts
-                .iter()
-                .map(|r| (group[r.source].len - r.cut) as u64)
-                .sum();
+            // One group of `n` re-rollouts from the one source's prefix,
+            // replacing the skewed group.
+            let src = &group[source];
+            let cost = (n * (src.len - cut)) as u64;
             if !ledger.fits(cost) {
                 st.effective_groups += u64::from(contrast);
                 continue;
             }
             let mut wins = 0u64;
-            for r in &rerollouts {
-                let src = &group[r.source];
-                wins += u64::from(sim.rerollout(h, src, r.cut));
-                ledger.charge_rerollout((src.len - r.cut) as u64, r.cut as u64)?;
+            for _ in 0..n {
+                wins += u64::from(sim.rerollout(h, src, cut));
+                ledger.charge_rerollout((src.len - cut) as u64, cut as u64)?;
             }
-            ps.record(bucket, wins, rerollouts.len() as u64)?;
-            *trials.entry(bucket).or_default() += rerollouts.len() as u64;
+            ps.record(bucket, wins, n as u64)?;
+            *trials.entry(bucket).or_default() += n as u64;
             st.replayed_groups += 1;
-            st.effective_groups += u64::from(wins > 0 && wins < rerollouts.len() as u64);
+            st.effective_groups += u64::from(wins > 0 && wins < n as u64);
         }
         st.generated = ledger.generated;
         st.replayed = ledger.replayed;

@@ -295,6 +295,32 @@ pub struct PsSettings {
     pub match_budget: bool,
     /// Share of the budget kept for re-rollouts, in `(0, 1)`.
     pub reserve: f64,
+    /// Where a prefix may be cut.
+    pub cut: PsCut,
+    /// How a replayed prefix rebuilds the environment.
+    pub replay: PsReplay,
+    /// Members of a re-rollout group (0: `samples_per_prompt`).
+    pub rerollouts: usize,
+    /// Re-rollout groups per skewed group, each from a different source
+    /// member with the outcome the bucket needs (as many as it has); `>= 1`.
+    pub sources: usize,
+    /// Re-rollout groups tried per skewed group: an attempt whose members
+    /// all end alike is not trained, and the next one bisects the cut
+    /// ([`arbor_rl::prefix::CutSearch`]); `>= 1`.
+    pub attempts: u32,
+    /// Members of an attempt launched first (0: all `rerollouts` at once).
+    /// When they all end alike the attempt stops there (the cut is
+    /// bisected); when their outcomes differ the rest are launched at the
+    /// same cut, so every group formed has mixed outcomes.
+    pub probe: usize,
+    /// Easy groups: cut the failed source no later than where it leaves
+    /// the longest prefix it shares with a success of its group (the
+    /// decision where it went wrong), unless the bucket ratio cuts earlier
+    /// ([`arbor_rl::prefix::PsConfig::anchor`]).
+    pub anchor: bool,
+    /// Train the skewed first-pass group itself beside its re-rollouts
+    /// (`false`: the re-rollouts replace it, the older project choice).
+    pub keep_skewed: bool,
 }
 
 impl Default for PsSettings {
@@ -304,8 +330,48 @@ impl Default for PsSettings {
             controller: arbor_rl::prefix::ControllerConfig::default(),
             match_budget: true,
             reserve: 0.25,
+            cut: PsCut::Auto,
+            replay: PsReplay::Execute,
+            rerollouts: 0,
+            sources: 1,
+            attempts: 3,
+            probe: 0,
+            anchor: false,
+            keep_skewed: true,
         }
     }
+}
+
+/// Where Prefix Sampling may cut a source (`[ps] cut`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PsCut {
+    /// `boundaries` for multi-turn tasks (`max_segments > 1`), `tokens`
+    /// for single-turn ones.
+    #[default]
+    Auto,
+    /// After any response token.
+    Tokens,
+    /// After a response token whose text holds a newline (text tasks).
+    Lines,
+    /// Between segments only (after a tool call, turn or compaction).
+    Boundaries,
+}
+
+/// How a re-rollout's environment reaches the end of its replayed prefix
+/// (`[ps] replay`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PsReplay {
+    /// A fresh episode; the prefix's actions go through the environment's
+    /// parser and executor in order and each observation must equal the
+    /// recorded one (a divergence or a failing call drops that replay,
+    /// counted).
+    #[default]
+    Execute,
+    /// Fork the environment state kept after the source's segment (the
+    /// first pass keeps a snapshot after every segment; no re-execution).
+    Snapshot,
 }
 
 /// A step's generation budget, the same for every method (`budget = {
@@ -584,6 +650,27 @@ impl TrainConfig {
                 return bad("model.lora", &e);
             }
         }
+        if self.ps.attempts == 0 {
+            return bad("ps.attempts", "must be >= 1");
+        }
+        if self.ps.sources == 0 {
+            return bad("ps.sources", "must be >= 1");
+        }
+        if self.ps.rerollouts == 1 {
+            return bad(
+                "ps.rerollouts",
+                "a re-rollout group needs >= 2 members for a baseline (0: samples_per_prompt)",
+            );
+        }
+        if self.algo == Algo::Ps
+            && self.ps.cut == PsCut::Lines
+            && !matches!(self.task, TaskConfig::Math { .. } | TaskConfig::Swe { .. })
+        {
+            return bad(
+                "ps.cut",
+                "`lines` needs a text task (math or SWE); the built-in tasks have no lines",
+            );
+        }
         if self.algo == Algo::Ps && self.ps.match_budget {
             if !(self.ps.reserve > 0.0 && self.ps.reserve < 1.0) {
                 return bad("ps.reserve", "must be in (0, 1) with ps.match_budget");
@@ -621,7 +708,7 @@ impl TrainConfig {
             Ok(())
         };
         match &self.task {
-            TaskConfig::RunningSum { difficulty } | TaskConfig::Register { difficulty, .. } => {
+            TaskConfig::RunningSum { difficulty, .. } | TaskConfig::Register { difficulty, .. } => {
                 if *difficulty == 0 || *difficulty > 64 {
                     return bad("task.difficulty", "must be in 1..=64");
                 }
@@ -706,6 +793,11 @@ mod tests {
             ("[focus]\nlambda = -0.1\n", "focus.lambda"),
             ("[focus]\nworker_capacity = 0\n", "focus.worker_capacity"),
             ("[ps]\nband = 0.7\n", "ps.band"),
+            ("[ps]\nattempts = 0\n", "ps.attempts"),
+            ("[ps]\nsources = 0\n", "ps.sources"),
+            ("[ps]\nrerollouts = 1\n", "ps.rerollouts"),
+            ("[ps]\ncut = \"words\"\n", "words"),
+            ("[ps]\nreplay = \"fork\"\n", "fork"),
             (
                 "[learner.policy]\neps_low = 1.2\neps_high = 0.2\naggregation = \"sequence_mean\"\n",
                 "eps_low",
@@ -718,6 +810,20 @@ mod tests {
                 .to_string();
             assert!(e.contains(key), "{text}: {e}");
         }
+    }
+
+    /// Line cuts need a text task's tokenizer; the built-in tasks are
+    /// refused with the key named.
+    #[test]
+    fn ps_line_cuts_need_a_text_task() {
+        let text = "seed = 0\nsteps = 1\nalgo = \"ps\"\nprompts_per_step = 4\n\
+                    samples_per_prompt = 2\n[ps]\ncut = \"lines\"\n";
+        let e = TrainConfig::from_toml(text, "c.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("ps.cut") && e.contains("text task"), "{e}");
+        let ok = TrainConfig::from_toml(&text.replace("lines", "tokens"), "c.toml").unwrap();
+        assert_eq!(ok.ps.cut, PsCut::Tokens);
     }
 
     /// PPO's discount lives in `[ppo]`, checked there; a PPO config that

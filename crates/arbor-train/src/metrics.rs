@@ -20,8 +20,12 @@ pub struct StepMetrics {
     pub reward: f64,
     /// Share of those trajectories with reward >= 1.
     pub pass_rate: f64,
-    /// Share of task groups whose rewards are not all equal.
+    /// Share of task groups whose rewards are not all equal (PS: of every
+    /// group generated, first-pass and re-rollout).
     pub effective_group_fraction: f64,
+    /// Groups in the update whose rewards are not all equal.
+    #[serde(default)]
+    pub effective_groups: usize,
     /// Episodes started (roots of the rollout tree).
     pub episodes: usize,
     /// Continuations launched (a GRPO sample, a FOCUS fork, a PS re-rollout).
@@ -109,6 +113,32 @@ pub struct StepMetrics {
     pub alloc_by_score: Option<Vec<u64>>,
     #[serde(default)]
     pub alloc_by_n_eff: Option<Vec<u64>>,
+    /// Prefix Sampling: groups, re-rollouts, replays and the controller's
+    /// buckets (`reward` and `pass_rate` above are the first pass's).
+    #[serde(default)]
+    pub ps: Option<crate::rollout::ps::PsReport>,
+}
+
+/// Every number in `v`, keyed by its path (`ps/reroll_groups`); arrays
+/// are left out (histograms stay in `metrics.jsonl`).
+fn flatten_scalars(prefix: &str, v: &serde_json::Value, out: &mut Vec<(String, f64)>) {
+    match v {
+        serde_json::Value::Object(o) => {
+            for (k, x) in o {
+                let key = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}/{k}")
+                };
+                flatten_scalars(&key, x, out);
+            }
+        }
+        x => {
+            if let Some(f) = x.as_f64() {
+                out.push((prefix.to_string(), f));
+            }
+        }
+    }
 }
 
 /// What a finished run reports.
@@ -202,15 +232,9 @@ impl MetricsLog {
             self.tb = Some(EventWriter::create(&self.tb_dir)?);
         }
         let v = serde_json::to_value(m).map_err(|e| TrainError::Config(e.to_string()))?;
-        let scalars: Vec<(String, f64)> = v
-            .as_object()
-            .map(|o| {
-                o.iter()
-                    .filter(|(k, _)| k.as_str() != "step")
-                    .filter_map(|(k, x)| x.as_f64().map(|f| (k.clone(), f)))
-                    .collect()
-            })
-            .unwrap_or_default();
+        let mut scalars: Vec<(String, f64)> = Vec::new();
+        flatten_scalars("", &v, &mut scalars);
+        scalars.retain(|(k, _)| k != "step");
         if let Some(w) = self.tb.as_mut() {
             w.scalars(m.step, &scalars)?;
         }

@@ -78,8 +78,14 @@ impl TokenEpisode for EnvEpisode {
 #[serde(deny_unknown_fields, tag = "kind", rename_all = "snake_case")]
 pub enum TaskConfig {
     /// `k` digits revealed one per turn; answer the running sum mod 10
-    /// after each; reward 1 iff all `k` answers are right.
-    RunningSum { difficulty: usize },
+    /// after each; reward 1 iff all `k` answers are right. `one_turn`: all
+    /// digits in the prompt and all `k` sums in one response (a single-turn
+    /// task: Prefix Sampling cuts it at tokens).
+    RunningSum {
+        difficulty: usize,
+        #[serde(default)]
+        one_turn: bool,
+    },
     /// A stateful tool: `k` signed digits revealed one at a time; the policy
     /// calls `<add> x` (and may call `<get>` to read the register); reward 1
     /// iff the register ends at the signed sum mod 10. Every action is a
@@ -272,7 +278,10 @@ impl SwePool {
 
 impl Default for TaskConfig {
     fn default() -> Self {
-        TaskConfig::RunningSum { difficulty: 4 }
+        TaskConfig::RunningSum {
+            difficulty: 4,
+            one_turn: false,
+        }
     }
 }
 
@@ -328,6 +337,9 @@ pub struct TaskSampler {
     pub base_seed: u64,
     tokenizer: Option<Tokenizer>,
     eos: Vec<u32>,
+    /// The tokenizer's newline-holding ids (see [`RolloutConfig::line_ends`]),
+    /// found on first use.
+    line_ends: std::sync::Arc<std::sync::OnceLock<std::sync::Arc<[u32]>>>,
     train: Vec<MathProblem>,
     eval: Vec<MathProblem>,
     swe: Option<std::sync::Arc<SwePool>>,
@@ -379,6 +391,7 @@ impl TaskSampler {
             base_seed,
             tokenizer,
             eos,
+            line_ends: Default::default(),
             train,
             eval,
             swe,
@@ -397,12 +410,27 @@ impl TaskSampler {
 
     /// How segments are generated for this task.
     pub fn rollout_config(&self, temperature: f32) -> RolloutConfig {
+        let line_ends: std::sync::Arc<[u32]> = std::sync::Arc::new([]);
         match &self.cfg {
-            TaskConfig::RunningSum { difficulty } => RolloutConfig {
+            TaskConfig::RunningSum {
+                difficulty,
+                one_turn: false,
+            } => RolloutConfig {
                 temperature,
                 segment_stop: vec![arbor_env::vocab::EOS],
                 max_segment_tokens: 2,
                 max_segments: *difficulty,
+                line_ends,
+            },
+            TaskConfig::RunningSum {
+                difficulty,
+                one_turn: true,
+            } => RolloutConfig {
+                temperature,
+                segment_stop: vec![arbor_env::vocab::EOS],
+                max_segment_tokens: *difficulty + 1,
+                max_segments: 1,
+                line_ends,
             },
             TaskConfig::Register { difficulty, .. } => RolloutConfig {
                 temperature,
@@ -410,6 +438,7 @@ impl TaskSampler {
                 max_segment_tokens: 3,
                 // The env ends a stalled episode after 3k steps itself.
                 max_segments: 3 * *difficulty,
+                line_ends,
             },
             TaskConfig::Swe {
                 max_tokens,
@@ -420,23 +449,46 @@ impl TaskSampler {
                 segment_stop: self.eos.clone(),
                 max_segment_tokens: *max_tokens,
                 max_segments: *max_turns,
+                line_ends,
             },
             TaskConfig::Math { max_tokens, .. } => RolloutConfig {
                 temperature,
                 segment_stop: self.eos.clone(),
                 max_segment_tokens: *max_tokens,
                 max_segments: 1,
+                line_ends,
             },
         }
+    }
+
+    /// Ids of the tokenizer whose text holds a newline (empty without a
+    /// tokenizer): Prefix Sampling's line cuts. Decodes the vocabulary
+    /// once, on first use.
+    pub fn line_ends(&self) -> std::sync::Arc<[u32]> {
+        self.line_ends
+            .get_or_init(|| {
+                self.tokenizer
+                    .as_ref()
+                    .map(Tokenizer::line_end_ids)
+                    .unwrap_or_default()
+                    .into()
+            })
+            .clone()
     }
 
     /// The synthetic task instance for `seed` and its oracle's actions.
     fn synthetic(&self, seed: u64) -> Result<(Box<dyn Env>, Vec<Action>), TrainError> {
         let err = |e: arbor_env::EnvError| TrainError::Config(format!("task: {e}"));
         match &self.cfg {
-            TaskConfig::RunningSum { difficulty } => {
-                let env =
-                    RunningSum::new(RunningSumConfig::tokens(*difficulty), seed).map_err(err)?;
+            TaskConfig::RunningSum {
+                difficulty,
+                one_turn,
+            } => {
+                let cfg = RunningSumConfig {
+                    one_turn: *one_turn,
+                    ..RunningSumConfig::tokens(*difficulty)
+                };
+                let env = RunningSum::new(cfg, seed).map_err(err)?;
                 let oracle = env.oracle_actions();
                 Ok((Box::new(env), oracle))
             }

@@ -283,7 +283,12 @@ impl Trainer {
             .map(|i| self.sampler.train_task(self.state.cursor + i))
             .collect::<Result<Vec<_>, _>>()?;
         self.state.cursor += n_tasks as u64;
-        let rollout = self.sampler.rollout_config(self.cfg.temperature);
+        let mut rollout = self.sampler.rollout_config(self.cfg.temperature);
+        if self.cfg.algo == crate::config::Algo::Ps
+            && self.cfg.ps.cut == crate::config::PsCut::Lines
+        {
+            rollout.line_ends = self.sampler.line_ends();
+        }
         let mut seed = self.state.seed_counter;
         let ctx = StepContext {
             engine: &mut *engine,
@@ -332,6 +337,7 @@ impl Trainer {
             reward: r.rewards.iter().sum::<f64>() / n,
             pass_rate: r.rewards.iter().filter(|&&x| x >= 1.0).count() as f64 / n,
             effective_group_fraction: r.effective_group_fraction,
+            effective_groups: r.effective_groups,
             episodes: r.stats.episodes,
             continuations: r.stats.continuations,
             generated_tokens: r.stats.generated_tokens,
@@ -367,6 +373,7 @@ impl Trainer {
             alloc_by_depth: alloc.map(|a| a.by_depth.clone()),
             alloc_by_score: alloc.map(|a| a.by_score.clone()),
             alloc_by_n_eff: alloc.map(|a| a.by_n_eff.clone()),
+            ps: r.ps.clone(),
         })
     }
 

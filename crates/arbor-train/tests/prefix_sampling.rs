@@ -91,3 +91,104 @@ fn shipped_configs_parse() {
     }
     assert!(n >= 7, "{n} configs");
 }
+
+/// A single-turn task: Prefix Sampling cuts inside the one response
+/// (`cut = "auto"` resolves to tokens), replays the head, and reports the
+/// first pass apart from the re-rollouts.
+#[test]
+fn single_turn_tasks_replay_token_prefixes() {
+    let text = r#"
+seed = 2
+steps = 3
+algo = "ps"
+prompts_per_step = 8
+samples_per_prompt = 8
+eval_every = 3
+eval_tasks = 8
+checkpoint_every = 0
+
+[task]
+kind = "running_sum"
+difficulty = 3
+one_turn = true
+
+[warmup]
+steps = 600
+batch = 16
+stop_at_eval = 0.4
+check_every = 20
+"#;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = TrainConfig::from_toml(text, "test").unwrap();
+    let mut t = Trainer::new(cfg, dir.path(), false).unwrap();
+    t.warmup(|_, _| {}).unwrap();
+    t.run(|_| {}).unwrap();
+    let ms = read_metrics(&dir.path().join("metrics.jsonl")).unwrap();
+    let mut groups = 0;
+    for m in &ms {
+        let ps = m.ps.as_ref().expect("PS reports its step");
+        // Training reward and pass rate are the first pass's (6 tasks x 8).
+        assert_eq!(m.episodes, 48);
+        assert!(
+            (m.pass_rate - ps.first_pass_pass_rate).abs() < 1e-12,
+            "{m:?}"
+        );
+        assert_eq!(
+            ps.groups_degenerate + ps.groups_balanced + ps.groups_skewed,
+            6,
+            "{ps:?}"
+        );
+        // Every re-rollout group is either trained (mixed outcomes) or not.
+        assert_eq!(ps.reroll_groups, ps.reroll_trained + ps.reroll_degenerate);
+        assert_eq!(ps.replay_failed + ps.replay_diverged, 0);
+        groups += ps.reroll_groups;
+        if ps.reroll_groups > 0 {
+            // One-segment episodes: a replayed prefix is a head inside the
+            // response, fewer tokens than the response (3 sums + <eos>).
+            assert!(m.replayed_tokens > 0);
+            assert!(
+                m.replayed_tokens < 4 * (m.continuations - 48) as u64,
+                "{m:?}"
+            );
+        }
+    }
+    assert!(
+        groups > 0,
+        "no re-rollout group in {} steps: {ms:?}",
+        ms.len()
+    );
+}
+
+/// A stateful tool task (the register lives in the environment): replay
+/// through execution re-runs the prefix's tool calls on a fresh episode,
+/// and every replay reproduces the recorded observations.
+#[test]
+fn stateful_replays_rebuild_the_tool_state_through_execution() {
+    let text = CONFIG
+        .replace(
+            "kind = \"running_sum\"\ndifficulty = 4",
+            "kind = \"register\"\ndifficulty = 6",
+        )
+        .replace("steps = 4\n", "steps = 3\n")
+        // Stop the warm-up early, so groups still disagree.
+        .replace(
+            "steps = 240\n",
+            "steps = 240\nstop_at_eval = 0.3\ncheck_every = 10\n",
+        );
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = TrainConfig::from_toml(&text, "test").unwrap();
+    let mut t = Trainer::new(cfg, dir.path(), false).unwrap();
+    t.warmup(|_, _| {}).unwrap();
+    t.run(|_| {}).unwrap();
+    let ms = read_metrics(&dir.path().join("metrics.jsonl")).unwrap();
+    let ps: Vec<_> = ms
+        .iter()
+        .map(|m| m.ps.clone().expect("PS report"))
+        .collect();
+    let groups: usize = ps.iter().map(|p| p.reroll_groups).sum();
+    assert!(groups > 0, "no re-rollouts: {ps:?}");
+    assert!(ms.iter().any(|m| m.replayed_tokens > 0));
+    for p in &ps {
+        assert_eq!((p.replay_failed, p.replay_diverged), (0, 0), "{p:?}");
+    }
+}

@@ -171,7 +171,10 @@ fn a_panicking_environment_fails_the_rollout_instead_of_hanging() {
     use arbor_train::tasks::{TaskConfig, TaskSampler};
 
     let sampler = TaskSampler::new(
-        TaskConfig::RunningSum { difficulty: 3 },
+        TaskConfig::RunningSum {
+            difficulty: 3,
+            one_turn: false,
+        },
         0,
         None,
         Vec::new(),

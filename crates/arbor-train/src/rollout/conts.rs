@@ -12,6 +12,10 @@ use crate::TrainError;
 /// One finished segment: action tokens, their logprobs, the observation,
 /// the environment state after it, and the terminal reward if it ended.
 pub(crate) struct SegmentRecord {
+    /// Replayed start of this segment's action (Prefix Sampling's token
+    /// cuts): masked in the loss, sent to the environment with `action`.
+    pub(crate) head: Vec<u32>,
+    /// The generated tokens of the action.
     pub(crate) action: Vec<u32>,
     pub(crate) logprobs: Vec<f32>,
     pub(crate) observation: Vec<u32>,
@@ -32,6 +36,10 @@ pub(crate) struct Cont {
     /// Replayed prefix (Prefix Sampling): (action, observation) per segment,
     /// already executed in `env`; masked in the loss.
     pub(crate) replayed: Vec<(Vec<u32>, Vec<u32>)>,
+    /// Replayed start of the next segment's action (a cut inside a
+    /// segment), already at the end of `context`; the engine generates the
+    /// rest of that segment.
+    pub(crate) head: Vec<u32>,
     pub(crate) steps: Vec<SegmentRecord>,
     /// Sampling seed of the continuation (set at launch); segment `k`
     /// samples with a seed derived from it and `k`.
@@ -53,6 +61,7 @@ impl Cont {
             context,
             env,
             replayed: Vec::new(),
+            head: Vec::new(),
             steps: Vec::new(),
             seed: 0,
         }
@@ -78,6 +87,9 @@ pub(crate) fn to_steps(c: &Cont, values: Option<&[f64]>) -> Result<Vec<Step>, Tr
     }
     for (k, r) in c.steps.iter().enumerate() {
         let mut seg = Segment::new();
+        if !r.head.is_empty() {
+            seg.push(TokenKind::Replayed, &r.head, None)?;
+        }
         seg.push(TokenKind::Action, &r.action, Some(&r.logprobs))?;
         if !r.observation.is_empty() {
             seg.push(TokenKind::Observation, &r.observation, None)?;

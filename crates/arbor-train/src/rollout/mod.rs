@@ -84,6 +84,9 @@ pub struct RolloutConfig {
     pub max_segment_tokens: usize,
     /// Segments per episode before it is truncated (reward 0).
     pub max_segments: usize,
+    /// Token ids whose text holds a newline, ascending (Prefix Sampling's
+    /// `cut = "lines"`; empty without a tokenizer).
+    pub line_ends: std::sync::Arc<[u32]>,
 }
 
 /// Token and time accounting of a step's rollouts.
@@ -139,6 +142,9 @@ pub struct StepRollouts {
     pub rewards: Vec<f64>,
     /// Fraction of task groups whose rewards are not all equal.
     pub effective_group_fraction: f64,
+    /// Groups in the update whose rewards are not all equal (the groups
+    /// that carry a GRPO signal).
+    pub effective_groups: usize,
     /// `(V_phi(s), Gbar(s))` at nodes with children (FOCUS health).
     pub critic_vs_target: Vec<(f64, f64)>,
     /// Where the allocator spent the budget (FOCUS).
@@ -147,6 +153,8 @@ pub struct StepRollouts {
     /// [`RolloutPolicy::tasks_for_budget`] reads it (default: all of the
     /// step's generated tokens over its tasks).
     pub tokens_per_task: Option<f64>,
+    /// What Prefix Sampling did (PS only).
+    pub ps: Option<ps::PsReport>,
 }
 
 impl StepRollouts {
@@ -156,23 +164,26 @@ impl StepRollouts {
         stats: RolloutStats,
         critic_vs_target: Vec<(f64, f64)>,
     ) -> Self {
-        let (rewards, effective_group_fraction) = group_stats(&tree);
+        let (rewards, effective_group_fraction, effective_groups) = group_stats(&tree);
         StepRollouts {
             tree,
             rows,
             stats,
             rewards,
             effective_group_fraction,
+            effective_groups,
             critic_vs_target,
             allocation: None,
             tokens_per_task: None,
+            ps: None,
         }
     }
 }
 
-/// Terminal rewards of the tree's finished trajectories, and the share of
-/// tasks whose rewards are not all equal.
-fn group_stats(tree: &RolloutTree) -> (Vec<f64>, f64) {
+/// Terminal rewards of the tree's finished trajectories, the share of
+/// groups (episodes' task keys) whose rewards are not all equal, and their
+/// number.
+fn group_stats(tree: &RolloutTree) -> (Vec<f64>, f64, usize) {
     let mut by_task: HashMap<&str, Vec<f64>> = HashMap::new();
     for leaf in tree.leaves() {
         let node = tree.node(leaf).expect("leaf exists");
@@ -186,7 +197,7 @@ fn group_stats(tree: &RolloutTree) -> (Vec<f64>, f64) {
         .values()
         .filter(|g| g.iter().any(|&r| r != g[0]))
         .count();
-    (rewards, mixed as f64 / by_task.len().max(1) as f64)
+    (rewards, mixed as f64 / by_task.len().max(1) as f64, mixed)
 }
 
 /// Run one episode per task to its end on the rollout scheduler, sampling

@@ -1,19 +1,27 @@
-//! Prefix Sampling: GRPO groups whose skewed members are replaced by
-//! re-rollouts from replayed prefixes of the group's own trajectories, with
-//! a per-bucket controller steering the replay ratio toward a 50% pass rate.
+//! Prefix Sampling: GRPO groups, plus, for each group whose pass rate is
+//! skewed, a group of re-rollouts that continue from one replayed prefix of
+//! one of its trajectories, with a per-bucket controller steering the
+//! prefix ratio toward a 50% pass rate and a per-group bisection of the
+//! cut when a re-rollout group comes out all-pass or all-fail.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::time::Instant;
 
 use arbor_rl::baselines::{AdvantageEstimator, Grpo};
 use arbor_rl::credit::{loss_rows, Sharing};
 use arbor_rl::prefix::{
-    Bucket, CutGranularity, GroupPlan, PrefixController, PrefixSampler, PsConfig, SourceTrajectory,
+    Bucket, BucketState, CutGranularity, CutSearch, GroupPlan, PrefixController, PrefixSampler,
+    PsConfig, SourceTrajectory,
 };
 use arbor_rl::{NodeId, RolloutTree};
+use serde::{Deserialize, Serialize};
 
 use super::conts::{to_steps, Cont};
-use super::{PolicyState, RolloutPolicy, StepContext, StepRollouts, TaskInstance};
-use crate::config::{PsSettings, TrainConfig};
+use super::{
+    PolicyState, RolloutConfig, RolloutPolicy, StepContext, StepRollouts, TaskInstance,
+    TokenEpisode,
+};
+use crate::config::{PsCut, PsReplay, PsSettings, TrainConfig};
 use crate::TrainError;
 
 /// Prefix Sampling over GRPO groups of `n`, with its controller's state.
@@ -25,10 +33,10 @@ pub struct PsPolicy {
     /// With a matched budget: the GRPO baseline's tasks per step.
     budget_prompts: Option<usize>,
     settings: PsSettings,
-    /// The run seed (each step's replay choices derive from it and the step).
+    /// The run seed (each step's source choices derive from it and the step).
     seed: u64,
     /// Controller state per bucket, carried across steps.
-    buckets: Vec<(Bucket, arbor_rl::prefix::BucketState)>,
+    buckets: Vec<(Bucket, BucketState)>,
 }
 
 impl PsPolicy {
@@ -72,16 +80,31 @@ impl RolloutPolicy for PsPolicy {
         ctx: StepContext<'_>,
         tasks: Vec<TaskInstance>,
     ) -> Result<StepRollouts, TrainError> {
+        let cut = cut_mode(self.settings.cut, ctx.rollout);
         let pcfg = PsConfig {
             group_size: self.n as u32,
             band: self.settings.band,
-            granularity: CutGranularity::Boundaries,
+            granularity: match cut {
+                PsCut::Tokens => CutGranularity::Tokens,
+                _ => CutGranularity::Boundaries,
+            },
             controller: self.settings.controller,
+            anchor: self.settings.anchor,
             seed: self.seed ^ ctx.step.wrapping_mul(0x9E37_79B9),
         };
         let ctl = PrefixController::restore(self.settings.controller, self.buckets.clone())?;
         let mut sampler = PrefixSampler::with_controller(pcfg, ctl)?;
-        let r = ps_step(ctx, tasks, self.n, self.budget_prompts, &mut sampler)?;
+        let step = PsStep {
+            n: self.n,
+            m: match self.settings.rerollouts {
+                0 => self.n,
+                m => m,
+            },
+            cut,
+            settings: self.settings,
+            budget_prompts: self.budget_prompts,
+        };
+        let r = step.run(ctx, tasks, &mut sampler)?;
         self.buckets = sampler
             .controller()
             .buckets()
@@ -103,166 +126,913 @@ impl RolloutPolicy for PsPolicy {
     }
 }
 
-/// Prefix Sampling: GRPO groups of `n`; all-fail / all-pass groups are
-/// dropped, balanced ones kept, and skewed ones replaced one for one by `n`
-/// re-rollouts that replay a prefix of one of the group's own trajectories
-/// (successful for hard groups, failed for easy ones) through the
-/// environment, then continue with the current policy. The prefix length is
-/// the bucket's controller ratio of the source's generated tokens, snapped to
-/// a segment boundary; replayed tokens are masked. Re-rollout outcomes feed
-/// the per-bucket controller (one update per step).
-fn ps_step(
-    mut ctx: StepContext<'_>,
-    tasks: Vec<TaskInstance>,
-    n: usize,
-    budget_prompts: Option<usize>,
-    sampler: &mut PrefixSampler,
-) -> Result<StepRollouts, TrainError> {
-    let mut conts = Vec::new();
-    let mut meta = Vec::new(); // (task id, prompt) per group
-    for t in &tasks {
-        for _ in 0..n {
-            conts.push(Cont::new(
-                None,
-                NodeId(0),
-                t.prompt.clone(),
-                t.episode.fork()?,
-            ));
-        }
-        meta.push((t.id.clone(), t.prompt.clone()));
+/// `auto` resolved for the task: segment boundaries where an episode has
+/// several segments, tokens where it has one.
+fn cut_mode(cut: PsCut, rollout: &RolloutConfig) -> PsCut {
+    match cut {
+        PsCut::Auto if rollout.max_segments > 1 => PsCut::Boundaries,
+        PsCut::Auto => PsCut::Tokens,
+        c => c,
     }
-    let mut sched = ctx.scheduler(true)?;
-    let conts = sched.run_all(conts)?;
-    let mut stats = sched.finish();
-    stats.episodes = conts.len();
-    // The run's token budget, else the baseline's: `budget_prompts` groups
-    // of `n` trajectories of the first pass's mean generated length; the
-    // first pass is charged.
-    let first_pass = stats.generated_tokens;
-    let budget = ctx.budget_tokens.or(budget_prompts
-        .map(|p| (first_pass as u128 * p as u128 / tasks.len().max(1) as u128) as u64));
-    stats.budget_tokens = budget;
-    let mut planned = first_pass;
+}
 
-    let mut tree = RolloutTree::new();
-    let mut keep: Vec<Cont> = Vec::new();
-    let mut keep_task: Vec<usize> = Vec::new();
-    let mut reroll: Vec<Cont> = Vec::new();
-    let mut reroll_meta: Vec<(usize, Bucket)> = Vec::new();
-    let mut groups: Vec<Vec<Cont>> = Vec::new();
-    let mut it = conts.into_iter();
-    for _ in 0..tasks.len() {
-        groups.push(it.by_ref().take(n).collect());
-    }
-    for (g, group) in groups.into_iter().enumerate() {
-        let sources: Vec<SourceTrajectory> = group
-            .iter()
-            .map(|c| {
-                let mut acc = 0;
-                let boundaries = c
-                    .steps
-                    .iter()
-                    .map(|s| {
-                        acc += s.action.len();
-                        acc
-                    })
-                    .collect();
-                SourceTrajectory {
-                    success: c.succeeded(),
-                    len: acc,
-                    boundaries,
+/// What a Prefix Sampling step did, in `metrics.jsonl` under `ps`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PsReport {
+    /// First-pass groups that came out all-fail or all-pass (not trained).
+    pub groups_degenerate: usize,
+    /// First-pass groups inside the balanced band (trained as they are).
+    pub groups_balanced: usize,
+    /// First-pass groups with a skewed pass rate (trained as they are with
+    /// `keep_skewed`, and given re-rollouts).
+    pub groups_skewed: usize,
+    /// Skewed groups that got no re-rollouts: no usable source or cut, or
+    /// no budget left.
+    pub skewed_unserved: usize,
+    /// Re-rollout groups generated (every attempt).
+    pub reroll_groups: usize,
+    /// Of those, the ones with mixed outcomes (trained).
+    pub reroll_trained: usize,
+    /// Of those, the ones whose members all ended alike (not trained).
+    pub reroll_degenerate: usize,
+    /// Probes (the first members of an attempt) whose outcomes all agreed:
+    /// no group was formed at that cut, the next attempt bisected it.
+    pub probes_agreed: usize,
+    /// Attempts after a degenerate one or an agreeing probe.
+    pub reroll_retries: usize,
+    /// Re-rollouts generated that ended in no trained group (agreeing
+    /// probes and degenerate groups), and their generated tokens.
+    pub rerollouts_wasted: usize,
+    pub reroll_tokens_wasted: u64,
+    /// Generated tokens of every re-rollout of the step.
+    pub reroll_tokens: u64,
+    /// Replays dropped because an action of the prefix failed in the
+    /// environment.
+    pub replay_failed: usize,
+    /// Replays dropped because an observation (or the episode's end)
+    /// differed from the recorded one.
+    pub replay_diverged: usize,
+    /// Pass rate of the first pass (all its groups; comparable with GRPO's).
+    pub first_pass_pass_rate: f64,
+    /// Pass rate of every re-rollout of the step (all attempts).
+    pub reroll_pass_rate: Option<f64>,
+    /// Per bucket (`1/8`): the step's first-attempt pass rate and trials,
+    /// and the controller's EMA and ratio after the step.
+    pub buckets: BTreeMap<String, PsBucketReport>,
+}
+
+/// One bucket's line of a [`PsReport`].
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PsBucketReport {
+    pub pass_rate: Option<f64>,
+    pub trials: u64,
+    /// Attempts of the step (all of them) that formed no group: agreeing
+    /// probes and degenerate groups.
+    pub no_group: u64,
+    pub ema: Option<f64>,
+    pub ratio: f64,
+}
+
+/// One Prefix Sampling step's settings.
+struct PsStep {
+    /// First-pass group size.
+    n: usize,
+    /// Re-rollout group size.
+    m: usize,
+    /// The resolved cut mode (never `Auto`).
+    cut: PsCut,
+    settings: PsSettings,
+    budget_prompts: Option<usize>,
+}
+
+/// A skewed group's re-rollouts: its source, its cut search, the attempt
+/// in flight.
+struct Search {
+    /// The group (task index).
+    group: usize,
+    /// The source member within the group.
+    source: usize,
+    bucket: Bucket,
+    cuts: CutSearch,
+    attempt: u32,
+    /// The rebuilt start of the current attempt; members fork its
+    /// environment.
+    prefix: Option<Prefix>,
+    /// Members launched at the current cut, those before the wave in
+    /// flight, and those finished.
+    launched: usize,
+    wave_start: usize,
+    done: Vec<Cont>,
+    /// Generated tokens reserved for the wave in flight.
+    reserved: u64,
+}
+
+/// The re-rollout phase's books: the budget, who owns which launch, and
+/// the outcomes the report and the controller need.
+#[derive(Default)]
+struct Accounts {
+    /// Generated tokens spent or reserved so far in the step.
+    committed: u64,
+    budget: Option<u64>,
+    /// Scheduler launch key -> search.
+    owner: HashMap<usize, usize>,
+    /// Per bucket: successes and members of each group's first attempt.
+    first_attempts: BTreeMap<Bucket, (u64, u64)>,
+    /// Per bucket: attempts that formed no group.
+    no_group: BTreeMap<Bucket, u64>,
+    rerollouts: usize,
+    reroll_wins: usize,
+}
+
+/// The environment, context and masked prefix a re-rollout starts from.
+struct Prefix {
+    env: Box<dyn TokenEpisode>,
+    context: Vec<u32>,
+    replayed: Vec<(Vec<u32>, Vec<u32>)>,
+    head: Vec<u32>,
+}
+
+/// A prefix whose environment is a fresh episode still to be driven
+/// through the replayed actions (`execute`), or already rebuilt.
+struct PrefixJob {
+    prefix: Prefix,
+    execute: bool,
+}
+
+impl PrefixJob {
+    /// Replay through execution: each replayed action goes through the
+    /// environment's parser and executor, in order, and must produce the
+    /// recorded observation without ending the episode.
+    fn run(self) -> Result<Prefix, ReplayMiss> {
+        let mut p = self.prefix;
+        if self.execute {
+            for (action, obs) in &p.replayed {
+                let out = p.env.step(action).map_err(|_| ReplayMiss::Failed)?;
+                if out.reward.is_some() || &out.observation != obs {
+                    return Err(ReplayMiss::Diverged);
                 }
-            })
-            .collect();
-        match sampler.plan(&sources)? {
-            GroupPlan::Drop => {}
-            GroupPlan::Keep => {
-                keep_task.extend(std::iter::repeat_n(g, group.len()));
-                keep.extend(group);
             }
-            GroupPlan::Replay { bucket, rerollouts } => {
-                // Expected cost: each source's generated tokens after the cut.
-                let cost: u64 = rerollouts
+        }
+        Ok(p)
+    }
+}
+
+/// Why a replay was dropped.
+#[derive(Debug)]
+enum ReplayMiss {
+    /// The environment refused an action of the prefix.
+    Failed,
+    /// An observation (or the episode's end) differed from the recording.
+    Diverged,
+}
+
+impl PsReport {
+    fn count_miss(&mut self, miss: &ReplayMiss) {
+        match miss {
+            ReplayMiss::Failed => self.replay_failed += 1,
+            ReplayMiss::Diverged => self.replay_diverged += 1,
+        }
+    }
+}
+
+impl PsStep {
+    /// Members of an attempt's first wave: the probe, or the whole group.
+    fn first_wave(&self) -> usize {
+        match self.settings.probe {
+            0 => self.m,
+            p => p.min(self.m),
+        }
+    }
+
+    /// A wave of search `i` ended (every launched member is done). A probe
+    /// with mixed outcomes is topped up to `m` members (or, out of budget,
+    /// trained as it is); a full group with mixed outcomes is returned for
+    /// training. An agreeing probe or a degenerate group is not trained: the
+    /// cut is bisected toward the missing outcome and the next attempt's
+    /// probe launched, while attempts and budget last.
+    #[allow(clippy::too_many_arguments)]
+    fn judge(
+        &self,
+        sched: &mut super::sched::Scheduler<'_>,
+        tasks: &[TaskInstance],
+        groups: &[Vec<Cont>],
+        searches: &mut [Search],
+        i: usize,
+        acct: &mut Accounts,
+        report: &mut PsReport,
+    ) -> Result<Option<Vec<Cont>>, TrainError> {
+        let s = &mut searches[i];
+        // Charge the wave (the last members to finish) what it really cost.
+        let spent: u64 = s
+            .done
+            .iter()
+            .rev()
+            .take(s.launched - s.wave_start)
+            .flat_map(|c| &c.steps)
+            .map(|r| r.action.len() as u64)
+            .sum();
+        acct.committed = acct.committed - s.reserved + spent;
+        s.reserved = 0;
+        let rewards: Vec<f64> = s.done.iter().map(reward).collect();
+        let mixed = rewards.iter().any(|&r| r != rewards[0]);
+        if s.launched < self.m && mixed {
+            // A mixed probe: top it up to a full group at the same cut.
+            if self.launch_wave(sched, s, i, self.m - s.launched, groups, acct)? {
+                return Ok(None);
+            }
+        }
+        // The attempt is over.
+        let members = std::mem::take(&mut s.done);
+        let wins = members.iter().filter(|c| c.succeeded()).count();
+        acct.rerollouts += members.len();
+        acct.reroll_wins += wins;
+        if s.attempt == 0 {
+            let e = acct.first_attempts.entry(s.bucket).or_default();
+            e.0 += wins as u64;
+            e.1 += members.len() as u64;
+        }
+        if mixed {
+            report.reroll_groups += 1;
+            report.reroll_trained += 1;
+            s.prefix = None;
+            return Ok(Some(members));
+        }
+        *acct.no_group.entry(s.bucket).or_default() += 1;
+        report.rerollouts_wasted += members.len();
+        report.reroll_tokens_wasted += members
+            .iter()
+            .flat_map(|c| &c.steps)
+            .map(|r| r.action.len() as u64)
+            .sum::<u64>();
+        if s.launched < self.m {
+            report.probes_agreed += 1;
+        } else {
+            report.reroll_groups += 1;
+            report.reroll_degenerate += 1;
+        }
+        s.prefix = None;
+        let next = (s.attempt + 1 < self.settings.attempts)
+            .then(|| s.cuts.refine(rewards[0] >= 1.0))
+            .flatten();
+        if next.is_none() {
+            return Ok(None);
+        }
+        s.attempt += 1;
+        report.reroll_retries += 1;
+        let t0 = Instant::now();
+        let prefix = self
+            .prefix(&tasks[s.group], &groups[s.group][s.source], s.cuts.cut())
+            .and_then(PrefixJob::run);
+        sched.add_env_time(t0.elapsed().as_secs_f64());
+        match prefix {
+            Ok(p) => {
+                s.prefix = Some(p);
+                s.launched = 0;
+                self.launch_wave(sched, s, i, self.first_wave(), groups, acct)?;
+            }
+            Err(miss) => report.count_miss(&miss),
+        }
+        Ok(None)
+    }
+
+    /// The allowed cuts of a finished trajectory, by this step's cut mode:
+    /// segment ends (`boundaries`), after newline tokens (`lines`), or any
+    /// token (`tokens`, handled by the sampler).
+    fn source(&self, c: &Cont, line_ends: &[u32]) -> SourceTrajectory {
+        let mut acc = 0;
+        let mut boundaries = Vec::new();
+        for s in &c.steps {
+            match self.cut {
+                PsCut::Lines => {
+                    for (i, t) in s.action.iter().enumerate() {
+                        if line_ends.binary_search(t).is_ok() {
+                            boundaries.push(acc + i + 1);
+                        }
+                    }
+                }
+                _ => boundaries.push(acc + s.action.len()),
+            }
+            acc += s.action.len();
+        }
+        SourceTrajectory {
+            success: c.succeeded(),
+            len: acc,
+            boundaries,
+            shared: 0,
+        }
+    }
+
+    /// The first pass, the plan per group, then the re-rollout groups, each
+    /// launched when its prefix is ready and judged when its last member
+    /// ends; see the module docs.
+    fn run(
+        &self,
+        mut ctx: StepContext<'_>,
+        tasks: Vec<TaskInstance>,
+        sampler: &mut PrefixSampler,
+    ) -> Result<StepRollouts, TrainError> {
+        let n = self.n;
+        let snapshots = self.settings.replay == PsReplay::Snapshot;
+        let mut conts = Vec::with_capacity(tasks.len() * n);
+        for t in &tasks {
+            for _ in 0..n {
+                conts.push(Cont::new(
+                    None,
+                    NodeId(0),
+                    t.prompt.clone(),
+                    t.episode.fork()?,
+                ));
+            }
+        }
+        let mut sched = ctx.scheduler(snapshots)?;
+        let conts = sched.run_all(conts)?;
+        let mut stats = sched.finish();
+        stats.episodes = conts.len();
+        let first_pass = stats.generated_tokens;
+        // The run's token budget, else the baseline's: `budget_prompts`
+        // groups of `n` trajectories of the first pass's mean generated
+        // length; the first pass is charged.
+        let budget = ctx.budget_tokens.or(self
+            .budget_prompts
+            .map(|p| (first_pass as u128 * p as u128 / tasks.len().max(1) as u128) as u64));
+        stats.budget_tokens = budget;
+
+        let mut report = PsReport::default();
+        let first_rewards: Vec<f64> = conts.iter().map(reward).collect();
+        report.first_pass_pass_rate = first_rewards.iter().filter(|&&r| r >= 1.0).count() as f64
+            / first_rewards.len().max(1) as f64;
+        let mut groups: Vec<Vec<Cont>> = Vec::with_capacity(tasks.len());
+        let mut it = conts.into_iter();
+        for _ in 0..tasks.len() {
+            groups.push(it.by_ref().take(n).collect());
+        }
+        let mut tree = RolloutTree::new();
+        let mut mixed_groups = 0usize;
+        let mut searches = Vec::new();
+        for (g, group) in groups.iter().enumerate() {
+            let mut sources: Vec<SourceTrajectory> = group
+                .iter()
+                .map(|c| self.source(c, &ctx.rollout.line_ends))
+                .collect();
+            for (a, src) in group.iter().zip(&mut sources) {
+                src.shared = group
                     .iter()
-                    .map(|r| {
-                        let src = &group[r.source];
-                        let len: usize = src.steps.iter().map(|s| s.action.len()).sum();
-                        len.saturating_sub(r.cut) as u64
-                    })
-                    .sum();
-                if budget.is_some_and(|b| planned + cost > b) {
-                    // Out of budget: the group trains as it is.
-                    keep_task.extend(std::iter::repeat_n(g, group.len()));
-                    keep.extend(group);
+                    .filter(|b| b.succeeded() != a.succeeded())
+                    .map(|b| shared_prefix(a, b))
+                    .max()
+                    .unwrap_or(0);
+            }
+            let train = match sampler.plan(&sources)? {
+                GroupPlan::Drop => {
+                    report.groups_degenerate += 1;
+                    false
+                }
+                GroupPlan::Keep => {
+                    if is_skewed(group, self.settings.band) {
+                        report.groups_skewed += 1;
+                        report.skewed_unserved += 1;
+                    } else {
+                        report.groups_balanced += 1;
+                    }
+                    true
+                }
+                GroupPlan::Replay {
+                    bucket,
+                    source,
+                    cut,
+                    ..
+                } => {
+                    report.groups_skewed += 1;
+                    // The drawn source, then further members with the
+                    // needed outcome, up to `sources` re-rollout groups.
+                    let mut picks = vec![(source, cut)];
+                    for (k, src) in sources.iter().enumerate() {
+                        if picks.len() >= self.settings.sources {
+                            break;
+                        }
+                        if k != source {
+                            if let Some(c) = sampler.cut_for(bucket, src)? {
+                                picks.push((k, c));
+                            }
+                        }
+                    }
+                    for (source, cut) in picks {
+                        let src = &sources[source];
+                        searches.push(Search {
+                            group: g,
+                            source,
+                            bucket,
+                            cuts: CutSearch::new(
+                                sampler.allowed_cuts(src),
+                                src.len,
+                                cut,
+                                bucket.direction(),
+                            ),
+                            attempt: 0,
+                            prefix: None,
+                            launched: 0,
+                            wave_start: 0,
+                            done: Vec::new(),
+                            reserved: 0,
+                        });
+                    }
+                    self.settings.keep_skewed
+                }
+            };
+            if train {
+                mixed_groups += 1;
+                add_group(&mut tree, &tasks[g], &tasks[g].id, group)?;
+            }
+        }
+
+        // Re-rollouts: every skewed group's first probe is launched as soon
+        // as its prefix is ready (in task order, while the budget lasts);
+        // see [`PsStep::judge`] for what happens when a wave ends.
+        let mut acct = Accounts {
+            committed: first_pass,
+            budget,
+            ..Accounts::default()
+        };
+        let t0 = Instant::now();
+        let prefixes = self.prefixes(&tasks, &groups, &searches, ctx.env_workers);
+        let replay_s = t0.elapsed().as_secs_f64();
+        let mut sched = ctx.scheduler(false)?;
+        sched.add_env_time(replay_s);
+        for (i, prefix) in prefixes.into_iter().enumerate() {
+            let launched = match prefix {
+                Ok(p) => {
+                    searches[i].prefix = Some(p);
+                    self.launch_wave(
+                        &mut sched,
+                        &mut searches[i],
+                        i,
+                        self.first_wave(),
+                        &groups,
+                        &mut acct,
+                    )?
+                }
+                Err(miss) => {
+                    report.count_miss(&miss);
+                    false
+                }
+            };
+            if !launched {
+                report.skewed_unserved += 1;
+            }
+        }
+        loop {
+            let done = sched.wait()?;
+            if done.is_empty() {
+                break;
+            }
+            for (key, c) in done {
+                let i = acct
+                    .owner
+                    .remove(&key)
+                    .ok_or_else(|| TrainError::Rollout("a re-rollout without its group".into()))?;
+                searches[i].done.push(c);
+                if searches[i].done.len() < searches[i].launched {
                     continue;
                 }
-                planned += cost;
-                for r in rerollouts {
-                    let src = &group[r.source];
-                    // Number of whole segments inside the cut.
-                    let mut acc = 0;
-                    let mut j = 0;
-                    while j < src.steps.len() && acc + src.steps[j].action.len() <= r.cut {
-                        acc += src.steps[j].action.len();
-                        j += 1;
-                    }
-                    if j == 0 {
-                        continue;
-                    }
-                    let mut context = meta[g].1.clone();
-                    let mut replayed = Vec::with_capacity(j);
-                    for s in &src.steps[..j] {
-                        context.extend(&s.action);
-                        context.extend(&s.observation);
-                        replayed.push((s.action.clone(), s.observation.clone()));
-                        stats.replayed_tokens += s.action.len() as u64;
-                    }
-                    let env = src.steps[j - 1]
-                        .env_after
-                        .as_ref()
-                        .ok_or_else(|| {
-                            TrainError::Rollout(
-                                "no environment snapshot kept for a PS source".into(),
-                            )
-                        })?
-                        .fork()?;
-                    let mut cont = Cont::new(None, NodeId(0), context, env);
-                    cont.replayed = replayed;
-                    reroll.push(cont);
-                    reroll_meta.push((g, bucket));
+                if let Some(members) = self.judge(
+                    &mut sched,
+                    &tasks,
+                    &groups,
+                    &mut searches,
+                    i,
+                    &mut acct,
+                    &mut report,
+                )? {
+                    mixed_groups += 1;
+                    let s = &searches[i];
+                    let task = &tasks[s.group];
+                    let key = format!("{}#prefix{}", task.id, s.attempt);
+                    add_group(&mut tree, task, &key, &members)?;
                 }
             }
         }
+        stats.add(&sched.finish());
+        report.reroll_tokens = stats.generated_tokens - first_pass;
+
+        for (b, (s, t)) in &acct.first_attempts {
+            sampler.record(*b, *s, *t)?;
+        }
+        sampler.end_step()?;
+        report.reroll_pass_rate =
+            (acct.rerollouts > 0).then(|| acct.reroll_wins as f64 / acct.rerollouts as f64);
+        for (b, st) in sampler.controller().buckets() {
+            let (s, t) = acct.first_attempts.get(b).copied().unwrap_or_default();
+            report.buckets.insert(
+                b.to_string(),
+                PsBucketReport {
+                    pass_rate: (t > 0).then(|| s as f64 / t as f64),
+                    trials: t,
+                    no_group: acct.no_group.get(b).copied().unwrap_or(0),
+                    ema: st.ema,
+                    ratio: st.ratio,
+                },
+            );
+        }
+
+        let tokens_per_task = first_pass as f64 / tasks.len().max(1) as f64;
+        let rows = if tree.is_empty() {
+            Vec::new()
+        } else {
+            let adv = Grpo::default().advantages(&tree)?;
+            loss_rows(&tree, &adv, None, Sharing::Once)?
+        };
+        let mut r = StepRollouts::new(tree, rows, stats, Vec::new());
+        // Training rewards and the effective share are the first pass's
+        // and every group generated, so they compare with GRPO's.
+        r.rewards = first_rewards;
+        r.effective_group_fraction =
+            mixed_groups as f64 / (groups.len() + report.reroll_groups).max(1) as f64;
+        r.tokens_per_task = Some(tokens_per_task);
+        r.ps = Some(report);
+        Ok(r)
     }
-    let mut sched = ctx.scheduler(false)?;
-    let reroll = sched.run_all(reroll)?;
-    stats.add(&sched.finish());
-    let mut outcomes: BTreeMap<Bucket, (u64, u64)> = Default::default();
-    for (c, (_, b)) in reroll.iter().zip(&reroll_meta) {
-        let e = outcomes.entry(*b).or_default();
-        e.0 += u64::from(c.succeeded());
-        e.1 += 1;
+
+    /// The prefixes of every search's first attempt, built on up to
+    /// `workers` threads (replay through execution runs tool calls).
+    fn prefixes(
+        &self,
+        tasks: &[TaskInstance],
+        groups: &[Vec<Cont>],
+        searches: &[Search],
+        workers: usize,
+    ) -> Vec<Result<Prefix, ReplayMiss>> {
+        let jobs: Vec<Result<PrefixJob, ReplayMiss>> = searches
+            .iter()
+            .map(|s| self.prefix(&tasks[s.group], &groups[s.group][s.source], s.cuts.cut()))
+            .collect();
+        if workers <= 1 || jobs.len() <= 1 {
+            return jobs
+                .into_iter()
+                .map(|j| j.and_then(PrefixJob::run))
+                .collect();
+        }
+        // Contiguous chunks, one per worker, so the results keep the order.
+        let chunk = jobs.len().div_ceil(workers);
+        let mut parts: Vec<Vec<Result<PrefixJob, ReplayMiss>>> = Vec::new();
+        let mut it = jobs.into_iter().peekable();
+        while it.peek().is_some() {
+            parts.push(it.by_ref().take(chunk).collect());
+        }
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = parts
+                .into_iter()
+                .map(|part| {
+                    let k = part.len();
+                    let h = scope.spawn(move || {
+                        part.into_iter()
+                            .map(|j| j.and_then(PrefixJob::run))
+                            .collect::<Vec<_>>()
+                    });
+                    (h, k)
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|(h, k)| {
+                    h.join()
+                        .unwrap_or_else(|_| (0..k).map(|_| Err(ReplayMiss::Failed)).collect())
+                })
+                .collect()
+        })
     }
-    for (b, (s, t)) in outcomes {
-        sampler.record(b, s, t)?;
+
+    /// The start of a re-rollout that replays the first `cut` action tokens
+    /// of `src` (a trajectory of `task`): the whole segments inside the cut
+    /// and, for a cut inside a segment, that segment's head; its
+    /// environment still to rebuild ([`PrefixJob::run`]).
+    fn prefix(&self, task: &TaskInstance, src: &Cont, cut: usize) -> Result<PrefixJob, ReplayMiss> {
+        let mut context = task.prompt.clone();
+        let mut replayed = Vec::new();
+        let mut acc = 0;
+        let mut j = 0;
+        while j < src.steps.len() && acc + src.steps[j].action.len() <= cut {
+            let s = &src.steps[j];
+            context.extend(&s.action);
+            context.extend(&s.observation);
+            replayed.push((s.action.clone(), s.observation.clone()));
+            acc += s.action.len();
+            j += 1;
+        }
+        let head = src
+            .steps
+            .get(j)
+            .map(|s| s.action[..cut - acc].to_vec())
+            .unwrap_or_default();
+        context.extend(&head);
+        let (env, execute) = match self.settings.replay {
+            PsReplay::Snapshot if j > 0 => (
+                src.steps[j - 1]
+                    .env_after
+                    .as_ref()
+                    .ok_or(ReplayMiss::Failed)?
+                    .fork()
+                    .map_err(|_| ReplayMiss::Failed)?,
+                false,
+            ),
+            mode => (
+                task.episode.fork().map_err(|_| ReplayMiss::Failed)?,
+                mode == PsReplay::Execute,
+            ),
+        };
+        Ok(PrefixJob {
+            prefix: Prefix {
+                env,
+                context,
+                replayed,
+                head,
+            },
+            execute,
+        })
     }
-    sampler.end_step()?;
-    let all = keep
-        .iter()
-        .zip(keep_task.iter().copied())
-        .chain(reroll.iter().zip(reroll_meta.iter().map(|m| m.0)));
-    for (c, g) in all {
-        let root = tree.add_episode(meta[g].0.clone(), meta[g].1.clone(), None)?;
+
+    /// Launch `k` more members of search `s` (key `index`) from its rebuilt
+    /// prefix if the budget holds them (estimated at the source's tokens
+    /// after the cut each); returns whether they were launched.
+    fn launch_wave(
+        &self,
+        sched: &mut super::sched::Scheduler<'_>,
+        s: &mut Search,
+        index: usize,
+        k: usize,
+        groups: &[Vec<Cont>],
+        acct: &mut Accounts,
+    ) -> Result<bool, TrainError> {
+        let src = &groups[s.group][s.source];
+        let len: usize = src.steps.iter().map(|r| r.action.len()).sum();
+        let cost = (k * len.saturating_sub(s.cuts.cut())) as u64;
+        if acct.budget.is_some_and(|b| acct.committed + cost > b) {
+            return Ok(false);
+        }
+        let prefix = s
+            .prefix
+            .as_ref()
+            .ok_or_else(|| TrainError::Rollout("a re-rollout wave without its prefix".into()))?;
+        acct.committed += cost;
+        s.reserved = cost;
+        s.wave_start = s.launched;
+        for _ in 0..k {
+            let mut cont = Cont::new(None, NodeId(0), prefix.context.clone(), prefix.env.fork()?);
+            cont.replayed = prefix.replayed.clone();
+            cont.head = prefix.head.clone();
+            let key = sched.launch(cont)?;
+            acct.owner.insert(key, index);
+            s.launched += 1;
+        }
+        sched.add_replayed((k * s.cuts.cut()) as u64);
+        Ok(true)
+    }
+}
+
+/// A trajectory's terminal reward (0 if it has none).
+fn reward(c: &Cont) -> f64 {
+    c.steps.last().and_then(|s| s.reward).unwrap_or(0.0)
+}
+
+/// Action tokens `a` and `b` share from the start: whole segments while
+/// both their actions and observations agree, then the common start of the
+/// first actions that differ.
+fn shared_prefix(a: &Cont, b: &Cont) -> usize {
+    let mut acc = 0;
+    for (x, y) in a.steps.iter().zip(&b.steps) {
+        if x.action != y.action {
+            return acc
+                + x.action
+                    .iter()
+                    .zip(&y.action)
+                    .take_while(|(p, q)| p == q)
+                    .count();
+        }
+        acc += x.action.len();
+        if x.observation != y.observation {
+            break;
+        }
+    }
+    acc
+}
+
+/// Whether a group's pass rate lies outside the balanced band (and is
+/// neither all-fail nor all-pass).
+fn is_skewed(group: &[Cont], band: f64) -> bool {
+    let k = group.iter().filter(|c| c.succeeded()).count();
+    let p = k as f64 / group.len().max(1) as f64;
+    k > 0 && k < group.len() && (p - 0.5).abs() > band + 1e-12
+}
+
+/// Record a group's trajectories as episodes of `task`, grouped (for the
+/// GRPO baseline) under `key`.
+fn add_group(
+    tree: &mut RolloutTree,
+    task: &TaskInstance,
+    key: &str,
+    members: &[Cont],
+) -> Result<(), TrainError> {
+    for c in members {
+        let root = tree.add_episode(key.to_string(), task.prompt.clone(), None)?;
         tree.add_path(root, to_steps(c, None)?)?;
     }
-    let tokens_per_task = first_pass as f64 / tasks.len().max(1) as f64;
-    let rows = if tree.is_empty() {
-        Vec::new()
-    } else {
-        let adv = Grpo::default().advantages(&tree)?;
-        loss_rows(&tree, &adv, None, Sharing::Once)?
-    };
-    let mut r = StepRollouts::new(tree, rows, stats, Vec::new());
-    r.tokens_per_task = Some(tokens_per_task);
-    Ok(r)
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rollout::conts::SegmentRecord;
+    use crate::rollout::StepOut;
+    use arbor_engine::{Completion, FinishReason};
+
+    /// An episode that records the actions it gets and answers each with
+    /// `[k]` (`k` = actions so far), or fails on the action `[99]`.
+    #[derive(Clone, Default)]
+    struct Echo {
+        seen: Vec<Vec<u32>>,
+        shift: u32,
+    }
+
+    impl TokenEpisode for Echo {
+        fn step(&mut self, action: &[u32]) -> Result<StepOut, TrainError> {
+            if action == [99] {
+                return Err(TrainError::Rollout("the tool failed".into()));
+            }
+            self.seen.push(action.to_vec());
+            Ok(StepOut {
+                observation: vec![self.seen.len() as u32 + self.shift],
+                reward: (self.seen.len() == 3).then_some(1.0),
+            })
+        }
+        fn fork(&self) -> Result<Box<dyn TokenEpisode>, TrainError> {
+            Ok(Box::new(self.clone()))
+        }
+    }
+
+    fn record(action: &[u32], obs: u32, reward: Option<f64>) -> SegmentRecord {
+        SegmentRecord {
+            head: Vec::new(),
+            action: action.to_vec(),
+            logprobs: vec![-0.5; action.len()],
+            observation: vec![obs],
+            env_after: None,
+            reward,
+        }
+    }
+
+    /// A finished three-segment trajectory of `Echo`: actions `[10, 11]`,
+    /// `[12, 13, 14]`, `[15]`.
+    fn source() -> Cont {
+        let mut c = Cont::new(None, NodeId(0), vec![7, 7], Box::new(Echo::default()));
+        c.steps = vec![
+            record(&[10, 11], 1, None),
+            record(&[12, 13, 14], 2, None),
+            record(&[15], 3, Some(1.0)),
+        ];
+        c
+    }
+
+    fn step(replay: PsReplay) -> PsStep {
+        PsStep {
+            n: 2,
+            m: 2,
+            cut: PsCut::Tokens,
+            settings: PsSettings {
+                replay,
+                ..PsSettings::default()
+            },
+            budget_prompts: None,
+        }
+    }
+
+    fn task(shift: u32) -> TaskInstance {
+        TaskInstance {
+            id: "t".into(),
+            prompt: vec![7, 7],
+            episode: Box::new(Echo {
+                seen: Vec::new(),
+                shift,
+            }),
+        }
+    }
+
+    /// The prefix of `src` cut at `cut`, replayed through `Echo`.
+    fn rebuilt(src: &Cont, cut: usize) -> Prefix {
+        step(PsReplay::Execute)
+            .prefix(&task(0), src, cut)
+            .unwrap()
+            .run()
+            .unwrap()
+    }
+
+    /// A cut inside a segment replays the whole segments before it through
+    /// the environment and keeps the rest of the cut segment as the head the
+    /// engine continues; a boundary cut has no head.
+    #[test]
+    fn prefixes_replay_whole_segments_and_keep_the_head() {
+        let src = source();
+        let p = rebuilt(&src, 3);
+        assert_eq!(p.replayed, vec![(vec![10, 11], vec![1])]);
+        assert_eq!(p.head, vec![12]);
+        assert_eq!(p.context, vec![7, 7, 10, 11, 1, 12]);
+        let p = rebuilt(&src, 5);
+        assert_eq!(p.replayed.len(), 2);
+        assert!(p.head.is_empty());
+        assert_eq!(p.context, vec![7, 7, 10, 11, 1, 12, 13, 14, 2]);
+    }
+
+    /// Replay through execution: an observation that differs from the
+    /// recording, or a failing action, drops the replay with its reason.
+    #[test]
+    fn replays_that_diverge_or_fail_are_dropped_with_their_reason() {
+        let src = source();
+        let s = step(PsReplay::Execute);
+        let diverged = s.prefix(&task(5), &src, 5).unwrap().run();
+        assert!(matches!(diverged, Err(ReplayMiss::Diverged)));
+        let mut bad = source();
+        bad.steps[0].action = vec![99];
+        let failed = s.prefix(&task(0), &bad, 2).unwrap().run();
+        assert!(matches!(failed, Err(ReplayMiss::Failed)));
+        let mut report = PsReport::default();
+        report.count_miss(&ReplayMiss::Diverged);
+        report.count_miss(&ReplayMiss::Failed);
+        assert_eq!((report.replay_diverged, report.replay_failed), (1, 1));
+        // Snapshot replay never re-executes, so it cannot diverge (and needs
+        // the snapshot the first pass kept).
+        let snap = step(PsReplay::Snapshot).prefix(&task(5), &src, 5);
+        assert!(matches!(snap, Err(ReplayMiss::Failed)), "no snapshot kept");
+        let mut kept = source();
+        kept.steps[1].env_after = Some(Box::new(Echo::default()));
+        assert!(step(PsReplay::Snapshot)
+            .prefix(&task(5), &kept, 5)
+            .unwrap()
+            .run()
+            .is_ok());
+    }
+
+    /// The head goes to the environment with the generated rest of its
+    /// segment, and into the tree as replayed (loss mask 0) while the
+    /// generated tokens train (mask 1).
+    #[test]
+    fn a_replayed_head_reaches_the_environment_and_is_masked() {
+        let src = source();
+        let p = rebuilt(&src, 3);
+        let mut c = Cont::new(None, NodeId(0), p.context, p.env);
+        c.replayed = p.replayed;
+        c.head = p.head;
+        let cfg = RolloutConfig {
+            temperature: 1.0,
+            segment_stop: Vec::new(),
+            max_segment_tokens: 4,
+            max_segments: 3,
+            line_ends: std::sync::Arc::new([]),
+        };
+        let seg = |tokens: Vec<u32>| Completion {
+            id: 0,
+            prompt: Vec::new(),
+            logprobs: vec![-0.25; tokens.len()],
+            tokens,
+            finish_reason: FinishReason::Stop,
+            stop_string: None,
+            error: None,
+        };
+        super::super::sched::apply_segment(&mut c, seg(vec![30, 31]), &cfg, false).unwrap();
+        super::super::sched::apply_segment(&mut c, seg(vec![32]), &cfg, false).unwrap();
+        assert!(c.succeeded());
+        assert_eq!(
+            (&c.steps[0].head, &c.steps[0].action),
+            (&vec![12], &vec![30, 31])
+        );
+        assert!(c.head.is_empty(), "the head is used once");
+        let mut tree = RolloutTree::new();
+        let t = task(0);
+        add_group(&mut tree, &t, "t#prefix0", std::slice::from_ref(&c)).unwrap();
+        let adv = Grpo::default().advantages(&tree).unwrap();
+        let rows = loss_rows(&tree, &adv, None, Sharing::Once).unwrap();
+        let row = &rows[0];
+        // prompt 7 7 | replayed 10 11, obs 1 | head 12, generated 30 31,
+        // obs 2 | generated 32, obs 3
+        assert_eq!(row.tokens, vec![7, 7, 10, 11, 1, 12, 30, 31, 2, 32, 3]);
+        let trained: Vec<u32> = row
+            .tokens
+            .iter()
+            .zip(&row.mask)
+            .filter(|(_, &m)| m > 0.0)
+            .map(|(&t, _)| t)
+            .collect();
+        assert_eq!(trained, vec![30, 31, 32]);
+    }
+
+    /// Two members share the action tokens up to where they first differ,
+    /// whole segments counting only while their observations agree too.
+    #[test]
+    fn shared_prefixes_stop_where_actions_or_observations_differ() {
+        let a = source();
+        let mut b = source();
+        b.steps[1].action = vec![12, 13, 40];
+        assert_eq!(shared_prefix(&a, &b), 4);
+        b.steps[1] = record(&[12, 13, 14], 9, None);
+        assert_eq!(shared_prefix(&a, &b), 5, "observation differs after");
+        assert_eq!(shared_prefix(&a, &source()), 6);
+    }
 }

@@ -130,7 +130,13 @@ pub(crate) fn apply_segment(
     cfg: &RolloutConfig,
     keep_snapshots: bool,
 ) -> Result<(), TrainError> {
-    let out = cont.env.step(&seg.tokens)?;
+    let head = std::mem::take(&mut cont.head);
+    let out = if head.is_empty() {
+        cont.env.step(&seg.tokens)?
+    } else {
+        let whole: Vec<u32> = head.iter().chain(&seg.tokens).copied().collect();
+        cont.env.step(&whole)?
+    };
     cont.context.extend(&seg.tokens);
     cont.context.extend(&out.observation);
     let segments = cont.replayed.len() + cont.steps.len() + 1;
@@ -142,6 +148,7 @@ pub(crate) fn apply_segment(
         None
     };
     cont.steps.push(SegmentRecord {
+        head,
         action: seg.tokens,
         logprobs: seg.logprobs,
         observation: out.observation,
@@ -280,6 +287,17 @@ impl<'a> Scheduler<'a> {
         Ok(out.into_iter().flatten().collect())
     }
 
+    /// Count `secs` of environment work done outside the event loop
+    /// (Prefix Sampling's replays).
+    pub(crate) fn add_env_time(&mut self, secs: f64) {
+        self.stats.env_s += secs;
+    }
+
+    /// Count `tokens` replayed (not generated) prefix tokens.
+    pub(crate) fn add_replayed(&mut self, tokens: u64) {
+        self.stats.replayed_tokens += tokens;
+    }
+
     /// The accounting, with the rollout's wall time.
     pub(crate) fn finish(mut self) -> RolloutStats {
         self.stats.rollout_s = self.started.elapsed().as_secs_f64();
@@ -306,7 +324,12 @@ impl<'a> Scheduler<'a> {
         let segment = (cont.replayed.len() + cont.steps.len()) as u64;
         let p = SamplingParams {
             temperature: self.cfg.temperature,
-            max_tokens: self.cfg.max_segment_tokens,
+            // A replayed head counts toward the segment's length.
+            max_tokens: self
+                .cfg
+                .max_segment_tokens
+                .saturating_sub(cont.head.len())
+                .max(1),
             stop_tokens: self.cfg.segment_stop.clone(),
             seed: mix64(cont.seed ^ mix64(segment)),
             ..Default::default()
