@@ -63,6 +63,32 @@ fn qwen3_tokenizer_matches_hf() {
     assert_eq!(tok.token_to_id("<|im_end|>"), Some(151645));
 }
 
+/// Prefix Sampling's line cuts: the ids whose text holds a newline are
+/// exactly those of the tokens that end a line in an encoded text.
+#[test]
+fn qwen3_line_end_ids_mark_newlines() {
+    let Some(path) = arbor_env::data::shared_data(
+        "tokenizers/qwen3/tokenizer.json",
+        "qwen3_line_end_ids_mark_newlines",
+    ) else {
+        return;
+    };
+    let tok = Tokenizer::from_file(path).unwrap();
+    let ends = tok.line_end_ids();
+    assert!(ends.windows(2).all(|w| w[0] < w[1]), "ascending");
+    let text = "Step 1: add.\n\nStep 2: carry the 1.\nSo the answer is 42.";
+    let ids = tok.encode(text, false).unwrap();
+    for &id in &ids {
+        let holds = tok.decode(&[id], false).unwrap().contains('\n');
+        assert_eq!(ends.binary_search(&id).is_ok(), holds, "id {id}");
+    }
+    assert_eq!(
+        ids.iter().filter(|i| ends.binary_search(i).is_ok()).count(),
+        2,
+        "two line ends in {ids:?}"
+    );
+}
+
 #[test]
 fn missing_template_is_a_clear_error() {
     let d = tempfile::tempdir().unwrap();

@@ -1023,6 +1023,30 @@ mod tests {
         assert_eq!(trained, vec![30, 31, 32]);
     }
 
+    /// Allowed cuts by mode: segment ends, or after each newline token.
+    #[test]
+    fn sources_list_their_cuts_by_mode() {
+        let src = source();
+        let mut s = step(PsReplay::Execute);
+        s.cut = PsCut::Boundaries;
+        let t = s.source(&src, &[]);
+        assert_eq!((t.len, t.boundaries, t.success), (6, vec![2, 5, 6], true));
+        s.cut = PsCut::Lines;
+        // Tokens 11 and 13 end lines: cuts after them (offsets 2 and 4).
+        assert_eq!(s.source(&src, &[11, 13]).boundaries, vec![2, 4]);
+        let auto = |segments| {
+            let cfg = RolloutConfig {
+                temperature: 1.0,
+                segment_stop: Vec::new(),
+                max_segment_tokens: 4,
+                max_segments: segments,
+                line_ends: std::sync::Arc::new([]),
+            };
+            cut_mode(PsCut::Auto, &cfg)
+        };
+        assert_eq!((auto(1), auto(5)), (PsCut::Tokens, PsCut::Boundaries));
+    }
+
     /// Two members share the action tokens up to where they first differ,
     /// whole segments counting only while their observations agree too.
     #[test]
