@@ -204,6 +204,15 @@ pub trait Env: Send {
         0
     }
 
+    /// Whether `replayed`, the observation an action produces when it is
+    /// executed again, counts as `recorded`, the one it produced before
+    /// (Prefix Sampling's replay through execution). Exact by default;
+    /// tool environments ignore what differs between two runs of the same
+    /// command (durations).
+    fn same_observation(&self, recorded: &str, replayed: &str) -> bool {
+        recorded == replayed
+    }
+
     /// A human-readable summary of the current state (what `arbor replay`
     /// prints).
     fn summary(&self) -> String;

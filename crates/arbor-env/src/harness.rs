@@ -539,6 +539,16 @@ impl Harness {
     }
 }
 
+/// `text` with every duration (a number followed by `s`, `ms`, `sec`,
+/// `secs`, `second(s)`) replaced by `<duration>`.
+fn without_durations(text: &str) -> String {
+    static DURATION: std::sync::LazyLock<regex::Regex> = std::sync::LazyLock::new(|| {
+        regex::Regex::new(r"\b\d+(?:\.\d+)?\s?(?:ms|s|secs?|seconds?)\b")
+            .unwrap_or_else(|e| panic!("bad built-in regex: {e}"))
+    });
+    DURATION.replace_all(text, "<duration>").into_owned()
+}
+
 impl Env for Harness {
     fn task_id(&self) -> &str {
         self.task.id()
@@ -547,6 +557,12 @@ impl Env for Harness {
     /// Tool calls executed (parsed calls minus those that failed to run).
     fn tool_calls(&self) -> usize {
         self.st.tool_calls.saturating_sub(self.st.tool_errors)
+    }
+
+    /// Equal once durations (`0.12s`, `35 ms`, `1.5 seconds`) are set
+    /// aside: a test run takes a different time each run.
+    fn same_observation(&self, recorded: &str, replayed: &str) -> bool {
+        recorded == replayed || without_durations(recorded) == without_durations(replayed)
     }
 
     fn reset(&mut self) -> Result<Observation> {
@@ -704,6 +720,19 @@ impl Env for Harness {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn replayed_tool_output_ignores_durations() {
+        assert_eq!(
+            without_durations("1 passed in 0.12s; took 35 ms, 2 seconds"),
+            "1 passed in <duration>; took <duration>, <duration>"
+        );
+        assert_eq!(without_durations("exit 3s1 x2s"), "exit 3s1 x2s");
+        assert_ne!(
+            without_durations("2 failed in 0.1s"),
+            without_durations("1 failed in 0.1s")
+        );
+    }
+
     use super::*;
     use crate::env::Episode;
 

@@ -61,6 +61,23 @@ impl TokenEpisode for EnvEpisode {
         self.env.tool_calls()
     }
 
+    /// Equal tokens, else (text tasks) the environment's judgement of the
+    /// two texts.
+    fn same_observation(&self, recorded: &[u32], replayed: &[u32]) -> bool {
+        if recorded == replayed {
+            return true;
+        }
+        match &self.tokenizer {
+            Some(tok) if self.env.vocab().is_none() => {
+                match (tok.decode(recorded, false), tok.decode(replayed, false)) {
+                    (Ok(a), Ok(b)) => self.env.same_observation(&a, &b),
+                    _ => false,
+                }
+            }
+            _ => false,
+        }
+    }
+
     fn fork(&self) -> Result<Box<dyn TokenEpisode>, TrainError> {
         let env = self.env.fork().ok_or_else(|| {
             TrainError::Rollout(format!("task {} cannot be forked", self.env.task_id()))

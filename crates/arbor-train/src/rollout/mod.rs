@@ -64,6 +64,12 @@ pub trait TokenEpisode: Send {
     fn tool_calls(&self) -> usize {
         0
     }
+    /// Whether `replayed`, the observation an action gives when executed
+    /// again, counts as `recorded` (Prefix Sampling's replay through
+    /// execution). Exact by default.
+    fn same_observation(&self, recorded: &[u32], replayed: &[u32]) -> bool {
+        recorded == replayed
+    }
 }
 
 /// A task: its id (group key), prompt tokens and fresh episode.

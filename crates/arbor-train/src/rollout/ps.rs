@@ -262,13 +262,14 @@ struct PrefixJob {
 impl PrefixJob {
     /// Replay through execution: each replayed action goes through the
     /// environment's parser and executor, in order, and must produce the
-    /// recorded observation without ending the episode.
+    /// recorded observation (as the environment judges it:
+    /// [`TokenEpisode::same_observation`]) without ending the episode.
     fn run(self) -> Result<Prefix, ReplayMiss> {
         let mut p = self.prefix;
         if self.execute {
             for (action, obs) in &p.replayed {
                 let out = p.env.step(action).map_err(|_| ReplayMiss::Failed)?;
-                if out.reward.is_some() || &out.observation != obs {
+                if out.reward.is_some() || !p.env.same_observation(obs, &out.observation) {
                     return Err(ReplayMiss::Diverged);
                 }
             }
