@@ -146,8 +146,9 @@ pub struct PsReport {
     /// First-pass groups with a skewed pass rate (trained as they are with
     /// `keep_skewed`, and given re-rollouts).
     pub groups_skewed: usize,
-    /// Skewed groups that got no re-rollouts: no usable source or cut, or
-    /// no budget left.
+    /// Skewed groups that got no re-rollouts (no usable source or cut, no
+    /// budget left, or a replay dropped); with `sources > 1`, counted per
+    /// source.
     pub skewed_unserved: usize,
     /// Re-rollout groups generated (every attempt).
     pub reroll_groups: usize,
@@ -555,11 +556,25 @@ impl PsStep {
             ..Accounts::default()
         };
         let t0 = Instant::now();
-        let prefixes = self.prefixes(&tasks, &groups, &searches, ctx.env_workers);
+        // Which first waves the budget holds, in task order (no replay is
+        // executed for a search that could not launch).
+        let mut planned = acct.committed;
+        let admitted: Vec<usize> = (0..searches.len())
+            .filter(|&i| {
+                let cost = self.wave_cost(&searches[i], &groups, self.first_wave());
+                let fits = budget.is_none_or(|b| planned + cost <= b);
+                if fits {
+                    planned += cost;
+                }
+                fits
+            })
+            .collect();
+        report.skewed_unserved += searches.len() - admitted.len();
+        let prefixes = self.prefixes(&tasks, &groups, &searches, &admitted, ctx.env_workers);
         let replay_s = t0.elapsed().as_secs_f64();
         let mut sched = ctx.scheduler(false)?;
         sched.add_env_time(replay_s);
-        for (i, prefix) in prefixes.into_iter().enumerate() {
+        for (i, prefix) in admitted.into_iter().zip(prefixes) {
             let launched = match prefix {
                 Ok(p) => {
                     searches[i].prefix = Some(p);
@@ -653,18 +668,22 @@ impl PsStep {
         Ok(r)
     }
 
-    /// The prefixes of every search's first attempt, built on up to
-    /// `workers` threads (replay through execution runs tool calls).
+    /// The prefixes of the first attempts of searches `which`, built on up
+    /// to `workers` threads (replay through execution runs tool calls).
     fn prefixes(
         &self,
         tasks: &[TaskInstance],
         groups: &[Vec<Cont>],
         searches: &[Search],
+        which: &[usize],
         workers: usize,
     ) -> Vec<Result<Prefix, ReplayMiss>> {
-        let jobs: Vec<Result<PrefixJob, ReplayMiss>> = searches
+        let jobs: Vec<Result<PrefixJob, ReplayMiss>> = which
             .iter()
-            .map(|s| self.prefix(&tasks[s.group], &groups[s.group][s.source], s.cuts.cut()))
+            .map(|&i| {
+                let s = &searches[i];
+                self.prefix(&tasks[s.group], &groups[s.group][s.source], s.cuts.cut())
+            })
             .collect();
         if workers <= 1 || jobs.len() <= 1 {
             return jobs
@@ -751,6 +770,14 @@ impl PsStep {
         })
     }
 
+    /// The generated tokens `k` members of search `s` are expected to cost:
+    /// the source's length after the cut, each.
+    fn wave_cost(&self, s: &Search, groups: &[Vec<Cont>], k: usize) -> u64 {
+        let src = &groups[s.group][s.source];
+        let len: usize = src.steps.iter().map(|r| r.action.len()).sum();
+        (k * len.saturating_sub(s.cuts.cut())) as u64
+    }
+
     /// Launch `k` more members of search `s` (key `index`) from its rebuilt
     /// prefix if the budget holds them (estimated at the source's tokens
     /// after the cut each); returns whether they were launched.
@@ -763,9 +790,7 @@ impl PsStep {
         groups: &[Vec<Cont>],
         acct: &mut Accounts,
     ) -> Result<bool, TrainError> {
-        let src = &groups[s.group][s.source];
-        let len: usize = src.steps.iter().map(|r| r.action.len()).sum();
-        let cost = (k * len.saturating_sub(s.cuts.cut())) as u64;
+        let cost = self.wave_cost(s, groups, k);
         if acct.budget.is_some_and(|b| acct.committed + cost > b) {
             return Ok(false);
         }
