@@ -18,6 +18,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod dist;
 pub mod learner;
 pub mod metrics;
 pub mod optim;

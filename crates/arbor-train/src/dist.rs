@@ -1,0 +1,396 @@
+//! Collective operations over the ranks of a data-parallel group.
+//!
+//! A [`Collective`] is one rank's handle on its group: element-wise sums
+//! (gradients, token counts, statistics that steer sampling), an
+//! all-gather of byte strings (per-rank records in rank order), a
+//! broadcast and a barrier. Two implementations live here:
+//!
+//! - [`Single`]: a group of one (every operation is the identity), what a
+//!   one-device run uses;
+//! - [`ThreadGroup`]: `world` ranks as threads of one process, exchanging
+//!   through shared memory, for CPU tests of data-parallel code paths.
+//!
+//! Every rank calls the same operations in the same order (as with NCCL
+//! or MPI). Sums add the ranks' values in rank order, so every rank gets
+//! the bit-identical result and a run does not depend on which rank
+//! arrived first. A rank that is dropped while the others still use the
+//! group (it failed) makes their pending and later operations fail with
+//! [`DistError::RankGone`] naming it, instead of waiting forever; an
+//! operation that waits longer than the group's timeout fails with
+//! [`DistError::Timeout`].
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// Why a collective operation failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DistError {
+    /// A rank left the group (it was dropped, typically after an error).
+    #[error("rank {0} of the group stopped")]
+    RankGone(usize),
+    /// The other ranks did not arrive in time.
+    #[error("rank {rank}: {op} waited more than {secs} s for the other ranks")]
+    Timeout {
+        rank: usize,
+        op: &'static str,
+        secs: u64,
+    },
+    /// Ranks disagree about an operation (different lengths or roots).
+    #[error("rank {rank}: {msg}")]
+    Mismatch { rank: usize, msg: String },
+}
+
+/// One rank's handle on a data-parallel group.
+pub trait Collective: Send {
+    /// This rank, `0..world`.
+    fn rank(&self) -> usize;
+    /// Ranks in the group.
+    fn world(&self) -> usize;
+    /// Every rank's `bytes`, in rank order (the same list on every rank).
+    fn all_gather(&mut self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, DistError>;
+
+    /// `buf[i] <- sum over ranks r of buf_r[i]`, added in rank order. Every
+    /// rank must pass the same length.
+    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<(), DistError> {
+        let bytes: Vec<u8> = buf.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let parts = self.all_gather(&bytes)?;
+        let rank = self.rank();
+        sum_parts(&parts, buf, rank, f32::from_le_bytes)
+    }
+
+    /// [`all_reduce_sum`](Self::all_reduce_sum) in f64 (counts, losses,
+    /// statistics).
+    fn all_reduce_sum_f64(&mut self, buf: &mut [f64]) -> Result<(), DistError> {
+        let bytes: Vec<u8> = buf.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let parts = self.all_gather(&bytes)?;
+        let rank = self.rank();
+        sum_parts(&parts, buf, rank, f64::from_le_bytes)
+    }
+
+    /// `root`'s `bytes` on every rank (the others' input is replaced).
+    fn broadcast(&mut self, bytes: &mut Vec<u8>, root: usize) -> Result<(), DistError> {
+        if root >= self.world() {
+            return Err(DistError::Mismatch {
+                rank: self.rank(),
+                msg: format!("broadcast root {root} outside a group of {}", self.world()),
+            });
+        }
+        let mine = if self.rank() == root {
+            bytes.clone()
+        } else {
+            Vec::new()
+        };
+        let mut parts = self.all_gather(&mine)?;
+        *bytes = std::mem::take(&mut parts[root]);
+        Ok(())
+    }
+
+    /// Returns once every rank has called it.
+    fn barrier(&mut self) -> Result<(), DistError> {
+        self.all_gather(&[]).map(|_| ())
+    }
+}
+
+/// Sums the ranks' little-endian encodings of `T` into `out`, in rank
+/// order.
+fn sum_parts<T, const N: usize>(
+    parts: &[Vec<u8>],
+    out: &mut [T],
+    rank: usize,
+    decode: fn([u8; N]) -> T,
+) -> Result<(), DistError>
+where
+    T: Copy + Default + std::ops::AddAssign,
+{
+    let want = out.len() * N;
+    if let Some((r, p)) = parts.iter().enumerate().find(|(_, p)| p.len() != want) {
+        return Err(DistError::Mismatch {
+            rank,
+            msg: format!(
+                "all-reduce of {} values here, {} on rank {r}",
+                out.len(),
+                p.len() / N
+            ),
+        });
+    }
+    out.fill(T::default());
+    for p in parts {
+        for (o, c) in out.iter_mut().zip(p.chunks_exact(N)) {
+            let mut a = [0u8; N];
+            a.copy_from_slice(c);
+            *o += decode(a);
+        }
+    }
+    Ok(())
+}
+
+/// A group of one: every operation returns its input.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Single;
+
+impl Collective for Single {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world(&self) -> usize {
+        1
+    }
+    fn all_gather(&mut self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, DistError> {
+        Ok(vec![bytes.to_vec()])
+    }
+    fn all_reduce_sum(&mut self, _buf: &mut [f32]) -> Result<(), DistError> {
+        Ok(())
+    }
+    fn all_reduce_sum_f64(&mut self, _buf: &mut [f64]) -> Result<(), DistError> {
+        Ok(())
+    }
+    fn broadcast(&mut self, _bytes: &mut Vec<u8>, root: usize) -> Result<(), DistError> {
+        if root == 0 {
+            Ok(())
+        } else {
+            Err(DistError::Mismatch {
+                rank: 0,
+                msg: format!("broadcast root {root} outside a group of 1"),
+            })
+        }
+    }
+    fn barrier(&mut self) -> Result<(), DistError> {
+        Ok(())
+    }
+}
+
+/// The exchange of a [`ThreadGroup`]: the round in progress and the last
+/// one completed.
+struct Exchange {
+    /// Completed rounds.
+    round: u64,
+    /// This round's deposits, by rank.
+    deposits: Vec<Option<Vec<u8>>>,
+    /// The result of round `round - 1`, read by every rank.
+    last: Arc<Vec<Vec<u8>>>,
+    /// The first rank that left, if any.
+    gone: Option<usize>,
+}
+
+struct Shared {
+    state: Mutex<Exchange>,
+    changed: Condvar,
+    timeout: Duration,
+}
+
+/// One rank of a group whose ranks are threads of this process.
+pub struct ThreadGroup {
+    rank: usize,
+    world: usize,
+    shared: Arc<Shared>,
+}
+
+impl ThreadGroup {
+    /// The `world` ranks of a new group (hand one to each thread); an
+    /// operation waits at most `timeout` for the others.
+    pub fn new(world: usize, timeout: Duration) -> Vec<ThreadGroup> {
+        let shared = Arc::new(Shared {
+            state: Mutex::new(Exchange {
+                round: 0,
+                deposits: vec![None; world],
+                last: Arc::new(Vec::new()),
+                gone: None,
+            }),
+            changed: Condvar::new(),
+            timeout,
+        });
+        (0..world)
+            .map(|rank| ThreadGroup {
+                rank,
+                world,
+                shared: shared.clone(),
+            })
+            .collect()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Exchange> {
+        // A rank that panicked while holding the lock leaves the state
+        // consistent (deposits are whole): keep using it.
+        self.shared
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl Collective for ThreadGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn all_gather(&mut self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, DistError> {
+        let mut st = self.lock();
+        if let Some(r) = st.gone {
+            return Err(DistError::RankGone(r));
+        }
+        let round = st.round;
+        st.deposits[self.rank] = Some(bytes.to_vec());
+        if st.deposits.iter().all(Option::is_some) {
+            // The last to arrive completes the round for everyone.
+            let parts: Vec<Vec<u8>> = st.deposits.iter_mut().filter_map(Option::take).collect();
+            st.last = Arc::new(parts);
+            st.round += 1;
+            self.shared.changed.notify_all();
+            return Ok(st.last.as_ref().clone());
+        }
+        let start = Instant::now();
+        loop {
+            let left = self.shared.timeout.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                return Err(DistError::Timeout {
+                    rank: self.rank,
+                    op: "all-gather",
+                    secs: self.shared.timeout.as_secs(),
+                });
+            }
+            st = self
+                .shared
+                .changed
+                .wait_timeout(st, left)
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+            if st.round > round {
+                // No later round can complete before this rank deposits
+                // again, so `last` is still this round's.
+                return Ok(st.last.as_ref().clone());
+            }
+            if let Some(r) = st.gone {
+                return Err(DistError::RankGone(r));
+            }
+        }
+    }
+}
+
+impl Drop for ThreadGroup {
+    /// Leaving the group: the others' operations fail instead of waiting
+    /// for this rank.
+    fn drop(&mut self) {
+        let mut st = self.lock();
+        if st.gone.is_none() {
+            st.gone = Some(self.rank);
+        }
+        st.deposits[self.rank] = None;
+        self.shared.changed.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs `f` on every rank of a thread group of `world`, returning the
+    /// ranks' results in rank order.
+    fn on_ranks<T: Send>(world: usize, f: impl Fn(&mut ThreadGroup) -> T + Sync) -> Vec<T> {
+        let ranks = ThreadGroup::new(world, Duration::from_secs(20));
+        std::thread::scope(|s| {
+            let hs: Vec<_> = ranks
+                .into_iter()
+                .map(|mut g| {
+                    let f = &f;
+                    s.spawn(move || f(&mut g))
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn sums_are_the_rank_ordered_sum_on_every_rank() {
+        for world in [1, 2, 3, 5] {
+            let got = on_ranks(world, |g| {
+                let r = g.rank() as f32;
+                // Values whose sum depends on the order of addition.
+                let mut a = vec![1e8 * (r - 1.0), 1.0 + r, 0.1 * r];
+                g.all_reduce_sum(&mut a).unwrap();
+                let mut b = vec![r as f64, 2.0];
+                g.all_reduce_sum_f64(&mut b).unwrap();
+                (a, b)
+            });
+            let mut want = vec![0.0f32; 3];
+            for r in 0..world {
+                let r = r as f32;
+                for (w, x) in want.iter_mut().zip([1e8 * (r - 1.0), 1.0 + r, 0.1 * r]) {
+                    *w += x;
+                }
+            }
+            let n = world as f64;
+            for (a, b) in &got {
+                assert_eq!(a, &want, "world {world}");
+                assert_eq!(b, &vec![n * (n - 1.0) / 2.0, 2.0 * n]);
+            }
+        }
+    }
+
+    #[test]
+    fn gather_broadcast_and_many_rounds_keep_rank_order() {
+        let got = on_ranks(3, |g| {
+            let mut out = Vec::new();
+            for round in 0..50u8 {
+                let parts = g.all_gather(&[g.rank() as u8, round]).unwrap();
+                out.push(parts);
+                let mut b = if g.rank() == 1 {
+                    vec![round; 3]
+                } else {
+                    vec![]
+                };
+                g.broadcast(&mut b, 1).unwrap();
+                assert_eq!(b, vec![round; 3]);
+                g.barrier().unwrap();
+            }
+            out
+        });
+        for rank_view in &got {
+            for (round, parts) in rank_view.iter().enumerate() {
+                let want: Vec<Vec<u8>> = (0..3).map(|r| vec![r, round as u8]).collect();
+                assert_eq!(parts, &want);
+            }
+        }
+        let mut single = Single;
+        let mut v = vec![1.5f32];
+        single.all_reduce_sum(&mut v).unwrap();
+        assert_eq!(v, vec![1.5]);
+        assert!(single.broadcast(&mut Vec::new(), 1).is_err());
+    }
+
+    #[test]
+    fn a_rank_that_stops_fails_the_others_instead_of_hanging() {
+        let t0 = Instant::now();
+        let got = on_ranks(3, |g| {
+            g.barrier().unwrap();
+            if g.rank() == 2 {
+                // Rank 2 fails: its handle is dropped with the thread.
+                return Err(DistError::RankGone(2));
+            }
+            let mut a = [1.0f32];
+            g.all_reduce_sum(&mut a)
+        });
+        for r in &got {
+            assert_eq!(r, &Err(DistError::RankGone(2)));
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10));
+    }
+
+    #[test]
+    fn mismatched_lengths_and_timeouts_are_errors() {
+        let got = on_ranks(2, |g| {
+            let mut a = vec![1.0f32; 1 + g.rank()];
+            g.all_reduce_sum(&mut a)
+        });
+        for r in got {
+            let e = r.unwrap_err().to_string();
+            assert!(e.contains("all-reduce of") && e.contains("on rank"), "{e}");
+        }
+        let mut ranks = ThreadGroup::new(2, Duration::from_millis(50));
+        let e = ranks[0].barrier().unwrap_err();
+        assert!(matches!(e, DistError::Timeout { rank: 0, .. }), "{e}");
+    }
+}
