@@ -118,7 +118,7 @@ impl PsRun {
         for (_, p) in &ps {
             if let Some(r) = p.reroll_pass_rate {
                 // The pass rate of the step's re-rollouts, weighted by them.
-                let k = (p.reroll_groups) as f64;
+                let k = p.rerollouts as f64;
                 wins += r * k;
                 trials += k;
             }

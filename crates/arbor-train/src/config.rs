@@ -319,7 +319,9 @@ pub struct PsSettings {
     /// ([`arbor_rl::prefix::PsConfig::anchor`]).
     pub anchor: bool,
     /// Train the skewed first-pass group itself beside its re-rollouts
-    /// (`false`: the re-rollouts replace it, the older project choice).
+    /// (`false`: its re-rollouts replace it, the method's project choice;
+    /// a group that gets no trained re-rollout group then trains as it
+    /// is).
     pub keep_skewed: bool,
 }
 
@@ -656,6 +658,12 @@ impl TrainConfig {
         if self.ps.sources == 0 {
             return bad("ps.sources", "must be >= 1");
         }
+        if self.ps.probe == 1 {
+            return bad(
+                "ps.probe",
+                "a one-member probe never has mixed outcomes (0: no probe, or >= 2)",
+            );
+        }
         if self.ps.rerollouts == 1 {
             return bad(
                 "ps.rerollouts",
@@ -796,6 +804,7 @@ mod tests {
             ("[ps]\nattempts = 0\n", "ps.attempts"),
             ("[ps]\nsources = 0\n", "ps.sources"),
             ("[ps]\nrerollouts = 1\n", "ps.rerollouts"),
+            ("[ps]\nprobe = 1\n", "ps.probe"),
             ("[ps]\ncut = \"words\"\n", "words"),
             ("[ps]\nreplay = \"fork\"\n", "fork"),
             (

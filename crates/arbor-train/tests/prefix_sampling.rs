@@ -117,6 +117,9 @@ steps = 600
 batch = 16
 stop_at_eval = 0.4
 check_every = 20
+
+[ps]
+sources = 2
 "#;
     let dir = tempfile::tempdir().unwrap();
     let cfg = TrainConfig::from_toml(text, "test").unwrap();
@@ -138,8 +141,16 @@ check_every = 20
             6,
             "{ps:?}"
         );
-        // Every re-rollout group is either trained (mixed outcomes) or not.
+        // Every re-rollout group is either trained (mixed outcomes) or not,
+        // and each trained one is a group of its own in the update (two
+        // sources of one task are two groups), beside the kept first-pass
+        // groups.
         assert_eq!(ps.reroll_groups, ps.reroll_trained + ps.reroll_degenerate);
+        assert_eq!(
+            m.effective_groups,
+            ps.groups_balanced + ps.groups_skewed + ps.reroll_trained,
+            "{ps:?}"
+        );
         assert_eq!(ps.replay_failed + ps.replay_diverged, 0);
         groups += ps.reroll_groups;
         if ps.reroll_groups > 0 {
@@ -157,6 +168,33 @@ check_every = 20
         "no re-rollout group in {} steps: {ms:?}",
         ms.len()
     );
+}
+
+/// With `keep_skewed = false` the re-rollouts replace a skewed group, and a
+/// skewed group that got no trained re-rollout group trains as it is: every
+/// group with contrast reaches the update.
+#[test]
+fn replaced_groups_without_a_trained_rerollout_group_train_as_they_are() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = CONFIG.replace(
+        "[ps.controller]",
+        "[ps]\nkeep_skewed = false\n\n[ps.controller]",
+    );
+    let cfg = TrainConfig::from_toml(&text, "test").unwrap();
+    assert!(!cfg.ps.keep_skewed);
+    let mut t = Trainer::new(cfg, dir.path(), false).unwrap();
+    t.warmup(|_, _| {}).unwrap();
+    t.run(|_| {}).unwrap();
+    for m in read_metrics(&dir.path().join("metrics.jsonl")).unwrap() {
+        let ps = m.ps.expect("PS report");
+        // Skewed groups served by a trained re-rollout group (one source
+        // each) are replaced; the others train as they are.
+        assert_eq!(
+            m.effective_groups,
+            ps.groups_balanced + ps.groups_skewed,
+            "{ps:?}"
+        );
+    }
 }
 
 /// A stateful tool task (the register lives in the environment): replay

@@ -165,7 +165,8 @@ pub struct PsReport {
     /// probes and degenerate groups), and their generated tokens.
     pub rerollouts_wasted: usize,
     pub reroll_tokens_wasted: u64,
-    /// Generated tokens of every re-rollout of the step.
+    /// Re-rollouts of the step (every attempt) and their generated tokens.
+    pub rerollouts: usize,
     pub reroll_tokens: u64,
     /// Replays dropped because an action of the prefix failed in the
     /// environment.
@@ -379,8 +380,12 @@ impl PsStep {
         if next.is_none() {
             return Ok(None);
         }
+        // No replay for an attempt the budget cannot hold.
+        let cost = self.wave_cost(s, groups, self.first_wave());
+        if acct.budget.is_some_and(|b| acct.committed + cost > b) {
+            return Ok(None);
+        }
         s.attempt += 1;
-        report.reroll_retries += 1;
         let t0 = Instant::now();
         let prefix = self
             .prefix(&tasks[s.group], &groups[s.group][s.source], s.cuts.cut())
@@ -390,7 +395,9 @@ impl PsStep {
             Ok(p) => {
                 s.prefix = Some(p);
                 s.launched = 0;
-                self.launch_wave(sched, s, i, self.first_wave(), groups, acct)?;
+                if self.launch_wave(sched, s, i, self.first_wave(), groups, acct)? {
+                    report.reroll_retries += 1;
+                }
             }
             Err(miss) => report.count_miss(&miss),
         }
@@ -471,6 +478,10 @@ impl PsStep {
         let mut tree = RolloutTree::new();
         let mut mixed_groups = 0usize;
         let mut searches = Vec::new();
+        // Skewed groups left out for their re-rollouts (`keep_skewed =
+        // false`), and which of all groups got a trained re-rollout group.
+        let mut replaced = Vec::new();
+        let mut served = vec![false; groups.len()];
         for (g, group) in groups.iter().enumerate() {
             let mut sources: Vec<SourceTrajectory> = group
                 .iter()
@@ -537,6 +548,9 @@ impl PsStep {
                             done: Vec::new(),
                             reserved: 0,
                         });
+                    }
+                    if !self.settings.keep_skewed {
+                        replaced.push(g);
                     }
                     self.settings.keep_skewed
                 }
@@ -621,14 +635,24 @@ impl PsStep {
                 )? {
                     mixed_groups += 1;
                     let s = &searches[i];
+                    served[s.group] = true;
                     let task = &tasks[s.group];
-                    let key = format!("{}#prefix{}", task.id, s.attempt);
+                    let key = format!("{}#prefix{}.{}", task.id, s.source, s.attempt);
                     add_group(&mut tree, task, &key, &members)?;
                 }
             }
         }
         stats.add(&sched.finish());
+        // A replaced group that got no trained re-rollout group trains as
+        // it is.
+        for g in replaced {
+            if !served[g] {
+                mixed_groups += 1;
+                add_group(&mut tree, &tasks[g], &tasks[g].id, &groups[g])?;
+            }
+        }
         report.reroll_tokens = stats.generated_tokens - first_pass;
+        report.rerollouts = acct.rerollouts;
 
         for (b, (s, t)) in &acct.first_attempts {
             sampler.record(*b, *s, *t)?;
@@ -798,6 +822,10 @@ impl PsStep {
             .prefix
             .as_ref()
             .ok_or_else(|| TrainError::Rollout("a re-rollout wave without its prefix".into()))?;
+        if prefix.context.len() + 1 >= sched.max_context() {
+            // No room left to generate after the prefix.
+            return Ok(false);
+        }
         acct.committed += cost;
         s.reserved = cost;
         s.wave_start = s.launched;

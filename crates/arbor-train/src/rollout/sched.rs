@@ -287,6 +287,11 @@ impl<'a> Scheduler<'a> {
         Ok(out.into_iter().flatten().collect())
     }
 
+    /// The engine's context length (prompt and generated tokens).
+    pub(crate) fn max_context(&self) -> usize {
+        self.engine.max_context()
+    }
+
     /// Count `secs` of environment work done outside the event loop
     /// (Prefix Sampling's replays).
     pub(crate) fn add_env_time(&mut self, secs: f64) {
