@@ -125,6 +125,19 @@ pub fn run(a: TrainArgs) -> Result<()> {
         total(|m| m.time_engine_idle_s)
     );
     println!("| of which updates | {:.1} s |", total(|m| m.time_train_s));
+    let ps: Vec<&arbor_train::rollout::ps::PsReport> =
+        ms.iter().filter_map(|m| m.ps.as_ref()).collect();
+    if !ps.is_empty() {
+        let sum = |f: fn(&arbor_train::rollout::ps::PsReport) -> usize| {
+            ps.iter().map(|p| f(p)).sum::<usize>()
+        };
+        let (groups, trained) = (sum(|p| p.reroll_groups), sum(|p| p.reroll_trained));
+        println!(
+            "| Prefix Sampling: skewed groups / re-rollout groups trained of generated / replays dropped | {} / {trained} of {groups} / {} |",
+            sum(|p| p.groups_skewed),
+            sum(|p| p.replay_failed + p.replay_diverged)
+        );
+    }
     println!(
         "\nmetrics: {}\nplot:    {}",
         out.join("metrics.jsonl").display(),
@@ -163,6 +176,25 @@ pub fn report(a: ReportArgs) -> Result<()> {
             m.time_engine_idle_s,
             m.time_train_s
         );
+    }
+    if metrics.iter().any(|m| m.ps.is_some()) {
+        s += "\n| step | first-pass pass rate | skewed groups | re-rollout groups | trained | all alike | agreeing probes | re-rollout pass rate | replays dropped |\n|---|---|---|---|---|---|---|---|---|\n";
+        for m in &metrics {
+            if let Some(p) = &m.ps {
+                s += &format!(
+                    "| {} | {:.3} | {} | {} | {} | {} | {} | {} | {} |\n",
+                    m.step,
+                    p.first_pass_pass_rate,
+                    p.groups_skewed,
+                    p.reroll_groups,
+                    p.reroll_trained,
+                    p.reroll_degenerate,
+                    p.probes_agreed,
+                    opt(p.reroll_pass_rate),
+                    p.replay_failed + p.replay_diverged
+                );
+            }
+        }
     }
     std::fs::write(&md, &s)?;
     println!("{s}\nwrote {} and {}", md.display(), png.display());
