@@ -309,6 +309,28 @@ fn micro_batches<T>(items: &[T], budget: usize, len: impl Fn(&T) -> usize) -> Ve
     out
 }
 
+/// The denominator of this share of a step under `cfg.aggregation`: the
+/// masked tokens (token mean), the sequences with a masked token
+/// (sequence mean), 1 (token sum: no normalisation to share).
+fn aggregation_denominator(rows: &[LossRow], cfg: &PolicyLossConfig) -> f64 {
+    use arbor_rl::ppo::Aggregation;
+    let masked = |r: &LossRow| r.mask.iter().skip(1).filter(|&&m| m > 0.0).count();
+    match cfg.aggregation {
+        Aggregation::TokenMean => rows
+            .iter()
+            .map(|r| {
+                r.mask
+                    .iter()
+                    .skip(1)
+                    .map(|&m| f64::from(m.max(0.0)))
+                    .sum::<f64>()
+            })
+            .sum(),
+        Aggregation::SequenceMean => rows.iter().filter(|r| masked(r) > 0).count() as f64,
+        Aggregation::TokenSum { .. } => 1.0,
+    }
+}
+
 /// Per-row policy-loss weights over the whole step (`w[row][i]` for token
 /// `i`; 0 at position 0 and wherever the mask is 0).
 fn step_weights(rows: &[LossRow], cfg: &PolicyLossConfig) -> Result<Vec<Vec<f64>>, TrainError> {
@@ -454,30 +476,53 @@ impl Learner {
         rows: &[LossRow],
         train_policy: bool,
     ) -> Result<UpdateStats, TrainError> {
-        let dev = self.device();
-        arbor_ops::in_pool(&dev, || self.update_here(rows, train_policy))
+        self.update_in_group(rows, train_policy, &mut crate::dist::Single)
     }
 
-    /// [`Learner::update_with`] on the calling thread.
-    fn update_here(
+    /// [`Learner::update_with`] as one rank of a data-parallel `group`:
+    /// `rows` are this rank's share of the step. The loss is normalised by
+    /// the whole step's counts (trained tokens, sequences, value targets,
+    /// summed over ranks), the gradients are summed over ranks before the
+    /// optimizer step (every rank then applies the same update), and the
+    /// returned statistics are the whole step's. With a group of one it
+    /// is the plain update. Collectives run outside the compute pool, so a
+    /// rank waiting for the others holds none of its workers.
+    pub fn update_in_group(
         &mut self,
         rows: &[LossRow],
         train_policy: bool,
+        group: &mut dyn crate::dist::Collective,
     ) -> Result<UpdateStats, TrainError> {
+        let dist = |e: crate::dist::DistError| TrainError::Rollout(format!("data parallel: {e}"));
+        let world = group.world();
         let n_tok: usize = rows
             .iter()
             .map(|r| r.mask.iter().skip(1).filter(|&&m| m > 0.0).count())
             .sum();
         let n_val: usize = rows.iter().map(|r| r.value_targets.len()).sum();
+        let mut weights = step_weights(rows, &self.cfg.policy)?;
+        let (mut n_tok_all, mut n_val_all) = (n_tok, n_val);
+        if world > 1 {
+            let den = aggregation_denominator(rows, &self.cfg.policy);
+            let mut c = [n_tok as f64, n_val as f64, den];
+            group.all_reduce_sum_f64(&mut c).map_err(dist)?;
+            (n_tok_all, n_val_all) = (c[0] as usize, c[1] as usize);
+            // Local weights are over this rank's denominator; rescale to the
+            // step's.
+            if c[2] > 0.0 && den > 0.0 {
+                let f = den / c[2];
+                weights.iter_mut().flatten().for_each(|w| *w *= f);
+            }
+        }
         let mut stats = UpdateStats {
-            trained_tokens: n_tok,
-            value_targets: n_val,
+            trained_tokens: n_tok_all,
+            value_targets: n_val_all,
             ..Default::default()
         };
-        if n_tok == 0 && n_val == 0 {
+        if n_tok_all == 0 && n_val_all == 0 {
             return Ok(stats);
         }
-        let weights = step_weights(rows, &self.cfg.policy)?;
+        let dev = self.device();
         let items: Vec<(&LossRow, &[f64])> = rows
             .iter()
             .zip(&weights)
@@ -487,8 +532,7 @@ impl Learner {
             eps_low: self.cfg.policy.eps_low as f32,
             eps_high: self.cfg.policy.eps_high as f32,
         };
-        let v_w = 1.0 / n_val.max(1) as f32;
-        let dev = self.device();
+        let v_w = 1.0 / n_val_all.max(1) as f32;
         let (mut t_fwd, mut t_bwd, mut t_opt) = (0.0, 0.0, 0.0);
         // Packed once, for every epoch.
         let packs = micro_batches(&items, self.cfg.micro_batch_tokens, |(r, _)| r.tokens.len())
@@ -496,29 +540,56 @@ impl Learner {
             .map(|mb| pack(mb, &dev))
             .collect::<Result<Vec<_>, _>>()?;
         for epoch in 0..self.cfg.epochs.max(1) {
-            let mut acc = GradAccum::default();
-            let mut sums = MicroSums::default();
-            for p in &packs {
-                let t0 = std::time::Instant::now();
-                let fwd = self.forward_micro(p)?;
-                let total =
-                    self.micro_loss(p, &fwd.h, &fwd.values, train_policy, clip, v_w, &mut sums)?;
-                let t1 = std::time::Instant::now();
-                t_fwd += (t1 - t0).as_secs_f64();
-                if let Some(t) = total {
-                    let vars = self.opt.vars();
-                    let grads = t.backward()?;
-                    acc.add(vars, &grads)?;
-                    for (m, ck, x) in &fwd.recomputed {
-                        if let Some(d) = grads.get(x.as_tensor()) {
-                            m.backward_checkpoints(ck, &p.ids, d, |g| acc.add(vars, g))?;
+            let (mut acc, mut sums) = arbor_ops::in_pool(&dev, || {
+                let mut acc = GradAccum::default();
+                let mut sums = MicroSums::default();
+                for p in &packs {
+                    let t0 = std::time::Instant::now();
+                    let fwd = self.forward_micro(p)?;
+                    let total = self.micro_loss(
+                        p,
+                        &fwd.h,
+                        &fwd.values,
+                        train_policy,
+                        clip,
+                        v_w,
+                        &mut sums,
+                    )?;
+                    let t1 = std::time::Instant::now();
+                    t_fwd += (t1 - t0).as_secs_f64();
+                    if let Some(t) = total {
+                        let vars = self.opt.vars();
+                        let grads = t.backward()?;
+                        acc.add(vars, &grads)?;
+                        for (m, ck, x) in &fwd.recomputed {
+                            if let Some(d) = grads.get(x.as_tensor()) {
+                                m.backward_checkpoints(ck, &p.ids, d, |g| acc.add(vars, g))?;
+                            }
                         }
                     }
+                    t_bwd += t1.elapsed().as_secs_f64();
                 }
-                t_bwd += t1.elapsed().as_secs_f64();
+                Ok::<_, TrainError>((acc, sums))
+            })?;
+            if world > 1 {
+                acc.all_reduce(self.opt.vars(), group)?;
+                let mut v = [
+                    sums.pol[0],
+                    sums.pol[1],
+                    sums.pol[2],
+                    sums.pol[3],
+                    sums.value,
+                    sums.nll,
+                ];
+                group.all_reduce_sum_f64(&mut v).map_err(dist)?;
+                sums = MicroSums {
+                    pol: [v[0], v[1], v[2], v[3]],
+                    value: v[4],
+                    nll: v[5],
+                };
             }
             let t0 = std::time::Instant::now();
-            let s: StepStats = self.opt.step(&acc)?;
+            let s: StepStats = arbor_ops::in_pool(&dev, || self.opt.step(&acc))?;
             t_opt += t0.elapsed().as_secs_f64();
             if epoch == 0 {
                 let pol = sums.pol;
@@ -527,7 +598,7 @@ impl Learner {
                 stats.value_loss = sums.value;
                 stats.clip_fraction = pol[1] / wsum;
                 stats.approx_kl = pol[2] / wsum;
-                stats.entropy = sums.nll / n_tok.max(1) as f64;
+                stats.entropy = sums.nll / n_tok_all.max(1) as f64;
             }
             stats.grad_norm = s.grad_norm;
             stats.lr = s.lr;

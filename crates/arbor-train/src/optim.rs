@@ -110,6 +110,48 @@ impl GradAccum {
     pub fn is_empty(&self) -> bool {
         self.sums.is_empty()
     }
+
+    /// Sum these gradients over the ranks of `group` (one flat f32
+    /// all-reduce in `vars` order): afterwards every rank holds the same
+    /// sums, for the variables that had a gradient on any rank.
+    pub fn all_reduce(
+        &mut self,
+        vars: &[(String, Var)],
+        group: &mut dyn crate::dist::Collective,
+    ) -> Result<(), TrainError> {
+        let dist = |e: crate::dist::DistError| TrainError::Rollout(format!("data parallel: {e}"));
+        let mut present = Vec::with_capacity(vars.len());
+        let mut flat = Vec::new();
+        for (_, v) in vars {
+            match self.get(v) {
+                Some(g) => {
+                    present.push(1.0);
+                    flat.extend(
+                        g.to_dtype(candle_core::DType::F32)?
+                            .flatten_all()?
+                            .to_vec1::<f32>()?,
+                    );
+                }
+                None => {
+                    present.push(0.0);
+                    flat.extend(std::iter::repeat_n(0.0f32, v.elem_count()));
+                }
+            }
+        }
+        group.all_reduce_sum_f64(&mut present).map_err(dist)?;
+        group.all_reduce_sum(&mut flat).map_err(dist)?;
+        let mut at = 0;
+        for ((_, v), &p) in vars.iter().zip(&present) {
+            let n = v.elem_count();
+            if p > 0.0 {
+                let t = Tensor::from_slice(&flat[at..at + n], v.shape(), v.device())?
+                    .to_dtype(v.dtype())?;
+                self.sums.insert(v.as_tensor().id(), t);
+            }
+            at += n;
+        }
+        Ok(())
+    }
 }
 
 /// AdamW over a fixed list of named parameters.

@@ -28,6 +28,9 @@ pub struct Trainer {
     policy: Box<dyn RolloutPolicy>,
     engine_cfg: EngineConfig,
     metrics: MetricsLog,
+    /// This rank's handle on its data-parallel group (a group of one by
+    /// default).
+    group: Box<dyn crate::dist::Collective>,
 }
 
 impl std::fmt::Debug for Trainer {
@@ -143,7 +146,32 @@ impl Trainer {
             policy,
             engine_cfg,
             metrics,
+            group: Box::new(crate::dist::Single),
         })
+    }
+
+    /// This trainer as one rank of a data-parallel `group`: each step's
+    /// tasks are split between the ranks by index, each rank generates its
+    /// share on its own engine, and the update sums the ranks' gradients
+    /// ([`Learner::update_in_group`]), so every rank holds the same weights
+    /// and the run matches one rank doing all the work up to f32 round-off.
+    /// Sampling seeds follow the global launch order, never the rank. Rank
+    /// 0 writes the metrics and checkpoints. Every rank must be built from
+    /// the same config and run the same warm-up. Methods whose rollouts
+    /// depend on decisions across the whole step (FOCUS, PS, VinePPO, PPO)
+    /// do not run data-parallel yet: refused.
+    pub fn with_group(
+        mut self,
+        group: Box<dyn crate::dist::Collective>,
+    ) -> Result<Self, TrainError> {
+        if group.world() > 1 && self.cfg.algo != crate::config::Algo::Grpo {
+            return Err(TrainError::Config(format!(
+                "key `algo`: {:?} does not run on several ranks yet (grpo does)",
+                self.cfg.algo
+            )));
+        }
+        self.group = group;
+        Ok(self)
     }
 
     /// RL steps already done (after a resume, where it continues from).
@@ -243,12 +271,16 @@ impl Trainer {
         let mut all = self.metrics.read()?;
         while self.state.step < self.cfg.steps {
             let m = self.rl_step(&mut engine)?;
-            self.metrics.append(&m)?;
+            // Rank 0 writes; every rank holds the same weights and state.
+            let writer = self.group.rank() == 0;
+            if writer {
+                self.metrics.append(&m)?;
+            }
             on_step(&m);
             all.push(m);
             let every = self.cfg.checkpoint_every;
             let step = self.state.step;
-            if (every > 0 && step.is_multiple_of(every)) || step == self.cfg.steps {
+            if writer && ((every > 0 && step.is_multiple_of(every)) || step == self.cfg.steps) {
                 self.checkpoint()?;
             }
         }
@@ -261,6 +293,47 @@ impl Trainer {
             start.elapsed().as_secs_f64(),
             &self.out_dir,
         ))
+    }
+
+    /// The whole step's rollout statistics on every rank: counts summed,
+    /// rewards gathered in rank order, the effective-group share over all
+    /// `groups` (this rank's task groups).
+    fn reduce_rollouts(
+        &mut self,
+        r: &mut crate::rollout::StepRollouts,
+        groups: usize,
+    ) -> Result<(), TrainError> {
+        let dist = |e: crate::dist::DistError| TrainError::Rollout(format!("data parallel: {e}"));
+        let s = &mut r.stats;
+        let mut c = [
+            s.episodes as f64,
+            s.continuations as f64,
+            s.generated_tokens as f64,
+            s.replayed_tokens as f64,
+            s.prefill_computed as f64,
+            s.prefill_cached as f64,
+            s.finished_episodes as f64,
+            s.tool_calls as f64,
+            r.effective_groups as f64,
+            groups as f64,
+        ];
+        self.group.all_reduce_sum_f64(&mut c).map_err(dist)?;
+        (s.episodes, s.continuations) = (c[0] as usize, c[1] as usize);
+        (s.generated_tokens, s.replayed_tokens) = (c[2] as u64, c[3] as u64);
+        (s.prefill_computed, s.prefill_cached) = (c[4] as u64, c[5] as u64);
+        (s.finished_episodes, s.tool_calls) = (c[6] as u64, c[7] as u64);
+        r.effective_groups = c[8] as usize;
+        r.effective_group_fraction = c[8] / c[9].max(1.0);
+        let mine: Vec<u8> = r.rewards.iter().flat_map(|x| x.to_le_bytes()).collect();
+        r.rewards = self
+            .group
+            .all_gather(&mine)
+            .map_err(dist)?
+            .iter()
+            .flat_map(|p| p.chunks_exact(8))
+            .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect();
+        Ok(())
     }
 
     /// One RL step: tasks, rollouts and credit, the update, evaluation.
@@ -279,7 +352,10 @@ impl Trainer {
             (Some(b), Some(per)) => self.policy.tasks_for_budget(b, per),
             _ => self.policy.tasks_per_step(),
         };
-        let tasks = (0..n_tasks as u64)
+        // This rank's share of the tasks, by index.
+        let (rank, world) = (self.group.rank(), self.group.world());
+        let (lo, hi) = (n_tasks * rank / world, n_tasks * (rank + 1) / world);
+        let tasks = (lo as u64..hi as u64)
             .map(|i| self.sampler.train_task(self.state.cursor + i))
             .collect::<Result<Vec<_>, _>>()?;
         self.state.cursor += n_tasks as u64;
@@ -289,7 +365,10 @@ impl Trainer {
         {
             rollout.line_ends = self.sampler.line_ends();
         }
-        let mut seed = self.state.seed_counter;
+        // GRPO launches `samples_per_prompt` continuations per task in task
+        // order: this rank's first launch is number `lo * n` of the step.
+        let first = self.state.seed_counter + (lo * self.cfg.samples_per_prompt) as u64;
+        let mut seed = first;
         let ctx = StepContext {
             engine: &mut *engine,
             learner: &self.learner,
@@ -299,8 +378,19 @@ impl Trainer {
             env_workers: self.cfg.env_workers,
             budget_tokens,
         };
-        let r = self.policy.rollouts(ctx, tasks)?;
+        let mut r = self.policy.rollouts(ctx, tasks)?;
         self.state.seed_counter = seed;
+        if world > 1 {
+            // The counter moves past every rank's launches, as one rank's
+            // would (each scheduler adds its launches plus one).
+            let mut launches = [(seed - first - 1) as f64];
+            self.group
+                .all_reduce_sum_f64(&mut launches)
+                .map_err(|e| TrainError::Rollout(format!("data parallel: {e}")))?;
+            let base = first - (lo * self.cfg.samples_per_prompt) as u64;
+            self.state.seed_counter = base + launches[0] as u64 + 1;
+            self.reduce_rollouts(&mut r, hi - lo)?;
+        }
         if let (Some(StepBudget::Tokens(n)), Some(b)) = (self.cfg.budget, budget_tokens) {
             // What this step left or overspent, at most one budget either way.
             let carry = b as i64 - r.stats.generated_tokens as i64;
@@ -312,7 +402,9 @@ impl Trainer {
         }
         let t0 = Instant::now();
         let policy_on = !self.cfg.algo.has_critic() || step > self.cfg.critic_warmup_steps;
-        let u = self.learner.update_with(&r.rows, policy_on)?;
+        let u = self
+            .learner
+            .update_in_group(&r.rows, policy_on, self.group.as_mut())?;
         let train_s = t0.elapsed().as_secs_f64();
         // The weights changed: no KV computed before may be reused.
         engine.invalidate();
