@@ -22,6 +22,14 @@ pub struct TrainArgs {
     /// Override the config's `device` (cpu, cuda, cuda:N).
     #[arg(long)]
     pub device: Option<String>,
+    /// Train data-parallel on this many ranks, one process each on this
+    /// machine, joined over TCP through rank 0 (GRPO so far). A cluster
+    /// launcher can start the ranks itself instead: each `arbor train`
+    /// with `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` set joins
+    /// that group. Rank 0 writes the run; rank r > 0 keeps its config under
+    /// `<out>/rank-r`.
+    #[arg(long, default_value_t = 1)]
+    pub ranks: usize,
 }
 
 #[derive(Debug, Args)]
@@ -58,13 +66,43 @@ pub fn run(a: TrainArgs) -> Result<()> {
             .unwrap_or_else(|| "quickstart".into());
         PathBuf::from("runs").join(stem)
     });
-    eprintln!("arbor train: {origin} -> {}", out.display());
-    let mut trainer = Trainer::new(cfg.clone(), &out, a.resume)?;
+    if a.ranks > 1 && std::env::var_os("WORLD_SIZE").is_none() {
+        return launch(a.ranks);
+    }
+    let timeout = std::time::Duration::from_secs(
+        std::env::var("ARBOR_DIST_TIMEOUT_S")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1800),
+    );
+    let group: Box<dyn arbor_train::dist::Collective> =
+        match arbor_train::dist::TcpGroup::from_env(timeout) {
+            Some(g) => Box::new(g.context("joining the data-parallel group")?),
+            None => Box::new(arbor_train::dist::Single),
+        };
+    let rank = group.rank();
+    let out = if rank > 0 {
+        out.join(format!("rank-{rank}"))
+    } else {
+        out
+    };
+    if rank == 0 {
+        eprintln!("arbor train: {origin} -> {}", out.display());
+    }
+    let mut trainer = Trainer::new(cfg.clone(), &out, a.resume)?.with_group(group)?;
     if trainer.step() > 0 {
         eprintln!("resuming after step {}", trainer.step());
     }
+    // Only rank 0 shows progress.
+    let new_bar = |len: u64| {
+        if rank == 0 {
+            indicatif::ProgressBar::new(len)
+        } else {
+            indicatif::ProgressBar::hidden()
+        }
+    };
     if cfg.warmup.steps > 0 && trainer.step() == 0 {
-        let bar = indicatif::ProgressBar::new(cfg.warmup.steps);
+        let bar = new_bar(cfg.warmup.steps);
         bar.set_style(indicatif::ProgressStyle::with_template(
             "warm-up {bar:30} {pos}/{len} nll {msg}",
         )?);
@@ -74,7 +112,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         })?;
         bar.finish();
     }
-    let bar = indicatif::ProgressBar::new(cfg.steps);
+    let bar = new_bar(cfg.steps);
     bar.set_position(trainer.step());
     bar.set_style(indicatif::ProgressStyle::with_template(
         "RL {bar:30} {pos}/{len} [{elapsed_precise}] {msg}",
@@ -88,6 +126,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
         bar.inc(1);
     })?;
     bar.finish();
+    if rank > 0 {
+        return Ok(());
+    }
     let png = plot_run(&out)?;
     println!();
     println!("| metric | value |");
@@ -144,6 +185,58 @@ pub fn run(a: TrainArgs) -> Result<()> {
         png.display()
     );
     Ok(())
+}
+
+/// `arbor train --ranks N`: this command again as `N` processes, rank `r`
+/// with `RANK=r`, `WORLD_SIZE=N`, `MASTER_ADDR=127.0.0.1` and a free
+/// `MASTER_PORT`. A rank that exits with an error stops the others; the
+/// error names it.
+fn launch(ranks: usize) -> Result<()> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let exe = std::env::current_exe().context("finding the arbor executable")?;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut children = Vec::with_capacity(ranks);
+    for r in 0..ranks {
+        let child = std::process::Command::new(&exe)
+            .args(&args)
+            .env("RANK", r.to_string())
+            .env("WORLD_SIZE", ranks.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .spawn()
+            .with_context(|| format!("starting rank {r}"))?;
+        children.push(Some(child));
+    }
+    loop {
+        let mut running = 0;
+        let mut failed = Vec::new();
+        for (r, slot) in children.iter_mut().enumerate() {
+            let Some(c) = slot.as_mut() else {
+                continue;
+            };
+            match c.try_wait()? {
+                None => running += 1,
+                Some(st) if st.success() => *slot = None,
+                Some(st) => {
+                    failed.push(format!("rank {r} of {ranks} failed ({st})"));
+                    *slot = None;
+                }
+            }
+        }
+        if !failed.is_empty() {
+            for c in children.iter_mut().flatten() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            anyhow::bail!("{}; the other ranks were stopped", failed.join(", "));
+        }
+        if running == 0 {
+            return Ok(());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
 }
 
 pub fn report(a: ReportArgs) -> Result<()> {

@@ -8,7 +8,11 @@
 //! - [`Single`]: a group of one (every operation is the identity), what a
 //!   one-device run uses;
 //! - [`ThreadGroup`]: `world` ranks as threads of one process, exchanging
-//!   through shared memory, for CPU tests of data-parallel code paths.
+//!   through shared memory, for CPU tests of data-parallel code paths;
+//! - [`TcpGroup`]: ranks as processes, on one machine or several, joined
+//!   over TCP through rank 0 (`MASTER_ADDR:MASTER_PORT`, the torchrun
+//!   convention; [`TcpGroup::from_env`]). Every byte goes through rank 0,
+//!   so it suits CPU ranks and tests, not gradients of large models.
 //!
 //! Every rank calls the same operations in the same order (as with NCCL
 //! or MPI). Sums add the ranks' values in rank order, so every rank gets
@@ -283,6 +287,242 @@ impl Drop for ThreadGroup {
     }
 }
 
+/// A frame's length word that announces a failed rank instead of data.
+const ABORT: u64 = u64::MAX;
+
+/// One rank of a group of processes joined over TCP through rank 0.
+///
+/// Rank 0 listens on `addr` and accepts the other ranks, which say who they
+/// are on connecting; an all-gather sends each rank's frame (length, bytes)
+/// to rank 0, which answers every rank with all frames in rank order. When
+/// rank 0 loses a rank it tells the others which one (an abort frame)
+/// before closing, so every rank's error names the rank that stopped.
+pub struct TcpGroup {
+    rank: usize,
+    world: usize,
+    /// Rank 0: a stream to each other rank (index `r - 1`); others: the
+    /// stream to rank 0.
+    peers: Vec<std::net::TcpStream>,
+    /// The first rank known to have stopped.
+    gone: Option<usize>,
+    timeout: Duration,
+}
+
+impl TcpGroup {
+    /// Joins the group: rank 0 listens on `addr` and waits for the others;
+    /// the others connect to it, retrying for up to `timeout` (rank 0 may
+    /// start later). Operations wait at most `timeout` for data.
+    pub fn join(
+        rank: usize,
+        world: usize,
+        addr: &str,
+        timeout: Duration,
+    ) -> Result<TcpGroup, DistError> {
+        use std::io::{Read, Write};
+        let io = |what: &str, e: std::io::Error| DistError::Mismatch {
+            rank,
+            msg: format!("{what} {addr}: {e}"),
+        };
+        if rank >= world {
+            return Err(DistError::Mismatch {
+                rank,
+                msg: format!("rank {rank} outside a group of {world}"),
+            });
+        }
+        let start = Instant::now();
+        let mut peers = Vec::new();
+        if rank == 0 {
+            let listener =
+                std::net::TcpListener::bind(addr).map_err(|e| io("cannot listen on", e))?;
+            listener
+                .set_nonblocking(true)
+                .map_err(|e| io("cannot listen on", e))?;
+            let mut by_rank: Vec<Option<std::net::TcpStream>> = (1..world).map(|_| None).collect();
+            while by_rank.iter().any(Option::is_none) {
+                match listener.accept() {
+                    Ok((mut s, _)) => {
+                        s.set_nonblocking(false)
+                            .map_err(|e| io("accepting on", e))?;
+                        s.set_read_timeout(Some(timeout))
+                            .map_err(|e| io("accepting on", e))?;
+                        let mut b = [0u8; 8];
+                        s.read_exact(&mut b).map_err(|e| io("handshake on", e))?;
+                        let r = u64::from_le_bytes(b) as usize;
+                        if r == 0 || r >= world || by_rank[r - 1].is_some() {
+                            return Err(DistError::Mismatch {
+                                rank,
+                                msg: format!("a peer claims rank {r} in a group of {world}"),
+                            });
+                        }
+                        by_rank[r - 1] = Some(s);
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        if start.elapsed() > timeout {
+                            let missing: Vec<usize> =
+                                (1..world).filter(|r| by_rank[r - 1].is_none()).collect();
+                            return Err(DistError::Timeout {
+                                rank,
+                                op: if missing.is_empty() {
+                                    "join"
+                                } else {
+                                    "join (ranks missing)"
+                                },
+                                secs: timeout.as_secs(),
+                            });
+                        }
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    Err(e) => return Err(io("accepting on", e)),
+                }
+            }
+            peers = by_rank.into_iter().flatten().collect();
+        } else {
+            let mut s = loop {
+                match std::net::TcpStream::connect(addr) {
+                    Ok(s) => break s,
+                    Err(_) if start.elapsed() < timeout => {
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                    Err(e) => return Err(io("cannot reach rank 0 at", e)),
+                }
+            };
+            s.set_read_timeout(Some(timeout))
+                .map_err(|e| io("connected to", e))?;
+            s.write_all(&(rank as u64).to_le_bytes())
+                .map_err(|e| io("handshake with", e))?;
+            peers.push(s);
+        }
+        for p in &peers {
+            let _ = p.set_nodelay(true);
+        }
+        Ok(TcpGroup {
+            rank,
+            world,
+            peers,
+            gone: None,
+            timeout,
+        })
+    }
+
+    /// Joins the group the environment describes, as torchrun and cluster
+    /// launchers set it: `RANK`, `WORLD_SIZE`, `MASTER_ADDR` (default
+    /// `127.0.0.1`), `MASTER_PORT`. `None` when `WORLD_SIZE` is unset.
+    pub fn from_env(timeout: Duration) -> Option<Result<TcpGroup, DistError>> {
+        let var = |k: &str| std::env::var(k).ok();
+        let world = var("WORLD_SIZE")?;
+        let bad = |msg: String| DistError::Mismatch { rank: 0, msg };
+        let parse = |k: &str, v: Option<String>| -> Result<usize, DistError> {
+            v.ok_or_else(|| bad(format!("WORLD_SIZE is set but {k} is not")))?
+                .parse()
+                .map_err(|_| bad(format!("{k} is not a number")))
+        };
+        Some((|| {
+            let world = parse("WORLD_SIZE", Some(world))?;
+            let rank = parse("RANK", var("RANK"))?;
+            let port = parse("MASTER_PORT", var("MASTER_PORT"))?;
+            let host = var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
+            TcpGroup::join(rank, world, &format!("{host}:{port}"), timeout)
+        })())
+    }
+
+    fn lost(&mut self, peer: usize, e: &std::io::Error) -> DistError {
+        let r = self.gone.unwrap_or(peer);
+        self.gone = Some(r);
+        if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut {
+            return DistError::Timeout {
+                rank: self.rank,
+                op: "all-gather",
+                secs: self.timeout.as_secs(),
+            };
+        }
+        DistError::RankGone(r)
+    }
+}
+
+fn write_frame(s: &mut std::net::TcpStream, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    s.write_all(&(bytes.len() as u64).to_le_bytes())?;
+    s.write_all(bytes)
+}
+
+/// A frame: its bytes, or `Err(rank)` for an abort frame naming a rank.
+fn read_frame(s: &mut std::net::TcpStream) -> std::io::Result<Result<Vec<u8>, usize>> {
+    use std::io::Read;
+    let mut b = [0u8; 8];
+    s.read_exact(&mut b)?;
+    let n = u64::from_le_bytes(b);
+    if n == ABORT {
+        s.read_exact(&mut b)?;
+        return Ok(Err(u64::from_le_bytes(b) as usize));
+    }
+    let mut v = vec![0u8; n as usize];
+    s.read_exact(&mut v)?;
+    Ok(Ok(v))
+}
+
+impl Collective for TcpGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn all_gather(&mut self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, DistError> {
+        if let Some(r) = self.gone {
+            return Err(DistError::RankGone(r));
+        }
+        if self.rank != 0 {
+            if let Err(e) = write_frame(&mut self.peers[0], bytes) {
+                return Err(self.lost(0, &e));
+            }
+            let mut out = Vec::with_capacity(self.world);
+            for _ in 0..self.world {
+                match read_frame(&mut self.peers[0]) {
+                    Ok(Ok(v)) => out.push(v),
+                    Ok(Err(r)) => {
+                        self.gone = Some(r);
+                        return Err(DistError::RankGone(r));
+                    }
+                    Err(e) => return Err(self.lost(0, &e)),
+                }
+            }
+            return Ok(out);
+        }
+        let mut out = vec![bytes.to_vec()];
+        for r in 1..self.world {
+            let e = match read_frame(&mut self.peers[r - 1]) {
+                Ok(Ok(v)) => {
+                    out.push(v);
+                    continue;
+                }
+                // Only rank 0 sends abort frames.
+                Ok(Err(_)) => std::io::Error::other("a rank sent an abort frame"),
+                Err(e) => e,
+            };
+            let err = self.lost(r, &e);
+            // Tell the others which rank stopped.
+            let mut f = ABORT.to_le_bytes().to_vec();
+            f.extend((r as u64).to_le_bytes());
+            for (k, p) in self.peers.iter_mut().enumerate() {
+                if k + 1 != r {
+                    let _ = std::io::Write::write_all(p, &f);
+                }
+            }
+            return Err(err);
+        }
+        for r in 1..self.world {
+            for part in &out {
+                if let Err(e) = write_frame(&mut self.peers[r - 1], part) {
+                    return Err(self.lost(r, &e));
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -377,6 +617,72 @@ mod tests {
             assert_eq!(r, &Err(DistError::RankGone(2)));
         }
         assert!(t0.elapsed() < Duration::from_secs(10));
+    }
+
+    /// A free local port (bound, then released).
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    /// Runs `f` on every rank of a TCP group of `world` (threads standing in
+    /// for processes).
+    fn on_tcp_ranks<T: Send>(world: usize, f: impl Fn(&mut TcpGroup) -> T + Sync) -> Vec<T> {
+        let addr = format!("127.0.0.1:{}", free_port());
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..world)
+                .map(|rank| {
+                    let (f, addr) = (&f, addr.clone());
+                    s.spawn(move || {
+                        let mut g =
+                            TcpGroup::join(rank, world, &addr, Duration::from_secs(20)).unwrap();
+                        f(&mut g)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn tcp_ranks_agree_with_thread_ranks() {
+        let work = |g: &mut dyn Collective| {
+            let r = g.rank() as f32;
+            let mut a = vec![1e8 * (r - 1.0), 1.0 + r, 0.1 * r];
+            g.all_reduce_sum(&mut a).unwrap();
+            let parts = g.all_gather(&[g.rank() as u8; 3]).unwrap();
+            let mut b = if g.rank() == 2 { vec![7u8; 5] } else { vec![] };
+            g.broadcast(&mut b, 2).unwrap();
+            g.barrier().unwrap();
+            (a, parts, b)
+        };
+        let tcp = on_tcp_ranks(3, |g| work(g));
+        let threads = on_ranks(3, |g| work(g));
+        assert_eq!(tcp, threads);
+        assert_eq!(tcp[1].2, vec![7u8; 5]);
+    }
+
+    #[test]
+    fn a_tcp_rank_that_stops_is_named_to_the_others() {
+        let got = on_tcp_ranks(3, |g| {
+            g.barrier().unwrap();
+            if g.rank() == 2 {
+                return Err(DistError::RankGone(2));
+            }
+            let mut a = [1.0f32];
+            g.all_reduce_sum(&mut a)
+        });
+        assert_eq!(got[0], Err(DistError::RankGone(2)));
+        assert_eq!(got[1], Err(DistError::RankGone(2)));
+        // A rank that cannot reach rank 0 gives up after the timeout.
+        let addr = format!("127.0.0.1:{}", free_port());
+        let e = TcpGroup::join(1, 2, &addr, Duration::from_millis(200))
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("cannot reach rank 0"), "{e}");
     }
 
     #[test]

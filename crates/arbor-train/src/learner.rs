@@ -493,7 +493,6 @@ impl Learner {
         train_policy: bool,
         group: &mut dyn crate::dist::Collective,
     ) -> Result<UpdateStats, TrainError> {
-        let dist = |e: crate::dist::DistError| TrainError::Rollout(format!("data parallel: {e}"));
         let world = group.world();
         let n_tok: usize = rows
             .iter()
@@ -505,7 +504,7 @@ impl Learner {
         if world > 1 {
             let den = aggregation_denominator(rows, &self.cfg.policy);
             let mut c = [n_tok as f64, n_val as f64, den];
-            group.all_reduce_sum_f64(&mut c).map_err(dist)?;
+            group.all_reduce_sum_f64(&mut c)?;
             (n_tok_all, n_val_all) = (c[0] as usize, c[1] as usize);
             // Local weights are over this rank's denominator; rescale to the
             // step's.
@@ -581,7 +580,7 @@ impl Learner {
                     sums.value,
                     sums.nll,
                 ];
-                group.all_reduce_sum_f64(&mut v).map_err(dist)?;
+                group.all_reduce_sum_f64(&mut v)?;
                 sums = MicroSums {
                     pol: [v[0], v[1], v[2], v[3]],
                     value: v[4],

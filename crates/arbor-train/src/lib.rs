@@ -54,4 +54,6 @@ pub enum TrainError {
     Candle(#[from] candle_core::Error),
     #[error(transparent)]
     Io(#[from] std::io::Error),
+    #[error("data parallel: {0}")]
+    Dist(#[from] dist::DistError),
 }

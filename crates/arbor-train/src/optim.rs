@@ -119,7 +119,6 @@ impl GradAccum {
         vars: &[(String, Var)],
         group: &mut dyn crate::dist::Collective,
     ) -> Result<(), TrainError> {
-        let dist = |e: crate::dist::DistError| TrainError::Rollout(format!("data parallel: {e}"));
         let mut present = Vec::with_capacity(vars.len());
         let mut flat = Vec::new();
         for (_, v) in vars {
@@ -138,8 +137,8 @@ impl GradAccum {
                 }
             }
         }
-        group.all_reduce_sum_f64(&mut present).map_err(dist)?;
-        group.all_reduce_sum(&mut flat).map_err(dist)?;
+        group.all_reduce_sum_f64(&mut present)?;
+        group.all_reduce_sum(&mut flat)?;
         let mut at = 0;
         for ((_, v), &p) in vars.iter().zip(&present) {
             let n = v.elem_count();

@@ -303,7 +303,6 @@ impl Trainer {
         r: &mut crate::rollout::StepRollouts,
         groups: usize,
     ) -> Result<(), TrainError> {
-        let dist = |e: crate::dist::DistError| TrainError::Rollout(format!("data parallel: {e}"));
         let s = &mut r.stats;
         let mut c = [
             s.episodes as f64,
@@ -317,7 +316,7 @@ impl Trainer {
             r.effective_groups as f64,
             groups as f64,
         ];
-        self.group.all_reduce_sum_f64(&mut c).map_err(dist)?;
+        self.group.all_reduce_sum_f64(&mut c)?;
         (s.episodes, s.continuations) = (c[0] as usize, c[1] as usize);
         (s.generated_tokens, s.replayed_tokens) = (c[2] as u64, c[3] as u64);
         (s.prefill_computed, s.prefill_cached) = (c[4] as u64, c[5] as u64);
@@ -327,8 +326,7 @@ impl Trainer {
         let mine: Vec<u8> = r.rewards.iter().flat_map(|x| x.to_le_bytes()).collect();
         r.rewards = self
             .group
-            .all_gather(&mine)
-            .map_err(dist)?
+            .all_gather(&mine)?
             .iter()
             .flat_map(|p| p.chunks_exact(8))
             .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
@@ -384,9 +382,7 @@ impl Trainer {
             // The counter moves past every rank's launches, as one rank's
             // would (each scheduler adds its launches plus one).
             let mut launches = [(seed - first - 1) as f64];
-            self.group
-                .all_reduce_sum_f64(&mut launches)
-                .map_err(|e| TrainError::Rollout(format!("data parallel: {e}")))?;
+            self.group.all_reduce_sum_f64(&mut launches)?;
             let base = first - (lo * self.cfg.samples_per_prompt) as u64;
             self.state.seed_counter = base + launches[0] as u64 + 1;
             self.reduce_rollouts(&mut r, hi - lo)?;
