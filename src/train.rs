@@ -26,8 +26,8 @@ pub struct TrainArgs {
     /// machine, joined over TCP through rank 0 (GRPO so far). A cluster
     /// launcher can start the ranks itself instead: each `arbor train`
     /// with `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` set joins
-    /// that group. Rank 0 writes the run; rank r > 0 keeps its config under
-    /// `<out>/rank-r`.
+    /// that group. Rank 0 writes the run; every rank resumes from its
+    /// checkpoints (at any number of ranks).
     #[arg(long, default_value_t = 1)]
     pub ranks: usize,
 }
@@ -81,15 +81,11 @@ pub fn run(a: TrainArgs) -> Result<()> {
             None => Box::new(arbor_train::dist::Single),
         };
     let rank = group.rank();
-    let out = if rank > 0 {
-        out.join(format!("rank-{rank}"))
-    } else {
-        out
-    };
     if rank == 0 {
         eprintln!("arbor train: {origin} -> {}", out.display());
     }
-    let mut trainer = Trainer::new(cfg.clone(), &out, a.resume)?.with_group(group)?;
+    // Every rank reads `out` (to resume), only rank 0 writes there.
+    let mut trainer = Trainer::open(cfg.clone(), &out, a.resume, rank == 0)?.with_group(group)?;
     if trainer.step() > 0 {
         eprintln!("resuming after step {}", trainer.step());
     }

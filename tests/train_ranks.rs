@@ -85,9 +85,69 @@ fn two_rank_processes_train_like_one() {
         }
     }
     assert!(one.iter().any(|m| m["grad_norm"].as_f64().unwrap() > 0.0));
-    // Rank 1 wrote no run of its own, only its config.
-    let r1 = d.path().join("two/rank-1");
-    assert!(r1.join("config.json").is_file() && !r1.join("metrics.jsonl").exists());
+}
+
+/// A checkpoint of a one-process run resumes on two processes and goes on
+/// as the one-process run does (checkpoints do not depend on the ranks).
+#[test]
+fn a_run_resumes_at_another_number_of_ranks() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = d.path().join("c.toml");
+    std::fs::write(
+        &cfg,
+        config(4).replace(
+            "checkpoint_every = 0",
+            "checkpoint_every = 2\nkeep_last = 2",
+        ),
+    )
+    .unwrap();
+    let train = |out: &Path, extra: &[&str]| {
+        let st = arbor()
+            .args(["train", cfg.to_str().unwrap(), "--out"])
+            .arg(out)
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(st.success(), "{extra:?}: {st}");
+    };
+    let (straight, resumed) = (d.path().join("straight"), d.path().join("resumed"));
+    train(&straight, &[]);
+    // The one-process run as it was after step 2: its step-2 checkpoint.
+    let ck = |dir: &Path| dir.join("checkpoints/step-00000002");
+    std::fs::create_dir_all(resumed.join("checkpoints")).unwrap();
+    let status = Command::new("cp")
+        .arg("-r")
+        .arg(ck(&straight))
+        .arg(resumed.join("checkpoints"))
+        .status()
+        .unwrap();
+    assert!(status.success());
+    std::fs::copy(
+        straight.join("metrics.jsonl"),
+        resumed.join("metrics.jsonl"),
+    )
+    .unwrap();
+    train(&resumed, &["--resume", "--ranks", "2"]);
+    let (a, b) = (metrics(&straight), metrics(&resumed));
+    assert_eq!(a.len(), 4);
+    assert_eq!(b.len(), 4);
+    for (x, y) in a.iter().zip(&b) {
+        for k in [
+            "generated_tokens",
+            "trained_tokens",
+            "reward",
+            "eval_pass_rate",
+        ] {
+            assert_eq!(x[k], y[k], "{k} at step {}", x["step"]);
+        }
+        let (p, q) = (
+            x["grad_norm"].as_f64().unwrap(),
+            y["grad_norm"].as_f64().unwrap(),
+        );
+        assert!((p - q).abs() <= 1e-5 * p.max(1.0), "grad norm {p} vs {q}");
+    }
 }
 
 /// The children of `parent` whose environment has `RANK=rank` (Linux).

@@ -46,6 +46,18 @@ impl Trainer {
     /// A fresh run in `out_dir`, or (with `resume`) the continuation of the
     /// latest checkpoint there.
     pub fn new(cfg: TrainConfig, out_dir: &Path, resume: bool) -> Result<Self, TrainError> {
+        Self::open(cfg, out_dir, resume, true)
+    }
+
+    /// [`Trainer::new`]; with `writer = false` (a data-parallel rank other
+    /// than 0) nothing in `out_dir` is written or truncated: the rank reads
+    /// the checkpoint it resumes from there, and rank 0 writes the run.
+    pub fn open(
+        cfg: TrainConfig,
+        out_dir: &Path,
+        resume: bool,
+        writer: bool,
+    ) -> Result<Self, TrainError> {
         std::fs::create_dir_all(out_dir)?;
         // The policy: an HF checkpoint, or the tiny random model.
         let hf = match &cfg.model.path {
@@ -103,7 +115,9 @@ impl Trainer {
                     checkpoint::restore(&dir, &cfg, &mcfg, hf_ckpt.as_ref(), &dev, ocfg)?;
                 policy.restore(&policy_state)?;
                 // Metrics after the checkpoint were not kept in the weights: drop them.
-                metrics.truncate(state.step)?;
+                if writer {
+                    metrics.truncate(state.step)?;
+                }
                 (learner, state)
             }
             None => {
@@ -117,7 +131,9 @@ impl Trainer {
                     ocfg,
                     cfg.model.lora.as_ref(),
                 )?;
-                metrics.clear()?;
+                if writer {
+                    metrics.clear()?;
+                }
                 (learner, TrainerState::fresh(cfg.seed))
             }
         };
@@ -133,10 +149,12 @@ impl Trainer {
             max_batch_tokens: 8192,
             ..Default::default()
         };
-        std::fs::write(
-            out_dir.join("config.json"),
-            serde_json::to_vec_pretty(&cfg).map_err(|e| TrainError::Config(e.to_string()))?,
-        )?;
+        if writer {
+            std::fs::write(
+                out_dir.join("config.json"),
+                serde_json::to_vec_pretty(&cfg).map_err(|e| TrainError::Config(e.to_string()))?,
+            )?;
+        }
         Ok(Trainer {
             cfg,
             out_dir: out_dir.to_path_buf(),
@@ -295,6 +313,41 @@ impl Trainer {
         ))
     }
 
+    /// Checks that every rank of the group holds the same trainable weights
+    /// (a hash of their bytes, gathered): an error naming the first rank
+    /// that differs from rank 0. The trainer runs it on every evaluation
+    /// step of a data-parallel run; drift would mean the ranks applied
+    /// different updates.
+    pub fn check_weights_agree(&mut self) -> Result<(), TrainError> {
+        use std::hash::Hasher;
+        // `DefaultHasher::new` has fixed keys: the same hash in every
+        // process of this build.
+        let mut h = std::hash::DefaultHasher::new();
+        for (name, v) in self.learner.opt.vars() {
+            h.write(name.as_bytes());
+            let x = v
+                .as_tensor()
+                .to_dtype(candle_core::DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            for f in x {
+                h.write_u32(f.to_bits());
+            }
+        }
+        let hashes = self.group.all_gather(&h.finish().to_le_bytes())?;
+        if let Some(r) = hashes.iter().position(|x| x != &hashes[0]) {
+            return Err(crate::dist::DistError::Mismatch {
+                rank: self.group.rank(),
+                msg: format!(
+                    "rank {r}'s weights differ from rank 0's after step {}",
+                    self.state.step
+                ),
+            }
+            .into());
+        }
+        Ok(())
+    }
+
     /// The whole step's rollout statistics on every rank: counts summed,
     /// rewards gathered in rank order, the effective-group share over all
     /// `groups` (this rank's task groups).
@@ -407,6 +460,9 @@ impl Trainer {
         self.state.step = step;
         self.state.optimizer_step = self.learner.opt.steps_done();
         let eval_step = step.is_multiple_of(self.cfg.eval_every) || step == self.cfg.steps;
+        if eval_step && self.group.world() > 1 {
+            self.check_weights_agree()?;
+        }
         let eval = if eval_step {
             Some(self.eval(engine)?)
         } else {

@@ -119,6 +119,39 @@ fn two_ranks_train_like_one() {
     assert_eq!(runs[0].1, runs[1].1);
 }
 
+/// The weight check names a rank whose weights drifted.
+#[test]
+fn drifted_weights_are_caught() {
+    let ranks = ThreadGroup::new(2, Duration::from_secs(60));
+    let errs: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = ranks
+            .into_iter()
+            .map(|g| {
+                s.spawn(move || {
+                    let dir = tempfile::tempdir().unwrap();
+                    let cfg = TrainConfig::from_toml(CONFIG, "test").unwrap();
+                    let rank = g.rank();
+                    let mut t = Trainer::open(cfg, dir.path(), false, rank == 0)
+                        .unwrap()
+                        .with_group(Box::new(g))
+                        .unwrap();
+                    t.check_weights_agree().unwrap();
+                    if rank == 1 {
+                        let (_, v) = &t.learner.opt.vars()[0];
+                        let bumped = (v.as_tensor() + 1e-3).unwrap();
+                        v.set(&bumped).unwrap();
+                    }
+                    t.check_weights_agree().unwrap_err().to_string()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in errs {
+        assert!(e.contains("rank 1's weights differ"), "{e}");
+    }
+}
+
 #[test]
 fn a_failed_rank_stops_the_others() {
     let t0 = std::time::Instant::now();
