@@ -425,6 +425,18 @@ impl TcpGroup {
         })())
     }
 
+    /// Rank 0: tell every rank but `r` that rank `r` stopped (best effort:
+    /// a rank that cannot be told learns it from the closed connection).
+    fn abort_others(&mut self, r: usize) {
+        let mut f = ABORT.to_le_bytes().to_vec();
+        f.extend((r as u64).to_le_bytes());
+        for (k, p) in self.peers.iter_mut().enumerate() {
+            if k + 1 != r {
+                let _ = std::io::Write::write_all(p, &f);
+            }
+        }
+    }
+
     fn lost(&mut self, peer: usize, e: &std::io::Error) -> DistError {
         let r = self.gone.unwrap_or(peer);
         self.gone = Some(r);
@@ -502,20 +514,15 @@ impl Collective for TcpGroup {
                 Err(e) => e,
             };
             let err = self.lost(r, &e);
-            // Tell the others which rank stopped.
-            let mut f = ABORT.to_le_bytes().to_vec();
-            f.extend((r as u64).to_le_bytes());
-            for (k, p) in self.peers.iter_mut().enumerate() {
-                if k + 1 != r {
-                    let _ = std::io::Write::write_all(p, &f);
-                }
-            }
+            self.abort_others(r);
             return Err(err);
         }
         for r in 1..self.world {
             for part in &out {
                 if let Err(e) = write_frame(&mut self.peers[r - 1], part) {
-                    return Err(self.lost(r, &e));
+                    let err = self.lost(r, &e);
+                    self.abort_others(r);
+                    return Err(err);
                 }
             }
         }
