@@ -434,7 +434,7 @@ impl Trainer {
         if world > 1 {
             // The counter moves past every rank's launches, as one rank's
             // would (each scheduler adds its launches plus one).
-            let mut launches = [(seed - first - 1) as f64];
+            let mut launches = [seed.saturating_sub(first + 1) as f64];
             self.group.all_reduce_sum_f64(&mut launches)?;
             let base = first - (lo * self.cfg.samples_per_prompt) as u64;
             self.state.seed_counter = base + launches[0] as u64 + 1;
