@@ -192,8 +192,8 @@ fn launch(ranks: usize) -> Result<()> {
         .local_addr()?
         .port();
     let exe = std::env::current_exe().context("finding the arbor executable")?;
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut children = Vec::with_capacity(ranks);
+    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    let mut children = Ranks(Vec::with_capacity(ranks));
     for r in 0..ranks {
         let child = std::process::Command::new(&exe)
             .args(&args)
@@ -203,12 +203,12 @@ fn launch(ranks: usize) -> Result<()> {
             .env("MASTER_PORT", port.to_string())
             .spawn()
             .with_context(|| format!("starting rank {r}"))?;
-        children.push(Some(child));
+        children.0.push(Some(child));
     }
     loop {
         let mut running = 0;
         let mut failed = Vec::new();
-        for (r, slot) in children.iter_mut().enumerate() {
+        for (r, slot) in children.0.iter_mut().enumerate() {
             let Some(c) = slot.as_mut() else {
                 continue;
             };
@@ -222,16 +222,26 @@ fn launch(ranks: usize) -> Result<()> {
             }
         }
         if !failed.is_empty() {
-            for c in children.iter_mut().flatten() {
-                let _ = c.kill();
-                let _ = c.wait();
-            }
+            // The guard stops the other ranks.
             anyhow::bail!("{}; the other ranks were stopped", failed.join(", "));
         }
         if running == 0 {
             return Ok(());
         }
         std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+/// The launched ranks still running; dropping the guard (an error, or the
+/// end of the launch) kills and reaps them, so no rank outlives the run.
+struct Ranks(Vec<Option<std::process::Child>>);
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        for c in self.0.iter_mut().flatten() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 }
 

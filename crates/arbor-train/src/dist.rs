@@ -250,6 +250,8 @@ impl Collective for ThreadGroup {
         loop {
             let left = self.shared.timeout.saturating_sub(start.elapsed());
             if left.is_zero() {
+                // Take the deposit back: a later round must not see it.
+                st.deposits[self.rank] = None;
                 return Err(DistError::Timeout {
                     rank: self.rank,
                     op: "all-gather",
@@ -345,6 +347,8 @@ impl TcpGroup {
                             .map_err(|e| io("accepting on", e))?;
                         s.set_read_timeout(Some(timeout))
                             .map_err(|e| io("accepting on", e))?;
+                        s.set_write_timeout(Some(timeout))
+                            .map_err(|e| io("accepting on", e))?;
                         let mut b = [0u8; 8];
                         s.read_exact(&mut b).map_err(|e| io("handshake on", e))?;
                         let r = u64::from_le_bytes(b) as usize;
@@ -387,6 +391,8 @@ impl TcpGroup {
                 }
             };
             s.set_read_timeout(Some(timeout))
+                .map_err(|e| io("connected to", e))?;
+            s.set_write_timeout(Some(timeout))
                 .map_err(|e| io("connected to", e))?;
             s.write_all(&(rank as u64).to_le_bytes())
                 .map_err(|e| io("handshake with", e))?;
@@ -467,8 +473,15 @@ fn read_frame(s: &mut std::net::TcpStream) -> std::io::Result<Result<Vec<u8>, us
         s.read_exact(&mut b)?;
         return Ok(Err(u64::from_le_bytes(b) as usize));
     }
-    let mut v = vec![0u8; n as usize];
-    s.read_exact(&mut v)?;
+    // Grown as bytes arrive: a corrupt length cannot allocate at once.
+    let mut v = Vec::new();
+    (&mut *s).take(n).read_to_end(&mut v)?;
+    if v.len() as u64 != n {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            "connection closed inside a frame",
+        ));
+    }
     Ok(Ok(v))
 }
 

@@ -310,24 +310,26 @@ fn micro_batches<T>(items: &[T], budget: usize, len: impl Fn(&T) -> usize) -> Ve
 }
 
 /// The denominator of this share of a step under `cfg.aggregation`: the
-/// masked tokens (token mean), the sequences with a masked token
-/// (sequence mean), 1 (token sum: no normalisation to share).
-fn aggregation_denominator(rows: &[LossRow], cfg: &PolicyLossConfig) -> f64 {
+/// masked tokens (token mean), the sequences with a masked token (sequence
+/// mean); `None` for a token sum, whose weights do not depend on how the
+/// step is split.
+fn aggregation_denominator(rows: &[LossRow], cfg: &PolicyLossConfig) -> Option<f64> {
     use arbor_rl::ppo::Aggregation;
     let masked = |r: &LossRow| r.mask.iter().skip(1).filter(|&&m| m > 0.0).count();
     match cfg.aggregation {
-        Aggregation::TokenMean => rows
-            .iter()
-            .map(|r| {
-                r.mask
-                    .iter()
-                    .skip(1)
-                    .map(|&m| f64::from(m.max(0.0)))
-                    .sum::<f64>()
-            })
-            .sum(),
-        Aggregation::SequenceMean => rows.iter().filter(|r| masked(r) > 0).count() as f64,
-        Aggregation::TokenSum { .. } => 1.0,
+        Aggregation::TokenMean => Some(
+            rows.iter()
+                .map(|r| {
+                    r.mask
+                        .iter()
+                        .skip(1)
+                        .map(|&m| f64::from(m.max(0.0)))
+                        .sum::<f64>()
+                })
+                .sum(),
+        ),
+        Aggregation::SequenceMean => Some(rows.iter().filter(|r| masked(r) > 0).count() as f64),
+        Aggregation::TokenSum { .. } => None,
     }
 }
 
@@ -503,13 +505,13 @@ impl Learner {
         let (mut n_tok_all, mut n_val_all) = (n_tok, n_val);
         if world > 1 {
             let den = aggregation_denominator(rows, &self.cfg.policy);
-            let mut c = [n_tok as f64, n_val as f64, den];
+            let mut c = [n_tok as f64, n_val as f64, den.unwrap_or(0.0)];
             group.all_reduce_sum_f64(&mut c)?;
             (n_tok_all, n_val_all) = (c[0] as usize, c[1] as usize);
             // Local weights are over this rank's denominator; rescale to the
             // step's.
-            if c[2] > 0.0 && den > 0.0 {
-                let f = den / c[2];
+            if let Some(d) = den.filter(|&d| d > 0.0 && c[2] > 0.0) {
+                let f = d / c[2];
                 weights.iter_mut().flatten().for_each(|w| *w *= f);
             }
         }

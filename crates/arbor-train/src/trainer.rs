@@ -418,7 +418,9 @@ impl Trainer {
         }
         // GRPO launches `samples_per_prompt` continuations per task in task
         // order: this rank's first launch is number `lo * n` of the step.
-        let first = self.state.seed_counter + (lo * self.cfg.samples_per_prompt) as u64;
+        // (The counter wraps, as the scheduler's seeds do.)
+        let offset = (lo * self.cfg.samples_per_prompt) as u64;
+        let first = self.state.seed_counter.wrapping_add(offset);
         let mut seed = first;
         let ctx = StepContext {
             engine: &mut *engine,
@@ -434,10 +436,12 @@ impl Trainer {
         if world > 1 {
             // The counter moves past every rank's launches, as one rank's
             // would (each scheduler adds its launches plus one).
-            let mut launches = [seed.saturating_sub(first + 1) as f64];
+            // A scheduler moves the counter by its launches plus one (a rank
+            // with no task still ran one).
+            let mut launches = [seed.wrapping_sub(first).wrapping_sub(1) as f64];
             self.group.all_reduce_sum_f64(&mut launches)?;
-            let base = first - (lo * self.cfg.samples_per_prompt) as u64;
-            self.state.seed_counter = base + launches[0] as u64 + 1;
+            let base = first.wrapping_sub(offset);
+            self.state.seed_counter = base.wrapping_add(launches[0] as u64).wrapping_add(1);
             self.reduce_rollouts(&mut r, hi - lo)?;
         }
         if let (Some(StepBudget::Tokens(n)), Some(b)) = (self.cfg.budget, budget_tokens) {

@@ -63,21 +63,41 @@ fn run_rank(cfg: &str, group: Box<dyn Collective>) -> Result<RankRun, String> {
     Ok((ms, weights))
 }
 
-fn run_world(world: usize) -> Vec<Result<RankRun, String>> {
+fn run_world(cfg: &str, world: usize) -> Vec<Result<RankRun, String>> {
     let ranks = ThreadGroup::new(world, Duration::from_secs(120));
     std::thread::scope(|s| {
         let hs: Vec<_> = ranks
             .into_iter()
-            .map(|g| s.spawn(move || run_rank(CONFIG, Box::new(g))))
+            .map(|g| s.spawn(move || run_rank(cfg, Box::new(g))))
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
 }
 
+/// Two ranks against one, under each loss aggregation (the per-token
+/// weights of a rank's share are rescaled to the whole step's).
 #[test]
 fn two_ranks_train_like_one() {
-    let (one_ms, one_w) = run_rank(CONFIG, Box::new(Single)).unwrap();
-    let two = run_world(2);
+    for agg in [
+        "token_mean",
+        "sequence_mean",
+        "{ token_sum = { normalizer = 64.0 } }",
+    ] {
+        let value = if agg.starts_with('{') {
+            agg.to_string()
+        } else {
+            format!("\"{agg}\"")
+        };
+        let cfg = format!(
+            "{CONFIG}\n[learner.policy]\neps_low = 0.2\neps_high = 0.28\naggregation = {value}\n"
+        );
+        two_ranks_match_one(&cfg);
+    }
+}
+
+fn two_ranks_match_one(cfg: &str) {
+    let (one_ms, one_w) = run_rank(cfg, Box::new(Single)).unwrap();
+    let two = run_world(cfg, 2);
     let runs: Vec<RankRun> = two.into_iter().map(Result::unwrap).collect();
     // The run trains: tokens with gradients at every step, and 24
     // episodes a step, split between the ranks.
