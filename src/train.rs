@@ -85,7 +85,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         eprintln!("arbor train: {origin} -> {}", out.display());
     }
     // Every rank reads `out` (to resume), only rank 0 writes there.
-    let mut trainer = Trainer::open(cfg.clone(), &out, a.resume, rank == 0)?.with_group(group)?;
+    let mut trainer = Trainer::open(cfg.clone(), &out, a.resume, group)?;
     if trainer.step() > 0 {
         eprintln!("resuming after step {}", trainer.step());
     }

@@ -252,6 +252,17 @@ struct MicroSums {
     nll: f64,
 }
 
+impl MicroSums {
+    /// The sums over every rank of `group`.
+    fn all_reduce(&mut self, group: &mut dyn crate::dist::Collective) -> Result<(), TrainError> {
+        let p = self.pol;
+        let mut v = [p[0], p[1], p[2], p[3], self.value, self.nll];
+        group.all_reduce_sum_f64(&mut v)?;
+        (self.pol, self.value, self.nll) = ([v[0], v[1], v[2], v[3]], v[4], v[5]);
+        Ok(())
+    }
+}
+
 /// Pack `rows` (with their per-token policy weights `w[row][i]`, aligned
 /// with the row's tokens; missing weights are 0) into one token stream.
 fn pack(rows: &[(&LossRow, &[f64])], dev: &Device) -> Result<Packed, TrainError> {
@@ -574,20 +585,7 @@ impl Learner {
             })?;
             if world > 1 {
                 acc.all_reduce(self.opt.vars(), group)?;
-                let mut v = [
-                    sums.pol[0],
-                    sums.pol[1],
-                    sums.pol[2],
-                    sums.pol[3],
-                    sums.value,
-                    sums.nll,
-                ];
-                group.all_reduce_sum_f64(&mut v)?;
-                sums = MicroSums {
-                    pol: [v[0], v[1], v[2], v[3]],
-                    value: v[4],
-                    nll: v[5],
-                };
+                sums.all_reduce(group)?;
             }
             let t0 = std::time::Instant::now();
             let s: StepStats = arbor_ops::in_pool(&dev, || self.opt.step(&acc))?;

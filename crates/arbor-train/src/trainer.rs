@@ -46,18 +46,33 @@ impl Trainer {
     /// A fresh run in `out_dir`, or (with `resume`) the continuation of the
     /// latest checkpoint there.
     pub fn new(cfg: TrainConfig, out_dir: &Path, resume: bool) -> Result<Self, TrainError> {
-        Self::open(cfg, out_dir, resume, true)
+        Self::open(cfg, out_dir, resume, Box::new(crate::dist::Single))
     }
 
-    /// [`Trainer::new`]; with `writer = false` (a data-parallel rank other
-    /// than 0) nothing in `out_dir` is written or truncated: the rank reads
-    /// the checkpoint it resumes from there, and rank 0 writes the run.
+    /// [`Trainer::new`] as one rank of a data-parallel `group`: each step's
+    /// tasks are split between the ranks by index, each rank generates its
+    /// share on its own engine, and the update sums the ranks' gradients
+    /// ([`Learner::update_in_group`]), so every rank holds the same weights
+    /// and the run matches one rank doing all the work up to f32 round-off.
+    /// Sampling seeds follow the global launch order, never the rank. Rank
+    /// 0 writes the metrics and checkpoints; the other ranks write nothing
+    /// in `out_dir` and read the checkpoint they resume from there. Every
+    /// rank must be built from the same config and run the same warm-up.
+    /// Methods whose rollouts depend on decisions across the whole step
+    /// (FOCUS, PS, VinePPO, PPO) do not run data-parallel yet: refused.
     pub fn open(
         cfg: TrainConfig,
         out_dir: &Path,
         resume: bool,
-        writer: bool,
+        group: Box<dyn crate::dist::Collective>,
     ) -> Result<Self, TrainError> {
+        if group.world() > 1 && cfg.algo != crate::config::Algo::Grpo {
+            return Err(TrainError::Config(format!(
+                "key `algo`: {:?} does not run on several ranks yet (grpo does)",
+                cfg.algo
+            )));
+        }
+        let writer = group.rank() == 0;
         std::fs::create_dir_all(out_dir)?;
         // The policy: an HF checkpoint, or the tiny random model.
         let hf = match &cfg.model.path {
@@ -164,32 +179,8 @@ impl Trainer {
             policy,
             engine_cfg,
             metrics,
-            group: Box::new(crate::dist::Single),
+            group,
         })
-    }
-
-    /// This trainer as one rank of a data-parallel `group`: each step's
-    /// tasks are split between the ranks by index, each rank generates its
-    /// share on its own engine, and the update sums the ranks' gradients
-    /// ([`Learner::update_in_group`]), so every rank holds the same weights
-    /// and the run matches one rank doing all the work up to f32 round-off.
-    /// Sampling seeds follow the global launch order, never the rank. Rank
-    /// 0 writes the metrics and checkpoints. Every rank must be built from
-    /// the same config and run the same warm-up. Methods whose rollouts
-    /// depend on decisions across the whole step (FOCUS, PS, VinePPO, PPO)
-    /// do not run data-parallel yet: refused.
-    pub fn with_group(
-        mut self,
-        group: Box<dyn crate::dist::Collective>,
-    ) -> Result<Self, TrainError> {
-        if group.world() > 1 && self.cfg.algo != crate::config::Algo::Grpo {
-            return Err(TrainError::Config(format!(
-                "key `algo`: {:?} does not run on several ranks yet (grpo does)",
-                self.cfg.algo
-            )));
-        }
-        self.group = group;
-        Ok(self)
     }
 
     /// RL steps already done (after a resume, where it continues from).

@@ -39,9 +39,7 @@ type RankRun = (Vec<StepMetrics>, Vec<(String, Vec<f32>)>);
 fn run_rank(cfg: &str, group: Box<dyn Collective>) -> Result<RankRun, String> {
     let dir = tempfile::tempdir().unwrap();
     let cfg = TrainConfig::from_toml(cfg, "test").unwrap();
-    let mut t = Trainer::new(cfg, dir.path(), false)
-        .and_then(|t| t.with_group(group))
-        .map_err(|e| e.to_string())?;
+    let mut t = Trainer::open(cfg, dir.path(), false, group).map_err(|e| e.to_string())?;
     t.warmup(|_, _| {}).map_err(|e| e.to_string())?;
     let mut ms = Vec::new();
     t.run(|m| ms.push(m.clone())).map_err(|e| e.to_string())?;
@@ -151,10 +149,7 @@ fn drifted_weights_are_caught() {
                     let dir = tempfile::tempdir().unwrap();
                     let cfg = TrainConfig::from_toml(CONFIG, "test").unwrap();
                     let rank = g.rank();
-                    let mut t = Trainer::open(cfg, dir.path(), false, rank == 0)
-                        .unwrap()
-                        .with_group(Box::new(g))
-                        .unwrap();
+                    let mut t = Trainer::open(cfg, dir.path(), false, Box::new(g)).unwrap();
                     t.check_weights_agree().unwrap();
                     if rank == 1 {
                         let (_, v) = &t.learner.opt.vars()[0];

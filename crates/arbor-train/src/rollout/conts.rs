@@ -67,9 +67,20 @@ impl Cont {
         }
     }
 
+    /// The episode's terminal reward (0 before it ends).
+    pub(crate) fn reward(&self) -> f64 {
+        self.steps.last().and_then(|s| s.reward).unwrap_or(0.0)
+    }
+
     /// Whether the episode ended with reward >= 1.
     pub(crate) fn succeeded(&self) -> bool {
-        self.steps.last().and_then(|s| s.reward).unwrap_or(0.0) >= 1.0
+        self.reward() >= 1.0
+    }
+
+    /// Tokens the policy generated in this continuation (replayed ones
+    /// not counted).
+    pub(crate) fn generated(&self) -> usize {
+        self.steps.iter().map(|s| s.action.len()).sum()
     }
 }
 

@@ -84,7 +84,7 @@ impl RolloutPolicy for FocusPolicy {
             for (c, v) in conts.into_iter().zip(values) {
                 let steps = to_steps(&c, Some(&v))?;
                 let ticket = c.ticket.expect("FOCUS continuations have tickets");
-                diag.completed(ticket, c.steps.iter().map(|s| s.action.len() as u64).sum());
+                diag.completed(ticket, c.generated() as u64);
                 let new = alloc.complete(&mut tree, ticket, steps)?;
                 keep_snapshots(&mut snapshots, new, c.steps);
             }

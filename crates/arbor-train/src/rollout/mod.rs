@@ -227,10 +227,7 @@ pub fn run_episodes(
     let done = sched.run_all(conts)?;
     let mut stats = sched.finish();
     stats.episodes = done.len();
-    let rewards = done
-        .iter()
-        .map(|c| c.steps.last().and_then(|s| s.reward).unwrap_or(0.0))
-        .collect();
+    let rewards = done.iter().map(conts::Cont::reward).collect();
     Ok((rewards, stats))
 }
 

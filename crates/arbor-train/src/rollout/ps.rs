@@ -10,8 +10,8 @@ use std::time::Instant;
 use arbor_rl::baselines::{AdvantageEstimator, Grpo};
 use arbor_rl::credit::{loss_rows, Sharing};
 use arbor_rl::prefix::{
-    Bucket, BucketState, CutGranularity, CutSearch, GroupPlan, PrefixController, PrefixSampler,
-    PsConfig, SourceTrajectory,
+    classify, Bucket, BucketState, CutGranularity, CutSearch, GroupClass, GroupPlan,
+    PrefixController, PrefixSampler, PsConfig, SourceTrajectory,
 };
 use arbor_rl::{NodeId, RolloutTree};
 use serde::{Deserialize, Serialize};
@@ -331,12 +331,11 @@ impl PsStep {
             .iter()
             .rev()
             .take(s.launched - s.wave_start)
-            .flat_map(|c| &c.steps)
-            .map(|r| r.action.len() as u64)
+            .map(|c| c.generated() as u64)
             .sum();
         acct.committed = acct.committed - s.reserved + spent;
         s.reserved = 0;
-        let rewards: Vec<f64> = s.done.iter().map(reward).collect();
+        let rewards: Vec<f64> = s.done.iter().map(Cont::reward).collect();
         let mixed = rewards.iter().any(|&r| r != rewards[0]);
         if s.launched < self.m && mixed {
             // A mixed probe: top it up to a full group at the same cut.
@@ -354,26 +353,21 @@ impl PsStep {
             e.0 += wins as u64;
             e.1 += members.len() as u64;
         }
+        s.prefix = None;
         if mixed {
             report.reroll_groups += 1;
             report.reroll_trained += 1;
-            s.prefix = None;
             return Ok(Some(members));
         }
         *acct.no_group.entry(s.bucket).or_default() += 1;
         report.rerollouts_wasted += members.len();
-        report.reroll_tokens_wasted += members
-            .iter()
-            .flat_map(|c| &c.steps)
-            .map(|r| r.action.len() as u64)
-            .sum::<u64>();
+        report.reroll_tokens_wasted += members.iter().map(|c| c.generated() as u64).sum::<u64>();
         if s.launched < self.m {
             report.probes_agreed += 1;
         } else {
             report.reroll_groups += 1;
             report.reroll_degenerate += 1;
         }
-        s.prefix = None;
         let next = (s.attempt + 1 < self.settings.attempts)
             .then(|| s.cuts.refine(rewards[0] >= 1.0))
             .flatten();
@@ -467,7 +461,7 @@ impl PsStep {
         stats.budget_tokens = budget;
 
         let mut report = PsReport::default();
-        let first_rewards: Vec<f64> = conts.iter().map(reward).collect();
+        let first_rewards: Vec<f64> = conts.iter().map(Cont::reward).collect();
         report.first_pass_pass_rate = first_rewards.iter().filter(|&&r| r >= 1.0).count() as f64
             / first_rewards.len().max(1) as f64;
         let mut groups: Vec<Vec<Cont>> = Vec::with_capacity(tasks.len());
@@ -476,7 +470,6 @@ impl PsStep {
             groups.push(it.by_ref().take(n).collect());
         }
         let mut tree = RolloutTree::new();
-        let mut mixed_groups = 0usize;
         let mut searches = Vec::new();
         // Skewed groups left out for their re-rollouts (`keep_skewed =
         // false`), and which of all groups got a trained re-rollout group.
@@ -501,7 +494,11 @@ impl PsStep {
                     false
                 }
                 GroupPlan::Keep => {
-                    if is_skewed(group, self.settings.band) {
+                    let k = group.iter().filter(|c| c.succeeded()).count() as u32;
+                    if matches!(
+                        classify(k, n as u32, self.settings.band)?,
+                        GroupClass::Skewed(_)
+                    ) {
                         report.groups_skewed += 1;
                         report.skewed_unserved += 1;
                     } else {
@@ -556,7 +553,6 @@ impl PsStep {
                 }
             };
             if train {
-                mixed_groups += 1;
                 add_group(&mut tree, &tasks[g], &tasks[g].id, group)?;
             }
         }
@@ -633,7 +629,6 @@ impl PsStep {
                     &mut acct,
                     &mut report,
                 )? {
-                    mixed_groups += 1;
                     let s = &searches[i];
                     served[s.group] = true;
                     let task = &tasks[s.group];
@@ -647,7 +642,6 @@ impl PsStep {
         // it is.
         for g in replaced {
             if !served[g] {
-                mixed_groups += 1;
                 add_group(&mut tree, &tasks[g], &tasks[g].id, &groups[g])?;
             }
         }
@@ -683,10 +677,11 @@ impl PsStep {
         };
         let mut r = StepRollouts::new(tree, rows, stats, Vec::new());
         // Training rewards and the effective share are the first pass's
-        // and every group generated, so they compare with GRPO's.
+        // and every group generated, so they compare with GRPO's (every
+        // group in the update has mixed outcomes).
         r.rewards = first_rewards;
         r.effective_group_fraction =
-            mixed_groups as f64 / (groups.len() + report.reroll_groups).max(1) as f64;
+            r.effective_groups as f64 / (groups.len() + report.reroll_groups).max(1) as f64;
         r.tokens_per_task = Some(tokens_per_task);
         r.ps = Some(report);
         Ok(r)
@@ -797,8 +792,7 @@ impl PsStep {
     /// The generated tokens `k` members of search `s` are expected to cost:
     /// the source's length after the cut, each.
     fn wave_cost(&self, s: &Search, groups: &[Vec<Cont>], k: usize) -> u64 {
-        let src = &groups[s.group][s.source];
-        let len: usize = src.steps.iter().map(|r| r.action.len()).sum();
+        let len = groups[s.group][s.source].generated();
         (k * len.saturating_sub(s.cuts.cut())) as u64
     }
 
@@ -842,11 +836,6 @@ impl PsStep {
     }
 }
 
-/// A trajectory's terminal reward (0 if it has none).
-fn reward(c: &Cont) -> f64 {
-    c.steps.last().and_then(|s| s.reward).unwrap_or(0.0)
-}
-
 /// Action tokens `a` and `b` share from the start: whole segments while
 /// both their actions and observations agree, then the common start of the
 /// first actions that differ.
@@ -867,14 +856,6 @@ fn shared_prefix(a: &Cont, b: &Cont) -> usize {
         }
     }
     acc
-}
-
-/// Whether a group's pass rate lies outside the balanced band (and is
-/// neither all-fail nor all-pass).
-fn is_skewed(group: &[Cont], band: f64) -> bool {
-    let k = group.iter().filter(|c| c.succeeded()).count();
-    let p = k as f64 / group.len().max(1) as f64;
-    k > 0 && k < group.len() && (p - 0.5).abs() > band + 1e-12
 }
 
 /// Record a group's trajectories as episodes of `task`, grouped (for the
