@@ -314,8 +314,51 @@ pub struct LossRow {
     pub value_targets: Vec<(usize, f32)>,
 }
 
+/// One context window of a row being built (see [`loss_rows`]).
+struct Window {
+    tokens: Vec<u32>,
+    mask: Vec<f32>,
+    advantages: Vec<f32>,
+    behaviour_logprobs: Vec<f32>,
+    value_targets: Vec<(usize, f32)>,
+    trained: bool,
+}
+
+impl Window {
+    fn new(tokens: Vec<u32>) -> Self {
+        let n = tokens.len();
+        Window {
+            tokens,
+            mask: vec![0.0; n],
+            advantages: vec![0.0; n],
+            behaviour_logprobs: vec![0.0; n],
+            value_targets: Vec::new(),
+            trained: false,
+        }
+    }
+
+    fn into_row(self, episode: usize, leaf: NodeId) -> LossRow {
+        LossRow {
+            episode,
+            leaf,
+            tokens: self.tokens,
+            mask: self.mask,
+            advantages: self.advantages,
+            behaviour_logprobs: self.behaviour_logprobs,
+            value_targets: self.value_targets,
+        }
+    }
+}
+
 /// Builds one [`LossRow`] per leaf (in id order) from per-token edge
 /// advantages and optional per-node value targets (e.g. [`Backup::gbar`]).
+///
+/// A path through a context restart ([`crate::Segment::restart`]) is
+/// several sequences: the policy generated the tokens before a restart in
+/// one context and those after it in another. Such a leaf gets one row per
+/// context window, in path order, the last always and an earlier one when
+/// it trains a token or holds a value target; each state's value target
+/// sits at the end of its own context.
 pub fn loss_rows(
     tree: &RolloutTree,
     adv: &EdgeAdvantages,
@@ -340,45 +383,49 @@ pub fn loss_rows(
     let mut rows = Vec::new();
     for leaf in tree.leaves() {
         let path = tree.path(leaf)?;
-        let node = tree.node(leaf)?;
-        let len = node.context_len();
-        let tokens = tree.context_tokens(leaf)?;
-        let mut mask = vec![0.0f32; len];
-        let mut advantages = vec![0.0f32; len];
-        let mut behaviour_logprobs = vec![0.0f32; len];
-        let mut targets = Vec::new();
+        let episode = tree.node(leaf)?.episode();
+        let root = tree.episodes()[episode].prompt.clone();
+        let mut row = Window::new(root);
         for &s in &path {
             let n = tree.node(s)?;
             let owned = sharing == Sharing::EveryPath || owner[s.index()] == leaf;
-            if !owned {
-                continue;
-            }
-            if let (Some(t), Some(pos)) = (
-                value_targets.and_then(|v| v[s.index()]),
-                n.context_len().checked_sub(1),
-            ) {
-                targets.push((pos, t as f32));
-            }
-            let (Some(seg), Some(a)) = (n.segment(), adv.checked(tree, s)?) else {
-                continue;
-            };
-            for (j, pos) in n.span().enumerate() {
-                if seg.kinds[j].is_trained() {
-                    mask[pos] = 1.0;
-                    advantages[pos] = a[j] as f32;
-                    behaviour_logprobs[pos] = seg.logprobs[j];
+            if let Some(seg) = n.segment() {
+                let a = if owned { adv.checked(tree, s)? } else { None };
+                let w = seg.window_len();
+                row.tokens.extend_from_slice(&seg.tokens[..w]);
+                row.mask.resize(row.tokens.len(), 0.0);
+                row.advantages.resize(row.tokens.len(), 0.0);
+                row.behaviour_logprobs.resize(row.tokens.len(), 0.0);
+                if let Some(a) = a {
+                    for (j, pos) in n.span().enumerate() {
+                        if seg.kinds[j].is_trained() {
+                            row.mask[pos] = 1.0;
+                            row.advantages[pos] = a[j] as f32;
+                            row.behaviour_logprobs[pos] = seg.logprobs[j];
+                            row.trained = true;
+                        }
+                    }
+                }
+                if w < seg.len() {
+                    // A context restart: the row so far is one sequence the
+                    // policy saw; the state's context starts a new one.
+                    let next = Window::new(seg.tokens[w..].to_vec());
+                    let done = std::mem::replace(&mut row, next);
+                    if done.trained || !done.value_targets.is_empty() {
+                        rows.push(done.into_row(episode, leaf));
+                    }
                 }
             }
+            debug_assert_eq!(row.tokens.len(), n.context_len());
+            if let (true, Some(t), Some(pos)) = (
+                owned,
+                value_targets.and_then(|v| v[s.index()]),
+                row.tokens.len().checked_sub(1),
+            ) {
+                row.value_targets.push((pos, t as f32));
+            }
         }
-        rows.push(LossRow {
-            episode: node.episode(),
-            leaf,
-            tokens,
-            mask,
-            advantages,
-            behaviour_logprobs,
-            value_targets: targets,
-        });
+        rows.push(row.into_row(episode, leaf));
     }
     Ok(rows)
 }
@@ -508,6 +555,68 @@ mod tests {
         let every = loss_rows(&t, &cr.tokens, None, Sharing::EveryPath).unwrap();
         let trained_every: f32 = every.iter().map(|x| x.mask.iter().sum::<f32>()).sum();
         assert!(trained_every > trained);
+    }
+
+    #[test]
+    fn loss_rows_split_at_context_restarts() {
+        // prompt [9, 9] -> a: act [1, 2] obs [3] -> b: summary [4, 5],
+        // restart context [6, 7] -> {c: act [8], R=1; d: act [2], R=0}.
+        let mut t = RolloutTree::new();
+        let r = t.add_episode("t", vec![9, 9], Some(0.5)).unwrap();
+        let mut sa = Segment::new();
+        sa.push(TokenKind::Action, &[1, 2], Some(&[-0.1, -0.2]))
+            .unwrap();
+        sa.push(TokenKind::Observation, &[3], None).unwrap();
+        let mut sb = Segment::new();
+        sb.push(TokenKind::ContextManagement, &[4, 5], Some(&[-0.4, -0.5]))
+            .unwrap();
+        sb.push(TokenKind::Observation, &[6, 7], None).unwrap();
+        let sb = sb.restarting();
+        let mut sc = Segment::new();
+        sc.push(TokenKind::Action, &[8], Some(&[-0.8])).unwrap();
+        let ids = t
+            .add_path(
+                r,
+                vec![
+                    Step::new(sa).value(0.5),
+                    Step::new(sb).value(0.6),
+                    Step::new(sc).terminal(1.0),
+                ],
+            )
+            .unwrap();
+        let (a, b, c) = (ids[0], ids[1], ids[2]);
+        let d = t.add_path(b, vec![step(1).terminal(0.0)]).unwrap()[0];
+        assert_eq!(t.context_tokens(a).unwrap(), vec![9, 9, 1, 2, 3]);
+        assert_eq!(t.context_tokens(b).unwrap(), vec![6, 7]);
+        assert_eq!(t.context_tokens(c).unwrap(), vec![6, 7, 8]);
+        assert_eq!(t.node(b).unwrap().span(), 5..7);
+        assert_eq!(t.node(c).unwrap().span(), 2..3);
+        t.validate().unwrap();
+        let cr = focus_credit(&t, &CreditConfig::default()).unwrap();
+        let rows = loss_rows(&t, &cr.tokens, Some(&cr.backup.gbar), Sharing::Once).unwrap();
+        // c's path: the window before the restart (trains a and the
+        // summary) and the one after; d's path shares both windows' edges
+        // with c, so only its own window after the restart is a row.
+        assert_eq!(rows.len(), 3);
+        let (w0, w1, w2) = (&rows[0], &rows[1], &rows[2]);
+        assert_eq!((w0.leaf, w1.leaf, w2.leaf), (c, c, d));
+        assert_eq!(w0.tokens, vec![9, 9, 1, 2, 3, 4, 5]);
+        assert_eq!(w0.mask, vec![0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0]);
+        assert_eq!(w0.behaviour_logprobs[5..], [-0.4, -0.5]);
+        let adv_b = cr.edge[b.index()].unwrap() as f32;
+        assert_eq!(w0.advantages[5..], [adv_b, adv_b]);
+        assert_eq!(w1.tokens, vec![6, 7, 8]);
+        assert_eq!(w1.mask, vec![0.0, 0.0, 1.0]);
+        assert_eq!(w2.tokens, vec![6, 7, 0]);
+        assert_eq!(w2.mask, vec![0.0, 0.0, 1.0]);
+        // Targets at the end of each state's own context: r and a in the
+        // first window, b (the post-compaction state) in the second.
+        let gb = |n: NodeId| cr.backup.gbar[n.index()].unwrap() as f32;
+        assert_eq!(w0.value_targets, vec![(1, gb(r)), (4, gb(a))]);
+        assert_eq!(w1.value_targets, vec![(1, gb(b))]);
+        assert!(w2.value_targets.is_empty());
+        // Values back up through the compaction: Gbar(b) averages c and d.
+        assert!((cr.backup.gbar[b.index()].unwrap() - 0.5).abs() < 1e-12);
     }
 
     /// A random tree: node i > 0 hangs under a random earlier non-terminal

@@ -103,6 +103,12 @@ pub struct Segment {
     /// reward (which is stored on the terminal node). Zero in outcome-reward
     /// RLVR; non-zero only for shaped rewards.
     pub reward: f64,
+    /// The context restarts after this segment (a context compaction): the
+    /// state it leads to sees only the segment's trailing observation run
+    /// (the harness's restart context), not the history above it. The
+    /// tokens before that run (the policy's summary) end the old context.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub restart: bool,
 }
 
 impl Segment {
@@ -161,6 +167,43 @@ impl Segment {
         self
     }
 
+    /// Marks the segment as a context restart (see [`Segment::restart`]).
+    pub fn restarting(mut self) -> Self {
+        self.restart = true;
+        self
+    }
+
+    /// Where the restart context begins: the start of the trailing
+    /// observation run of a restarting segment (`None` if it does not
+    /// restart, or has no such run).
+    pub fn restart_at(&self) -> Option<usize> {
+        if !self.restart {
+            return None;
+        }
+        let obs = self
+            .kinds
+            .iter()
+            .rev()
+            .take_while(|k| **k == TokenKind::Observation)
+            .count();
+        (obs > 0).then(|| self.tokens.len() - obs)
+    }
+
+    /// Tokens of the segment in the context it was generated in: all of
+    /// them, or those before the restart context.
+    pub fn window_len(&self) -> usize {
+        self.restart_at().unwrap_or(self.tokens.len())
+    }
+
+    /// The context length after this segment, from `before` tokens: the
+    /// restart context's length, or `before + len`.
+    pub fn context_after(&self, before: usize) -> usize {
+        match self.restart_at() {
+            Some(at) => self.tokens.len() - at,
+            None => before + self.tokens.len(),
+        }
+    }
+
     /// Number of tokens.
     pub fn len(&self) -> usize {
         self.tokens.len()
@@ -206,6 +249,12 @@ impl Segment {
         }
         if !self.reward.is_finite() {
             return err(format!("edge reward {} is not finite", self.reward));
+        }
+        if self.restart && !matches!(self.restart_at(), Some(at) if at > 0) {
+            return err(
+                "restarts the context but does not end with an observation after policy tokens"
+                    .into(),
+            );
         }
         for (i, (k, lp)) in self.kinds.iter().zip(&self.logprobs).enumerate() {
             if k.is_trained() && !(lp.is_finite() && *lp <= LOGPROB_SLACK) {
@@ -306,15 +355,25 @@ impl Node {
     pub fn segment(&self) -> Option<&Segment> {
         self.segment.as_ref()
     }
-    /// Token positions of the incoming segment in the episode's full
-    /// sequence `prompt ++ segment_1 ++ ... ++ segment_depth` (empty for a
-    /// root).
+    /// Token positions of the incoming segment in the context it was
+    /// generated in, `prompt ++ segment_1 ++ ... ++ segment_depth` since the
+    /// episode's root or the latest restart above (see
+    /// [`Segment::restart`]); a restarting segment's span ends before its
+    /// restart context. Empty for a root.
     pub fn span(&self) -> Range<usize> {
-        self.start..self.end
+        let w = self.segment.as_ref().map_or(0, Segment::window_len);
+        self.start..self.start + w
     }
-    /// Length of the context at this state (prompt plus all segments above).
+    /// Length of the context at this state: the prompt plus every segment
+    /// above, or, below a context restart, the restart context plus the
+    /// segments after it ([`RolloutTree::context_tokens`]).
     pub fn context_len(&self) -> usize {
         self.end
+    }
+    /// Whether the context restarts at this state (its incoming segment is
+    /// a compaction).
+    pub fn is_restart(&self) -> bool {
+        self.segment.as_ref().is_some_and(|s| s.restart)
     }
     /// Critic prediction `V_phi(s)`.
     pub fn value(&self) -> Option<f64> {
@@ -666,7 +725,7 @@ impl RolloutTree {
                 episode,
                 depth,
                 start,
-                end: start + st.segment.len(),
+                end: st.segment.context_after(start),
                 segment: Some(st.segment),
                 value: st.value,
                 resumable: st.resumable && !terminal,
@@ -737,8 +796,10 @@ impl RolloutTree {
         Ok(seg.reward + n.reward.unwrap_or(0.0))
     }
 
-    /// The full token sequence at state `id`: prompt followed by every
-    /// segment from the root down (length [`Node::context_len`]).
+    /// The context the policy sees at state `id` (length
+    /// [`Node::context_len`]): the prompt followed by every segment from the
+    /// root down; below a context restart, the latest restart context
+    /// followed by the segments after it.
     pub fn context_tokens(&self, id: NodeId) -> Result<Vec<u32>> {
         let path = self.path(id)?;
         let root = &self.st.nodes[path[0].index()];
@@ -746,7 +807,13 @@ impl RolloutTree {
         out.extend_from_slice(&self.st.episodes[root.episode as usize].prompt);
         for p in &path[1..] {
             if let Some(seg) = &self.st.nodes[p.index()].segment {
-                out.extend_from_slice(&seg.tokens);
+                match seg.restart_at() {
+                    Some(at) => {
+                        out.clear();
+                        out.extend_from_slice(&seg.tokens[at..]);
+                    }
+                    None => out.extend_from_slice(&seg.tokens),
+                }
             }
         }
         Ok(out)
@@ -819,7 +886,7 @@ impl RolloutTree {
                         || n.depth != pn.depth + 1
                         || n.episode != pn.episode
                         || n.start != pn.end
-                        || n.end != n.start + seg.len()
+                        || n.end != seg.context_after(n.start)
                         || pn.reward.is_some()
                     {
                         return bad(format!("{id}: inconsistent with its parent {p}"));
@@ -993,6 +1060,36 @@ pub(crate) mod tests {
         assert_eq!(nodes(&t), nodes(&mid));
         assert!(t.set_value(root, f64::NAN).is_err());
         assert!(t.set_resumable(term, true).is_err());
+    }
+
+    #[test]
+    fn restart_segments_start_a_new_context() {
+        let mut seg = Segment::new();
+        seg.push(TokenKind::ContextManagement, &[4], Some(&[-0.1]))
+            .unwrap();
+        seg.push(TokenKind::Observation, &[6, 7], None).unwrap();
+        assert_eq!(seg.restart_at(), None);
+        let seg = seg.restarting();
+        assert_eq!((seg.restart_at(), seg.window_len()), (Some(1), 1));
+        assert_eq!(seg.context_after(10), 2);
+        let mut t = RolloutTree::new();
+        let root = t.add_episode("t", vec![1, 2, 3], None).unwrap();
+        let ids = t
+            .add_path(root, vec![Step::new(seg), step(2).terminal(1.0)])
+            .unwrap();
+        assert_eq!(t.node(ids[0]).unwrap().context_len(), 2);
+        assert!(t.node(ids[0]).unwrap().is_restart());
+        assert_eq!(t.context_tokens(ids[1]).unwrap(), vec![6, 7, 0, 1]);
+        let json = serde_json::to_string(&t).unwrap();
+        assert_eq!(serde_json::from_str::<RolloutTree>(&json).unwrap(), t);
+        // A restart needs a restart context after policy tokens.
+        let only_policy = Segment::policy(&[1], &[-0.1]).unwrap().restarting();
+        assert!(t.add_path(root, vec![Step::new(only_policy)]).is_err());
+        let mut only_obs = Segment::new();
+        only_obs.push(TokenKind::Observation, &[5], None).unwrap();
+        assert!(t
+            .add_path(root, vec![Step::new(only_obs.restarting())])
+            .is_err());
     }
 
     #[test]
