@@ -204,6 +204,21 @@ pub trait Env: Send {
         0
     }
 
+    /// Context-management counts of the current episode, for environments
+    /// that bound the context (compactions, resets, malformed summaries;
+    /// see [`crate::context::ContextStats`]). `None` for the others.
+    fn context_stats(&self) -> Option<crate::context::ContextStats> {
+        None
+    }
+
+    /// The task state a compaction summary must carry for the episode to
+    /// go on (the running sum so far, on the token surface), where the
+    /// task has a compact one: what a summary is checked against. `None`
+    /// by default.
+    fn state_tokens(&self) -> Option<Vec<u32>> {
+        None
+    }
+
     /// Whether `replayed`, the observation an action produces when it is
     /// executed again, counts as `recorded`, the one it produced before
     /// (Prefix Sampling's replay through execution). Exact by default;

@@ -155,6 +155,9 @@ impl CompactionPrompt {
 pub enum ContextMode {
     /// No budget.
     Unbounded,
+    /// A budget of `budget` tokens and no compaction: the episode ends
+    /// (reward 0, counted as an overflow) when the context would exceed it.
+    Bounded { budget: usize },
     /// Policy-written summaries when the context would exceed `budget`
     /// tokens; at most `max_compactions` per episode (then cut off).
     Compaction {
@@ -251,6 +254,9 @@ struct State {
     tool_errors: usize,
     memory: BTreeMap<String, String>,
     last_summary: Option<String>,
+    /// Policy turns since the latest restart (`None` before the first).
+    since_restart: Option<usize>,
+    stats: crate::context::ContextStats,
 }
 
 /// A [`ToolTask`] run as an [`Env`] (see the module doc).
@@ -422,9 +428,9 @@ impl Harness {
     fn budget(&self) -> Option<usize> {
         match self.cfg.context {
             ContextMode::Unbounded => None,
-            ContextMode::Compaction { budget, .. } | ContextMode::Workspace { budget } => {
-                Some(budget)
-            }
+            ContextMode::Bounded { budget }
+            | ContextMode::Compaction { budget, .. }
+            | ContextMode::Workspace { budget } => Some(budget),
         }
     }
 
@@ -452,7 +458,11 @@ impl Harness {
             "memory_get" => match key() {
                 Ok(k) => match self.st.memory.get(&k) {
                     Some(v) => ToolReply::ok(v.clone()),
-                    None => ToolReply::error(format!("no key `{k}`")),
+                    None => {
+                        // Reading a key never stored ends the episode.
+                        self.st.stats.missing_keys += 1;
+                        ToolReply::finish(format!("error: no workspace key `{k}`"), 0.0)
+                    }
                 },
                 Err(e) => ToolReply::error(e),
             },
@@ -524,12 +534,17 @@ impl Harness {
 
     fn finish(&mut self, prev: &str, reward: f64, error: Option<String>) -> StepOutcome {
         self.st.done = true;
+        if self.st.since_restart == Some(1) {
+            self.st.stats.ended_after_compaction += 1;
+        }
         StepOutcome::last(Observation::text(self.cfg.chat.close(prev)), reward, error)
     }
 
     fn restart(&mut self, extra: &str) -> Observation {
         let text = self.first_context(Some(extra));
         self.st.context_tokens = self.count(&text);
+        self.st.stats.context_resets += 1;
+        self.st.since_restart = Some(0);
         Observation {
             text,
             tokens: None,
@@ -557,6 +572,10 @@ impl Env for Harness {
     /// Tool calls executed (parsed calls minus those that failed to run).
     fn tool_calls(&self) -> usize {
         self.st.tool_calls.saturating_sub(self.st.tool_errors)
+    }
+
+    fn context_stats(&self) -> Option<crate::context::ContextStats> {
+        Some(self.st.stats.clone())
     }
 
     /// Equal once durations (`0.12s`, `35 ms`, `1.5 seconds`) are set
@@ -590,20 +609,41 @@ impl Env for Harness {
         let text = action.to_text(None, self.task.id())?;
         self.st.steps += 1;
         self.st.context_tokens += self.count(&text);
+        self.st.since_restart = self.st.since_restart.map(|n| n + 1);
 
         // A compaction summary: restart from the task and the summary.
         if let Some(pending) = self.st.pending.take() {
             let summary = text_outside_calls(strip_think(&text));
-            self.st.compactions += 1;
-            self.st.last_summary = Some(summary.clone());
             let mut extra = format!("# Summary of your earlier work\n{summary}");
             if !pending.is_empty() {
                 extra.push_str("\n\n# Latest tool output\n");
                 extra.push_str(&pending.join("\n\n"));
             }
+            let restart = self.count(&self.first_context(Some(&extra)));
+            let budget = self.budget().unwrap_or(usize::MAX);
+            let malformed = if summary.trim().is_empty() {
+                Some("malformed summary: it is empty".to_string())
+            } else if restart >= budget {
+                Some(format!(
+                    "a summary of ~{} tokens leaves no room: the restart context would be ~{restart} \
+                     of {budget} tokens",
+                    self.count(&summary)
+                ))
+            } else {
+                None
+            };
+            if let Some(e) = malformed {
+                self.st.stats.malformed_summaries += 1;
+                return Ok(self.finish(&text, 0.0, Some(e)));
+            }
+            self.st.compactions += 1;
+            self.st.stats.compactions += 1;
+            self.st.stats.summary_tokens += self.count(&text) as u64;
+            self.st.last_summary = Some(summary);
             let obs = self.restart(&extra);
             return Ok(StepOutcome::next(obs, None));
         }
+        let calls_before = self.st.tool_calls;
 
         let (replies, finish, mut error) = if parse_tool_calls(&text).is_empty() {
             match self.task.answer(strip_think(&text)) {
@@ -617,6 +657,9 @@ impl Env for Harness {
         } else {
             self.execute(&text)?
         };
+        if self.st.since_restart.is_some() {
+            self.st.stats.calls_after_compaction += (self.st.tool_calls - calls_before) as u64;
+        }
         if let Some(r) = finish {
             return Ok(self.finish(&text, r, error));
         }
@@ -639,6 +682,7 @@ impl Env for Harness {
                     ..
                 } => {
                     if self.st.compactions >= max_compactions {
+                        self.st.stats.compaction_limit += 1;
                         let r = self.task.cutoff_reward();
                         return Ok(self.finish(
                             &text,
@@ -659,6 +703,14 @@ impl Env for Harness {
                         next: TokenKind::ContextManagement,
                     };
                     return Ok(StepOutcome::next(obs, error));
+                }
+                ContextMode::Bounded { budget } => {
+                    self.st.stats.overflows += 1;
+                    return Ok(self.finish(
+                        &text,
+                        0.0,
+                        Some(format!("the context of {budget} tokens is full")),
+                    ));
                 }
                 ContextMode::Workspace { .. } => {
                     self.st.context_resets += 1;
@@ -884,7 +936,7 @@ mod tests {
 
     fn compaction(prompt: CompactionPrompt) -> ContextMode {
         ContextMode::Compaction {
-            budget: 220,
+            budget: 300,
             prompt,
             max_compactions: 2,
         }
@@ -951,6 +1003,40 @@ mod tests {
     }
 
     #[test]
+    fn bounded_context_and_bad_summaries_end_the_episode() {
+        let mut ep = Episode::new(Box::new(harness(ContextMode::Bounded { budget: 220 })));
+        ep.reset().unwrap();
+        let last = (0..20)
+            .map(|_| ep.step(call("inc", json!({"by": 0}))).unwrap())
+            .find(|o| o.done)
+            .expect("the budget ends the episode");
+        assert_eq!(last.reward, 0.0);
+        assert!(last
+            .error
+            .unwrap()
+            .contains("context of 220 tokens is full"));
+        assert_eq!(ep.env().context_stats().unwrap().overflows, 1);
+        // An empty summary ends the episode and is counted.
+        let mut ep = Episode::new(Box::new(harness(compaction(CompactionPrompt::FreeForm))));
+        ep.reset().unwrap();
+        while ep.next_kind() != Some(TokenKind::ContextManagement) {
+            ep.step(call("inc", json!({"by": 0}))).unwrap();
+        }
+        let out = ep.step(Action::text("<think>hm</think>  ")).unwrap();
+        assert!(out.done && out.reward == 0.0);
+        assert!(out.error.unwrap().contains("empty"));
+        assert_eq!(ep.env().context_stats().unwrap().malformed_summaries, 1);
+        // A summary that would not fit the budget after the restart too.
+        let mut ep = Episode::new(Box::new(harness(compaction(CompactionPrompt::FreeForm))));
+        ep.reset().unwrap();
+        while ep.next_kind() != Some(TokenKind::ContextManagement) {
+            ep.step(call("inc", json!({"by": 0}))).unwrap();
+        }
+        let out = ep.step(Action::text("x".repeat(2000))).unwrap();
+        assert!(out.done && out.error.unwrap().contains("leaves no room"));
+    }
+
+    #[test]
     fn compaction_limit_and_free_form() {
         let mut ep = Episode::new(Box::new(harness(compaction(CompactionPrompt::FreeForm))));
         ep.reset().unwrap();
@@ -991,8 +1077,6 @@ mod tests {
         assert!(out.observation.text.contains("stored `plan`"));
         let out = ep.step(call("memory_get", json!({"key": "plan"}))).unwrap();
         assert!(out.observation.text.contains("inc by 3"));
-        let out = ep.step(call("memory_get", json!({"key": "nope"}))).unwrap();
-        assert!(out.error.unwrap().contains("no key `nope`"));
         ep.step(call("memory_put", json!({"key": "plan2", "value": "x"})))
             .unwrap();
         let out = ep
@@ -1019,5 +1103,11 @@ mod tests {
         assert!(reset_seen);
         let s = ep.env().summary();
         assert!(s.contains("1 context resets"), "{s}");
+        // Reading a key never stored ends the episode (reward 0, counted).
+        let out = ep.step(call("memory_get", json!({"key": "nope"}))).unwrap();
+        assert!(out.done && out.reward == 0.0);
+        let stats = ep.env().context_stats().unwrap();
+        assert_eq!((stats.missing_keys, stats.context_resets), (1, 1));
+        assert!(stats.calls_after_compaction >= 1);
     }
 }

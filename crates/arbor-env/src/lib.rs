@@ -10,6 +10,8 @@
 //!   token or text surface, seeded, binary reward;
 //! - [`chat`]: plain and Qwen3 chat scaffolding of observations;
 //! - [`toolcall`]: robust Qwen `<tool_call>` parsing;
+//! - [`context`]: a bounded context for the token tasks (compaction,
+//!   structured summaries, workspace memory) and its per-episode counts;
 //! - [`harness`]: the tool harness (schema-checked tool calls, output
 //!   truncation, context budget with policy-written compaction or an
 //!   in-memory workspace);
@@ -26,6 +28,7 @@
 //! `docs/prefix-sampling.md` (replay through execution).
 
 pub mod chat;
+pub mod context;
 pub mod data;
 pub mod env;
 pub mod error;

@@ -456,6 +456,17 @@ impl Env for RunningSum {
         Ok(Box::new(RunningSum::new(self.cfg.clone(), self.seed)?))
     }
 
+    /// The running sum of the digits answered so far (token surface): the
+    /// one number a summary must keep.
+    fn state_tokens(&self) -> Option<Vec<u32>> {
+        if self.cfg.mode != Mode::Tokens || self.cfg.one_turn {
+            return None;
+        }
+        let n = self.answers.len();
+        let s = self.digits[..n].iter().fold(0u8, |s, d| (s + d) % 10);
+        Some(vec![u32::from(s)])
+    }
+
     fn vocab(&self) -> Option<&SmallVocab> {
         self.cfg.mode.vocab()
     }

@@ -17,7 +17,13 @@
 //! | 19 | `<ok>` | tool acknowledgement |
 //! | 20 | `<err>` | error observation (malformed action) |
 //! | 21 | `<done>` | the episode is over |
-//! | 22-31 | `<r22>`-`<r31>` | reserved |
+//! | 22 | `<compact>` | the context is full: write a summary (or save to the workspace) |
+//! | 23 | `<memo>` | a summary or a stored value follows |
+//! | 24 | `<put>` | workspace tool: store a value under a key |
+//! | 25 | `<load>` | workspace tool: read the value under a key |
+//! | 26 | `<reset>` | the context was cleared (workspace mode) |
+//! | 27-30 | `<task>`, `<progress>`, `<state>`, `<next>` | sections of a structured summary |
+//! | 31 | `<r31>` | reserved |
 
 /// Number of ids in the vocabulary.
 pub const VOCAB_SIZE: u32 = 32;
@@ -45,9 +51,41 @@ pub const OK: u32 = 19;
 pub const ERR: u32 = 20;
 /// End of episode.
 pub const DONE: u32 = 21;
+/// The context is full: the next turn is a summary (context management).
+pub const COMPACT: u32 = 22;
+/// A summary (after a restart) or a stored value (after `<load>`) follows.
+pub const MEMO: u32 = 23;
+/// Workspace tool: `<put> key value...` stores `value` under the digit `key`.
+pub const PUT: u32 = 24;
+/// Workspace tool: `<load> key` reads the value stored under `key`.
+pub const LOAD: u32 = 25;
+/// The context was cleared (workspace mode).
+pub const RESET: u32 = 26;
+/// Section markers of a structured summary, in their required order.
+pub const SECTIONS: [u32; 4] = [27, 28, 29, 30];
 
-const SPECIALS: [&str; 12] = [
-    "<pad>", "<bos>", "<eos>", "+", "-", "=", "?", "<add>", "<get>", "<ok>", "<err>", "<done>",
+const SPECIALS: [&str; 21] = [
+    "<pad>",
+    "<bos>",
+    "<eos>",
+    "+",
+    "-",
+    "=",
+    "?",
+    "<add>",
+    "<get>",
+    "<ok>",
+    "<err>",
+    "<done>",
+    "<compact>",
+    "<memo>",
+    "<put>",
+    "<load>",
+    "<reset>",
+    "<task>",
+    "<progress>",
+    "<state>",
+    "<next>",
 ];
 
 /// A token id outside the vocabulary or text that does not encode.
@@ -85,8 +123,8 @@ impl SmallVocab {
     pub fn token_text(&self, id: u32) -> Option<String> {
         match id {
             0..=9 => Some(id.to_string()),
-            10..=21 => Some(SPECIALS[(id - 10) as usize].to_string()),
-            22..=31 => Some(format!("<r{id}>")),
+            10..=30 => Some(SPECIALS[(id - 10) as usize].to_string()),
+            31 => Some(format!("<r{id}>")),
             _ => None,
         }
     }
@@ -160,6 +198,11 @@ mod tests {
         assert_eq!(
             v.encode("<add><get><ok><err><done><pad>").unwrap(),
             vec![ADD, GET, OK, ERR, DONE, PAD]
+        );
+        assert_eq!(
+            v.encode("<compact><memo><put><load><reset><task><progress><state><next>")
+                .unwrap(),
+            vec![COMPACT, MEMO, PUT, LOAD, RESET, 27, 28, 29, 30]
         );
         assert_eq!(v.entries().len(), 32);
         assert_eq!(v.token_text(31).unwrap(), "<r31>");
