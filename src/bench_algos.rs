@@ -31,7 +31,8 @@ pub struct AlgosArgs {
     /// Prefix Sampling's `reserve=X`, `band=X`, `eta=X`,
     /// `cut=auto|tokens|lines|boundaries`, `replay=execute|snapshot`,
     /// `rerollouts=M`, `sources=S`, `attempts=K`, `probe=Q`, `anchor=B`, `keep_skewed=B`,
-    /// `match_budget=B`.
+    /// `match_budget=B`; the context's `compaction=none|free_form|structured|workspace`
+    /// and `context_tokens=N`.
     #[arg(
         long,
         default_value = "focus,ps,grpo,ppo,vineppo",
@@ -74,6 +75,103 @@ struct RunResult {
     effective_groups: f64,
     /// Prefix Sampling's re-rollout statistics (PS rows).
     ps: Option<PsRun>,
+    /// Context management (runs with a bounded context).
+    context: Option<CtxRun>,
+}
+
+/// Context management over one run (a bounded context).
+#[derive(Debug, Serialize)]
+struct CtxRun {
+    /// Share of summaries carrying the task's state, first and last
+    /// `CTX_WINDOW` steps.
+    kept_first: Option<f64>,
+    kept_last: Option<f64>,
+    compactions_per_episode: f64,
+    summary_tokens_per_episode: f64,
+    /// Episodes ended by a malformed summary, a missing key, a full
+    /// context, the compaction limit, over the run.
+    malformed: u64,
+    missing_keys: u64,
+    overflows: u64,
+    compaction_limit: u64,
+    ended_after_compaction: u64,
+}
+
+/// Steps at each end of a run whose summaries are compared.
+const CTX_WINDOW: usize = 10;
+
+impl CtxRun {
+    fn of(ms: &[arbor_train::StepMetrics]) -> Option<CtxRun> {
+        let c: Vec<&arbor_train::metrics::ContextMetrics> =
+            ms.iter().filter_map(|m| m.context.as_ref()).collect();
+        if c.is_empty() {
+            return None;
+        }
+        let kept = |xs: &[&arbor_train::metrics::ContextMetrics]| {
+            let v: Vec<f64> = xs.iter().filter_map(|x| x.summaries_kept_state).collect();
+            (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+        };
+        let w = CTX_WINDOW.min(c.len());
+        let n = c.len() as f64;
+        Some(CtxRun {
+            kept_first: kept(&c[..w]),
+            kept_last: kept(&c[c.len() - w..]),
+            compactions_per_episode: c.iter().map(|x| x.compactions_per_episode).sum::<f64>() / n,
+            summary_tokens_per_episode: c.iter().map(|x| x.summary_tokens_per_episode).sum::<f64>()
+                / n,
+            malformed: c.iter().map(|x| x.malformed_summaries).sum(),
+            missing_keys: c.iter().map(|x| x.missing_keys).sum(),
+            overflows: c.iter().map(|x| x.overflows).sum(),
+            compaction_limit: c.iter().map(|x| x.compaction_limit).sum(),
+            ended_after_compaction: c.iter().map(|x| x.ended_after_compaction).sum(),
+        })
+    }
+}
+
+/// Context management of the runs with a bounded context (seed means).
+fn print_context(algos: &[String], results: &[RunResult]) {
+    if results.iter().all(|r| r.context.is_none()) {
+        return;
+    }
+    println!(
+        "\n| algo | summaries carrying the state, first / last {CTX_WINDOW} steps | compactions per episode | summary tokens per episode | episodes ended: malformed summary / missing key / full context / compaction limit | ended right after a compaction |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for name in algos {
+        let runs: Vec<&CtxRun> = results
+            .iter()
+            .filter(|r| &r.algo == name)
+            .filter_map(|r| r.context.as_ref())
+            .collect();
+        if runs.is_empty() {
+            continue;
+        }
+        let k = runs.len() as f64;
+        let avg = |f: &dyn Fn(&CtxRun) -> Option<f64>| {
+            let v: Vec<f64> = runs.iter().filter_map(|r| f(r)).collect();
+            if v.is_empty() {
+                "-".to_string()
+            } else {
+                format!("{:.2}", v.iter().sum::<f64>() / v.len() as f64)
+            }
+        };
+        let sum = |f: &dyn Fn(&CtxRun) -> u64| runs.iter().map(|r| f(r)).sum::<u64>();
+        println!(
+            "| {name} | {} / {} | {:.2} | {:.1} | {} / {} / {} / {} | {} |",
+            avg(&|r| r.kept_first),
+            avg(&|r| r.kept_last),
+            runs.iter().map(|r| r.compactions_per_episode).sum::<f64>() / k,
+            runs.iter()
+                .map(|r| r.summary_tokens_per_episode)
+                .sum::<f64>()
+                / k,
+            sum(&|r| r.malformed),
+            sum(&|r| r.missing_keys),
+            sum(&|r| r.overflows),
+            sum(&|r| r.compaction_limit),
+            sum(&|r| r.ended_after_compaction),
+        );
+    }
 }
 
 /// Prefix Sampling over one run: re-rollout groups and pass rates, and each
@@ -226,11 +324,13 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
             "anchor" => cfg.ps.anchor = flag(kv, v)?,
             "keep_skewed" => cfg.ps.keep_skewed = flag(kv, v)?,
             "match_budget" => cfg.ps.match_budget = flag(kv, v)?,
+            "compaction" => cfg.harness.compaction = variant(kv, v)?,
+            "context_tokens" => cfg.harness.context_tokens = Some(num()? as usize),
             _ => anyhow::bail!(
                 "row setting `{kv}`: unknown key (lambda, kappa, score, evidence, \
                  prune_settled, critic_targets, critic, critic_init, critic_lr; PS: reserve, \
                  band, eta, cut, replay, rerollouts, sources, attempts, probe, anchor, keep_skewed, \
-                 match_budget)"
+                 match_budget; context: compaction, context_tokens)"
             ),
         }
     }
@@ -336,6 +436,7 @@ pub fn run(a: AlgosArgs) -> Result<()> {
             let effective_groups =
                 ms.iter().map(|m| m.effective_groups as f64).sum::<f64>() / ms.len().max(1) as f64;
             let ps = PsRun::of(&ms);
+            let context = CtxRun::of(&ms);
             let n = ms.len().clamp(1, 10);
             let final_reward = ms.iter().rev().take(n).map(|m| m.reward).sum::<f64>() / n as f64;
             results.push(RunResult {
@@ -352,6 +453,7 @@ pub fn run(a: AlgosArgs) -> Result<()> {
                 mean_depth,
                 effective_groups,
                 ps,
+                context,
             });
         }
     }
@@ -477,6 +579,7 @@ pub fn run(a: AlgosArgs) -> Result<()> {
         );
     }
     print_groups(&a.algos, &results);
+    print_context(&a.algos, &results);
     std::fs::create_dir_all(&a.out)?;
     std::fs::write(
         a.out.join("algos.json"),

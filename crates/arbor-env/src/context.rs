@@ -113,6 +113,43 @@ pub struct ContextStats {
 }
 
 impl ContextStats {
+    /// Number of counts ([`ContextStats::counts`]).
+    pub const N: usize = 11;
+
+    /// The counts in field order (for reductions across processes).
+    pub fn counts(&self) -> [u64; Self::N] {
+        [
+            self.compactions,
+            self.summary_tokens,
+            self.context_resets,
+            self.calls_after_compaction,
+            self.ended_after_compaction,
+            self.malformed_summaries,
+            self.missing_keys,
+            self.overflows,
+            self.compaction_limit,
+            self.summaries_checked,
+            self.summaries_kept_state,
+        ]
+    }
+
+    /// The inverse of [`ContextStats::counts`].
+    pub fn from_counts(c: [u64; Self::N]) -> Self {
+        ContextStats {
+            compactions: c[0],
+            summary_tokens: c[1],
+            context_resets: c[2],
+            calls_after_compaction: c[3],
+            ended_after_compaction: c[4],
+            malformed_summaries: c[5],
+            missing_keys: c[6],
+            overflows: c[7],
+            compaction_limit: c[8],
+            summaries_checked: c[9],
+            summaries_kept_state: c[10],
+        }
+    }
+
     /// Adds `o`'s counts to these.
     pub fn add(&mut self, o: &ContextStats) {
         self.compactions += o.compactions;

@@ -278,6 +278,38 @@ impl Default for PpoSettings {
     }
 }
 
+/// The context the policy works in (`[harness]`).
+///
+/// With `context_tokens` set, an episode's context never exceeds it. What
+/// happens when it is full is `compaction`: `none` ends the episode
+/// (reward 0); `free_form` and `structured` ask the policy for a summary
+/// (its own segment, [`arbor_rl::TokenKind::ContextManagement`], trained
+/// with the episode's credit) and restart the context from the task and
+/// the summary; `workspace` gives the policy memory tools and restarts
+/// from the task alone. Every restart is a tree state FOCUS can fork from.
+/// The built-in token tasks run under [`arbor_env::context::BoundedContext`];
+/// SWE tasks under the tool harness's context modes.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HarnessSettings {
+    /// Largest context, tokens (unset: only the engine's context limit).
+    pub context_tokens: Option<usize>,
+    /// What the policy does when the context is full.
+    pub compaction: arbor_env::context::Compaction,
+    /// Compactions per episode; one more ends it (reward 0).
+    pub max_compactions: usize,
+}
+
+impl Default for HarnessSettings {
+    fn default() -> Self {
+        HarnessSettings {
+            context_tokens: None,
+            compaction: arbor_env::context::Compaction::None,
+            max_compactions: 16,
+        }
+    }
+}
+
 /// Prefix Sampling settings (`[ps]`).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -424,6 +456,8 @@ pub struct TrainConfig {
     pub model: ModelSpec,
     /// The task the policy trains on.
     pub task: TaskConfig,
+    /// The policy's context: its size and compaction.
+    pub harness: HarnessSettings,
     /// Supervised warm-up before RL.
     pub warmup: WarmupConfig,
     /// AdamW and its schedule (`total_steps` is set from `steps * epochs`).
@@ -475,6 +509,7 @@ impl Default for TrainConfig {
             temperature: 1.0,
             model: ModelSpec::default(),
             task: TaskConfig::default(),
+            harness: HarnessSettings::default(),
             warmup: WarmupConfig::default(),
             optimizer: AdamWConfig::default(),
             learner: LearnerConfig::default(),
@@ -622,6 +657,27 @@ impl TrainConfig {
             Some(StepBudget::Tokens(0) | StepBudget::Continuations(0))
         ) {
             return bad("budget", "must be >= 1");
+        }
+        let h = &self.harness;
+        if h.context_tokens.is_none() && h.compaction != arbor_env::context::Compaction::None {
+            return bad(
+                "harness.compaction",
+                "needs `harness.context_tokens` (the size it keeps the context within)",
+            );
+        }
+        if h.context_tokens == Some(0) {
+            return bad("harness.context_tokens", "must be >= 1");
+        }
+        if h.context_tokens.is_some()
+            && matches!(
+                self.task,
+                TaskConfig::Math { .. } | TaskConfig::RunningSum { one_turn: true, .. }
+            )
+        {
+            return bad(
+                "harness.context_tokens",
+                "single-turn tasks have no history to compact; bound the response with                  `task.max_tokens`",
+            );
         }
         if !(0.0..=0.5).contains(&self.ps.band) {
             return bad("ps.band", "must be in [0, 0.5]");

@@ -11,6 +11,54 @@ use crate::config::Algo;
 use crate::tensorboard::EventWriter;
 use crate::TrainError;
 
+/// Context management of a step's finished trajectories (bounded
+/// contexts): per-trajectory means and counts of the ends it caused.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ContextMetrics {
+    /// Compactions (summaries, workspace saves) per trajectory.
+    pub compactions_per_episode: f64,
+    /// Policy tokens spent on summaries per trajectory.
+    pub summary_tokens_per_episode: f64,
+    /// Context restarts per trajectory.
+    pub resets_per_episode: f64,
+    /// Task actions and tool calls after the first compaction, per
+    /// trajectory (collapse shows as few).
+    pub calls_after_compaction_per_episode: f64,
+    /// Trajectories that ended on the first action after a compaction
+    /// (the spec's failure mode: submitting right after compacting).
+    pub ended_after_compaction: u64,
+    /// Trajectories ended by a malformed or oversized summary, a missing
+    /// workspace key, a full context without compaction, the compaction
+    /// limit.
+    pub malformed_summaries: u64,
+    pub missing_keys: u64,
+    pub overflows: u64,
+    pub compaction_limit: u64,
+    /// Share of summaries that carried the task's state (tasks that can
+    /// tell; `None` when no summary was checked).
+    pub summaries_kept_state: Option<f64>,
+}
+
+impl ContextMetrics {
+    /// The metrics of `s`, summed over `episodes` finished trajectories.
+    pub fn new(s: &arbor_env::context::ContextStats, episodes: u64) -> Self {
+        let per = |x: u64| x as f64 / episodes.max(1) as f64;
+        ContextMetrics {
+            compactions_per_episode: per(s.compactions),
+            summary_tokens_per_episode: per(s.summary_tokens),
+            resets_per_episode: per(s.context_resets),
+            calls_after_compaction_per_episode: per(s.calls_after_compaction),
+            ended_after_compaction: s.ended_after_compaction,
+            malformed_summaries: s.malformed_summaries,
+            missing_keys: s.missing_keys,
+            overflows: s.overflows,
+            compaction_limit: s.compaction_limit,
+            summaries_kept_state: (s.summaries_checked > 0)
+                .then(|| s.summaries_kept_state as f64 / s.summaries_checked as f64),
+        }
+    }
+}
+
 /// One line of `metrics.jsonl`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepMetrics {
@@ -69,6 +117,10 @@ pub struct StepMetrics {
     /// 0 for tasks without tools).
     #[serde(default)]
     pub tool_calls_per_episode: f64,
+    /// Context management of the trajectories that ended this step (runs
+    /// with `[harness] context_tokens`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context: Option<ContextMetrics>,
     /// The step's generated-token budget where one is enforced (the run's
     /// `budget = { tokens = N }` with what earlier steps carried over; PS
     /// with `ps.match_budget`: the GRPO baseline's).

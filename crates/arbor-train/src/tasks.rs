@@ -13,8 +13,34 @@ use arbor_model::Tokenizer;
 use arbor_rl::credit::LossRow;
 use serde::{Deserialize, Serialize};
 
+use crate::config::HarnessSettings;
 use crate::rollout::{RolloutConfig, StepOut, TaskInstance, TokenEpisode};
 use crate::TrainError;
+
+use arbor_env::context::{BoundedConfig, BoundedContext, Compaction};
+
+/// The longest segment of a token task under a bounded context: room for a
+/// four-section summary of a one-digit state, or a workspace call.
+const BOUNDED_SEGMENT_TOKENS: usize = 6;
+
+/// The tool harness's context mode for `[harness]`.
+fn harness_mode(h: &HarnessSettings) -> arbor_env::harness::ContextMode {
+    use arbor_env::harness::{CompactionPrompt, ContextMode};
+    let Some(budget) = h.context_tokens else {
+        return ContextMode::Unbounded;
+    };
+    let compaction = |prompt| ContextMode::Compaction {
+        budget,
+        prompt,
+        max_compactions: h.max_compactions,
+    };
+    match h.compaction {
+        Compaction::None => ContextMode::Bounded { budget },
+        Compaction::FreeForm => compaction(CompactionPrompt::FreeForm),
+        Compaction::Structured => compaction(CompactionPrompt::Structured),
+        Compaction::Workspace => ContextMode::Workspace { budget },
+    }
+}
 
 /// A token-level [`Env`] as a [`TokenEpisode`]; text environments go
 /// through `tokenizer` (actions decoded, observations encoded).
@@ -51,14 +77,21 @@ impl TokenEpisode for EnvEpisode {
         };
         let out = self.env.step(&act)?;
         let reward = out.done.then_some(out.reward);
+        let (restart, next) = (out.observation.restart, out.observation.next);
         Ok(StepOut {
             observation: self.observation_tokens(out.observation)?,
             reward,
+            restart,
+            next,
         })
     }
 
     fn tool_calls(&self) -> usize {
         self.env.tool_calls()
+    }
+
+    fn context_stats(&self) -> Option<arbor_env::context::ContextStats> {
+        self.env.context_stats()
     }
 
     /// Equal tokens, else (text tasks) the environment's judgement of the
@@ -203,7 +236,12 @@ struct SwePool {
 }
 
 impl SwePool {
-    fn load(cfg: &TaskConfig, seed: u64) -> Result<Option<Self>, TrainError> {
+    fn load(
+        cfg: &TaskConfig,
+        seed: u64,
+        context: arbor_env::harness::ContextMode,
+        tokenizer: Option<&Tokenizer>,
+    ) -> Result<Option<Self>, TrainError> {
         let TaskConfig::Swe {
             instances,
             repos,
@@ -257,11 +295,20 @@ impl SwePool {
             )));
         }
         shuffle(&mut train_list, seed);
-        let harness = arbor_env::harness::HarnessConfig {
+        let mut harness = arbor_env::harness::HarnessConfig {
             chat: ChatFormat::Qwen,
             max_steps: *max_turns,
+            context,
             ..Default::default()
         };
+        if let Some(tok) = tokenizer {
+            // Count the budget in the model's tokens.
+            let tok = tok.clone();
+            harness.counter =
+                arbor_env::harness::TokenCounter::Custom(std::sync::Arc::new(move |s: &str| {
+                    tok.encode(s, false).map_or(s.len() / 4, |t| t.len())
+                }));
+        }
         let pool = SwePool::default();
         for (list, dst) in [(train_list, &pool.train), (eval_list, &pool.eval)] {
             for inst in list {
@@ -360,6 +407,7 @@ pub struct TaskSampler {
     train: Vec<MathProblem>,
     eval: Vec<MathProblem>,
     swe: Option<std::sync::Arc<SwePool>>,
+    harness: HarnessSettings,
 }
 
 impl TaskSampler {
@@ -370,6 +418,19 @@ impl TaskSampler {
         base_seed: u64,
         tokenizer: Option<Tokenizer>,
         eos: Vec<u32>,
+    ) -> Result<Self, TrainError> {
+        Self::with_harness(cfg, base_seed, tokenizer, eos, HarnessSettings::default())
+    }
+
+    /// [`TaskSampler::new`] with the policy's context bounded by `harness`
+    /// (`[harness]`): token tasks under [`BoundedContext`], SWE tasks under
+    /// the tool harness's context modes.
+    pub fn with_harness(
+        cfg: TaskConfig,
+        base_seed: u64,
+        tokenizer: Option<Tokenizer>,
+        eos: Vec<u32>,
+        harness: HarnessSettings,
     ) -> Result<Self, TrainError> {
         let (mut train, mut eval) = (Vec::new(), Vec::new());
         if let TaskConfig::Math {
@@ -402,7 +463,8 @@ impl TaskSampler {
                 "key `task`: SWE tasks need a model with a tokenizer (`model.path`)".into(),
             ));
         }
-        let swe = SwePool::load(&cfg, base_seed)?.map(std::sync::Arc::new);
+        let swe = SwePool::load(&cfg, base_seed, harness_mode(&harness), tokenizer.as_ref())?
+            .map(std::sync::Arc::new);
         Ok(TaskSampler {
             cfg,
             base_seed,
@@ -412,7 +474,13 @@ impl TaskSampler {
             train,
             eval,
             swe,
+            harness,
         })
+    }
+
+    /// The policy's context settings.
+    pub fn harness(&self) -> &HarnessSettings {
+        &self.harness
     }
 
     /// Vocabulary of the built-in small-vocabulary tasks.
@@ -427,6 +495,17 @@ impl TaskSampler {
 
     /// How segments are generated for this task.
     pub fn rollout_config(&self, temperature: f32) -> RolloutConfig {
+        let mut r = self.rollout_config_unbounded(temperature);
+        if self.harness.context_tokens.is_some() && !self.is_text() {
+            // Room for a summary or a workspace call, and for the turns
+            // they add.
+            r.max_segment_tokens = r.max_segment_tokens.max(BOUNDED_SEGMENT_TOKENS);
+            r.max_segments = 2 * r.max_segments + 2 * self.harness.max_compactions;
+        }
+        r
+    }
+
+    fn rollout_config_unbounded(&self, temperature: f32) -> RolloutConfig {
         let line_ends: std::sync::Arc<[u32]> = std::sync::Arc::new([]);
         match &self.cfg {
             TaskConfig::RunningSum {
@@ -493,8 +572,29 @@ impl TaskSampler {
             .clone()
     }
 
-    /// The synthetic task instance for `seed` and its oracle's actions.
+    /// The synthetic task instance for `seed` and its oracle's actions,
+    /// under the bounded context when `[harness]` sets one.
     fn synthetic(&self, seed: u64) -> Result<(Box<dyn Env>, Vec<Action>), TrainError> {
+        let (env, oracle) = self.synthetic_unbounded(seed)?;
+        let Some(cfg) = self.bounded_config() else {
+            return Ok((env, oracle));
+        };
+        let env = BoundedContext::new(env, cfg)
+            .map_err(|e| TrainError::Config(format!("key `harness.context_tokens`: {e}")))?;
+        Ok((Box::new(env), oracle))
+    }
+
+    /// The bounded context of a token task, when `[harness]` sets one.
+    fn bounded_config(&self) -> Option<BoundedConfig> {
+        Some(BoundedConfig {
+            context_tokens: self.harness.context_tokens?,
+            compaction: self.harness.compaction,
+            max_compactions: self.harness.max_compactions,
+            reserve: self.rollout_config(1.0).max_segment_tokens,
+        })
+    }
+
+    fn synthetic_unbounded(&self, seed: u64) -> Result<(Box<dyn Env>, Vec<Action>), TrainError> {
         let err = |e: arbor_env::EnvError| TrainError::Config(format!("task: {e}"));
         match &self.cfg {
             TaskConfig::RunningSum {
@@ -581,35 +681,56 @@ impl TaskSampler {
             .ok_or_else(|| TrainError::Config("SWE tasks were not loaded".into()))
     }
 
-    /// A demonstration of training task `i` (the oracle's actions) as a loss
-    /// row: action tokens trained, prompt and observations masked.
-    pub fn demonstration(&self, i: u64) -> Result<LossRow, TrainError> {
-        let (mut env, actions) = self.synthetic(self.base_seed.wrapping_add(2 * i))?;
-        let first = env.reset()?;
+    /// A demonstration of training task `i` (the oracle's actions; under a
+    /// bounded context also its summaries, which hold the task's state) as
+    /// loss rows, one per context window: action tokens trained, prompt
+    /// and observations masked.
+    pub fn demonstration(&self, i: u64) -> Result<Vec<LossRow>, TrainError> {
+        let (env, actions) = self.synthetic_unbounded(self.base_seed.wrapping_add(2 * i))?;
+        let (first, turns) = match self.bounded_config() {
+            Some(cfg) => BoundedContext::new(env, cfg)?.demonstrate(&actions)?,
+            None => {
+                let mut env = env;
+                let first = env.reset()?;
+                let mut turns = Vec::with_capacity(actions.len());
+                for a in actions {
+                    let out = env.step(&a)?;
+                    turns.push((a, out));
+                }
+                (first, turns)
+            }
+        };
+        let row = |tokens: Vec<u32>, mask: Vec<f32>| {
+            let n = tokens.len();
+            LossRow {
+                episode: 0,
+                leaf: arbor_rl::NodeId(0),
+                tokens,
+                mask,
+                advantages: vec![0.0; n],
+                behaviour_logprobs: vec![0.0; n],
+                value_targets: Vec::new(),
+            }
+        };
+        let mut rows = Vec::new();
         let mut tokens = first.tokens.unwrap_or_default();
         let mut mask = vec![0.0f32; tokens.len()];
-        for a in &actions {
+        for (a, out) in turns {
             let Action::Tokens(t) = a else {
                 return Err(TrainError::Config(
                     "token task produced a text action".into(),
                 ));
             };
-            tokens.extend(t);
+            tokens.extend(&t);
             mask.extend(std::iter::repeat_n(1.0, t.len()));
-            let out = env.step(a)?;
             let obs = out.observation.tokens.unwrap_or_default();
+            if out.observation.restart {
+                rows.push(row(std::mem::take(&mut tokens), std::mem::take(&mut mask)));
+            }
             mask.extend(std::iter::repeat_n(0.0, obs.len()));
             tokens.extend(obs);
         }
-        let n = tokens.len();
-        Ok(LossRow {
-            episode: 0,
-            leaf: arbor_rl::NodeId(0),
-            tokens,
-            mask,
-            advantages: vec![0.0; n],
-            behaviour_logprobs: vec![0.0; n],
-            value_targets: Vec::new(),
-        })
+        rows.push(row(tokens, mask));
+        Ok(rows)
     }
 }

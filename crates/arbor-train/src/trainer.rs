@@ -93,11 +93,12 @@ impl Trainer {
             Some((_, _, t, e)) => (t.clone(), e.clone()),
             None => (None, Vec::new()),
         };
-        let sampler = TaskSampler::new(
+        let sampler = TaskSampler::with_harness(
             cfg.task.clone(),
             cfg.seed.wrapping_mul(1_000_003),
             tokenizer,
             eos,
+            cfg.harness,
         )?;
         let mcfg = match &hf {
             Some((_, c, _, _)) => c.clone(),
@@ -244,7 +245,8 @@ impl Trainer {
                     self.sampler
                         .demonstration(1_000_000_000 + s * w.batch as u64 + i)
                 })
-                .collect::<Result<Vec<_>, _>>()?;
+                .collect::<Result<Vec<_>, _>>()?
+                .concat();
             let (nll, _) = self.learner.sft_step(&rows)?;
             self.state.warmup_nll.push(nll);
             progress(s + 1, nll);
@@ -367,6 +369,9 @@ impl Trainer {
         (s.finished_episodes, s.tool_calls) = (c[6] as u64, c[7] as u64);
         r.effective_groups = c[8] as usize;
         r.effective_group_fraction = c[8] / c[9].max(1.0);
+        let mut ctx = s.context.counts().map(|x| x as f64);
+        self.group.all_reduce_sum_f64(&mut ctx)?;
+        s.context = arbor_env::context::ContextStats::from_counts(ctx.map(|x| x as u64));
         let mine: Vec<u8> = r.rewards.iter().flat_map(|x| x.to_le_bytes()).collect();
         r.rewards = self
             .group
@@ -498,6 +503,9 @@ impl Trainer {
             time_train_s: train_s,
             tool_calls_per_episode: r.stats.tool_calls as f64
                 / r.stats.finished_episodes.max(1) as f64,
+            context: self.cfg.harness.context_tokens.map(|_| {
+                crate::metrics::ContextMetrics::new(&r.stats.context, r.stats.finished_episodes)
+            }),
             budget_tokens: r.stats.budget_tokens,
             time_rollout_s: r.stats.rollout_s,
             time_engine_idle_s: r.stats.engine_idle_s,

@@ -15,15 +15,55 @@ pub(crate) struct SegmentRecord {
     /// Replayed start of this segment's action (Prefix Sampling's token
     /// cuts): masked in the loss, sent to the environment with `action`.
     pub(crate) head: Vec<u32>,
+    /// What the action is trained as: a task action or context management
+    /// (a compaction summary).
+    pub(crate) kind: TokenKind,
     /// The generated tokens of the action.
     pub(crate) action: Vec<u32>,
     pub(crate) logprobs: Vec<f32>,
     pub(crate) observation: Vec<u32>,
+    /// The observation replaced the context (a compaction).
+    pub(crate) restart: bool,
+    /// The kind of the segment after this one.
+    pub(crate) next: TokenKind,
     /// The environment after this segment (kept only where later work
     /// starts from it: FOCUS, PS sources, VinePPO; a SWE snapshot is a
     /// workspace copy).
     pub(crate) env_after: Option<Box<dyn TokenEpisode>>,
     pub(crate) reward: Option<f64>,
+}
+
+/// One segment of a replayed prefix (Prefix Sampling): the action and the
+/// observation as recorded, already executed in the continuation's
+/// environment; masked in the loss.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Replayed {
+    pub(crate) action: Vec<u32>,
+    pub(crate) observation: Vec<u32>,
+    /// The observation replaced the context (a compaction).
+    pub(crate) restart: bool,
+}
+
+impl Replayed {
+    /// The replay of a recorded segment.
+    pub(crate) fn of(s: &SegmentRecord) -> Self {
+        Replayed {
+            action: s.action.clone(),
+            observation: s.observation.clone(),
+            restart: s.restart,
+        }
+    }
+}
+
+/// `context` after `action` and `observation`: extended, or replaced by the
+/// observation when it restarts the context.
+pub(crate) fn advance(context: &mut Vec<u32>, action: &[u32], observation: &[u32], restart: bool) {
+    if restart {
+        context.clear();
+    } else {
+        context.extend(action);
+    }
+    context.extend(observation);
 }
 
 /// One continuation: where it starts in the tree, its context so far, its
@@ -33,9 +73,9 @@ pub(crate) struct Cont {
     pub(crate) from: NodeId,
     pub(crate) context: Vec<u32>,
     pub(crate) env: Box<dyn TokenEpisode>,
-    /// Replayed prefix (Prefix Sampling): (action, observation) per segment,
-    /// already executed in `env`; masked in the loss.
-    pub(crate) replayed: Vec<(Vec<u32>, Vec<u32>)>,
+    /// Replayed prefix (Prefix Sampling), already executed in `env`;
+    /// masked in the loss.
+    pub(crate) replayed: Vec<Replayed>,
     /// Replayed start of the next segment's action (a cut inside a
     /// segment), already at the end of `context`; the engine generates the
     /// rest of that segment.
@@ -44,6 +84,9 @@ pub(crate) struct Cont {
     /// Sampling seed of the continuation (set at launch); segment `k`
     /// samples with a seed derived from it and `k`.
     pub(crate) seed: u64,
+    /// The kind of the next segment (context management when the
+    /// environment asked for a compaction summary).
+    pub(crate) next: TokenKind,
 }
 
 impl Cont {
@@ -64,6 +107,7 @@ impl Cont {
             head: Vec::new(),
             steps: Vec::new(),
             seed: 0,
+            next: TokenKind::Action,
         }
     }
 
@@ -88,12 +132,13 @@ impl Cont {
 /// new intermediate state (`None`: a method without a critic, 0.5 each).
 pub(crate) fn to_steps(c: &Cont, values: Option<&[f64]>) -> Result<Vec<Step>, TrainError> {
     let mut out = Vec::with_capacity(c.replayed.len() + c.steps.len());
-    for (action, obs) in &c.replayed {
+    for r in &c.replayed {
         let mut seg = Segment::new();
-        seg.push(TokenKind::Replayed, action, None)?;
-        if !obs.is_empty() {
-            seg.push(TokenKind::Observation, obs, None)?;
+        seg.push(TokenKind::Replayed, &r.action, None)?;
+        if !r.observation.is_empty() {
+            seg.push(TokenKind::Observation, &r.observation, None)?;
         }
+        seg.restart = r.restart;
         out.push(Step::new(seg).value(0.5));
     }
     for (k, r) in c.steps.iter().enumerate() {
@@ -101,10 +146,11 @@ pub(crate) fn to_steps(c: &Cont, values: Option<&[f64]>) -> Result<Vec<Step>, Tr
         if !r.head.is_empty() {
             seg.push(TokenKind::Replayed, &r.head, None)?;
         }
-        seg.push(TokenKind::Action, &r.action, Some(&r.logprobs))?;
+        seg.push(r.kind, &r.action, Some(&r.logprobs))?;
         if !r.observation.is_empty() {
             seg.push(TokenKind::Observation, &r.observation, None)?;
         }
+        seg.restart = r.restart;
         let step = Step::new(seg);
         out.push(match r.reward {
             Some(r) => step.terminal(r),
@@ -114,7 +160,9 @@ pub(crate) fn to_steps(c: &Cont, values: Option<&[f64]>) -> Result<Vec<Step>, Tr
     Ok(out)
 }
 
-/// Critic values at the end of each non-final segment of each continuation.
+/// Critic values at the end of each non-final segment of each continuation,
+/// each read at the end of the context the state sees (a compaction starts
+/// a new sequence).
 pub(crate) fn segment_values(
     learner: &Learner,
     conts: &[Cont],
@@ -122,20 +170,30 @@ pub(crate) fn segment_values(
 ) -> Result<Vec<Vec<f64>>, TrainError> {
     let mut seqs = Vec::new();
     let mut pos = Vec::new();
+    // The sequences of continuation i are seqs[owner[i]..owner[i + 1]].
+    let mut owner = vec![0];
     for c in conts {
         let mut ctx = tree.context_tokens(c.from)?;
         let mut p = Vec::new();
         for (k, r) in c.steps.iter().enumerate() {
-            ctx.extend(&r.action);
-            ctx.extend(&r.observation);
+            if r.restart {
+                seqs.push(std::mem::take(&mut ctx));
+                pos.push(std::mem::take(&mut p));
+            }
+            advance(&mut ctx, &r.action, &r.observation, r.restart);
             if k + 1 < c.steps.len() {
                 p.push(ctx.len() - 1);
             }
         }
         seqs.push(ctx);
         pos.push(p);
+        owner.push(seqs.len());
     }
-    learner.values_at(&seqs, &pos)
+    let values = learner.values_at(&seqs, &pos)?;
+    Ok(owner
+        .windows(2)
+        .map(|w| values[w[0]..w[1]].concat())
+        .collect())
 }
 
 /// Environment states kept at tree nodes, where later continuations fork.

@@ -25,7 +25,7 @@ use std::collections::HashMap;
 
 use arbor_engine::Engine;
 use arbor_rl::credit::LossRow;
-use arbor_rl::RolloutTree;
+use arbor_rl::{RolloutTree, TokenKind};
 use serde::{Deserialize, Serialize};
 
 use crate::config::{Algo, StepBudget, TrainConfig};
@@ -48,10 +48,30 @@ pub use eval::evaluate;
 /// What the environment says after a segment.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepOut {
-    /// Tokens appended to the context (masked in the loss).
+    /// Tokens appended to the context (masked in the loss), or the whole
+    /// new context when `restart` is set.
     pub observation: Vec<u32>,
     /// `Some(reward)` when the episode is over.
     pub reward: Option<f64>,
+    /// The observation replaces the context (a compaction): a segment
+    /// boundary whose state sees only the observation.
+    pub restart: bool,
+    /// The kind of the policy's next segment: a task action, or context
+    /// management (a compaction summary). Both are trained.
+    pub next: TokenKind,
+}
+
+impl StepOut {
+    /// An observation appended to the context; the next segment is a task
+    /// action.
+    pub fn new(observation: Vec<u32>, reward: Option<f64>) -> Self {
+        StepOut {
+            observation,
+            reward,
+            restart: false,
+            next: TokenKind::Action,
+        }
+    }
 }
 
 /// One live episode of a token-level environment.
@@ -63,6 +83,11 @@ pub trait TokenEpisode: Send {
     /// Tool calls executed so far in this episode (replayed ones included).
     fn tool_calls(&self) -> usize {
         0
+    }
+    /// Context-management counts of this episode (environments with a
+    /// bounded context).
+    fn context_stats(&self) -> Option<arbor_env::context::ContextStats> {
+        None
     }
     /// Whether `replayed`, the observation an action gives when executed
     /// again, counts as `recorded` (Prefix Sampling's replay through
@@ -117,6 +142,9 @@ pub struct RolloutStats {
     /// they made in all (per episode, replayed prefixes included).
     pub finished_episodes: u64,
     pub tool_calls: u64,
+    /// Context management of the finished episodes, summed (bounded
+    /// contexts: compactions, summary tokens, resets, malformed summaries).
+    pub context: arbor_env::context::ContextStats,
     /// Generated-token budget of the step, where one is enforced.
     pub budget_tokens: Option<u64>,
 }
@@ -136,6 +164,7 @@ impl RolloutStats {
         self.rollout_s += o.rollout_s;
         self.finished_episodes += o.finished_episodes;
         self.tool_calls += o.tool_calls;
+        self.context.add(&o.context);
     }
 }
 

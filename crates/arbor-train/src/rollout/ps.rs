@@ -16,7 +16,7 @@ use arbor_rl::prefix::{
 use arbor_rl::{NodeId, RolloutTree};
 use serde::{Deserialize, Serialize};
 
-use super::conts::{to_steps, Cont};
+use super::conts::{advance, to_steps, Cont, Replayed};
 use super::{
     PolicyState, RolloutConfig, RolloutPolicy, StepContext, StepRollouts, TaskInstance,
     TokenEpisode,
@@ -250,8 +250,10 @@ struct Accounts {
 struct Prefix {
     env: Box<dyn TokenEpisode>,
     context: Vec<u32>,
-    replayed: Vec<(Vec<u32>, Vec<u32>)>,
+    replayed: Vec<Replayed>,
     head: Vec<u32>,
+    /// The kind of the first segment after the prefix.
+    next: arbor_rl::TokenKind,
 }
 
 /// A prefix whose environment is a fresh episode still to be driven
@@ -269,9 +271,12 @@ impl PrefixJob {
     fn run(self) -> Result<Prefix, ReplayMiss> {
         let mut p = self.prefix;
         if self.execute {
-            for (action, obs) in &p.replayed {
-                let out = p.env.step(action).map_err(|_| ReplayMiss::Failed)?;
-                if out.reward.is_some() || !p.env.same_observation(obs, &out.observation) {
+            for r in &p.replayed {
+                let out = p.env.step(&r.action).map_err(|_| ReplayMiss::Failed)?;
+                if out.reward.is_some()
+                    || out.restart != r.restart
+                    || !p.env.same_observation(&r.observation, &out.observation)
+                {
                     return Err(ReplayMiss::Diverged);
                 }
             }
@@ -749,11 +754,12 @@ impl PsStep {
         let mut replayed = Vec::new();
         let mut acc = 0;
         let mut j = 0;
+        let mut next = arbor_rl::TokenKind::Action;
         while j < src.steps.len() && acc + src.steps[j].action.len() <= cut {
             let s = &src.steps[j];
-            context.extend(&s.action);
-            context.extend(&s.observation);
-            replayed.push((s.action.clone(), s.observation.clone()));
+            advance(&mut context, &s.action, &s.observation, s.restart);
+            replayed.push(Replayed::of(s));
+            next = s.next;
             acc += s.action.len();
             j += 1;
         }
@@ -784,6 +790,7 @@ impl PsStep {
                 context,
                 replayed,
                 head,
+                next,
             },
             execute,
         })
@@ -827,6 +834,7 @@ impl PsStep {
             let mut cont = Cont::new(None, NodeId(0), prefix.context.clone(), prefix.env.fork()?);
             cont.replayed = prefix.replayed.clone();
             cont.head = prefix.head.clone();
+            cont.next = prefix.next;
             let key = sched.launch(cont)?;
             acct.owner.insert(key, index);
             s.launched += 1;
@@ -894,10 +902,10 @@ mod tests {
                 return Err(TrainError::Rollout("the tool failed".into()));
             }
             self.seen.push(action.to_vec());
-            Ok(StepOut {
-                observation: vec![self.seen.len() as u32 + self.shift],
-                reward: (self.seen.len() == 3).then_some(1.0),
-            })
+            Ok(StepOut::new(
+                vec![self.seen.len() as u32 + self.shift],
+                (self.seen.len() == 3).then_some(1.0),
+            ))
         }
         fn fork(&self) -> Result<Box<dyn TokenEpisode>, TrainError> {
             Ok(Box::new(self.clone()))
@@ -907,9 +915,12 @@ mod tests {
     fn record(action: &[u32], obs: u32, reward: Option<f64>) -> SegmentRecord {
         SegmentRecord {
             head: Vec::new(),
+            kind: arbor_rl::TokenKind::Action,
             action: action.to_vec(),
             logprobs: vec![-0.5; action.len()],
             observation: vec![obs],
+            restart: false,
+            next: arbor_rl::TokenKind::Action,
             env_after: None,
             reward,
         }
@@ -967,7 +978,8 @@ mod tests {
     fn prefixes_replay_whole_segments_and_keep_the_head() {
         let src = source();
         let p = rebuilt(&src, 3);
-        assert_eq!(p.replayed, vec![(vec![10, 11], vec![1])]);
+        assert_eq!(p.replayed, vec![Replayed::of(&src.steps[0])]);
+        assert_eq!(p.replayed[0].action, vec![10, 11]);
         assert_eq!(p.head, vec![12]);
         assert_eq!(p.context, vec![7, 7, 10, 11, 1, 12]);
         let p = rebuilt(&src, 5);

@@ -137,8 +137,13 @@ pub(crate) fn apply_segment(
         let whole: Vec<u32> = head.iter().chain(&seg.tokens).copied().collect();
         cont.env.step(&whole)?
     };
-    cont.context.extend(&seg.tokens);
-    cont.context.extend(&out.observation);
+    if out.restart {
+        cont.context.clone_from(&out.observation);
+    } else {
+        cont.context.extend(&seg.tokens);
+        cont.context.extend(&out.observation);
+    }
+    let kind = std::mem::replace(&mut cont.next, out.next);
     let segments = cont.replayed.len() + cont.steps.len() + 1;
     let truncated = out.reward.is_none() && segments >= cfg.max_segments;
     let reward = if truncated { Some(0.0) } else { out.reward };
@@ -149,9 +154,12 @@ pub(crate) fn apply_segment(
     };
     cont.steps.push(SegmentRecord {
         head,
+        kind,
         action: seg.tokens,
         logprobs: seg.logprobs,
         observation: out.observation,
+        restart: out.restart,
+        next: out.next,
         env_after: snapshot,
         reward,
     });
@@ -404,6 +412,9 @@ impl<'a> Scheduler<'a> {
     fn end(&mut self, key: usize, cont: Box<Cont>) {
         self.stats.finished_episodes += 1;
         self.stats.tool_calls += cont.env.tool_calls() as u64;
+        if let Some(c) = cont.env.context_stats() {
+            self.stats.context.add(&c);
+        }
         self.ended.push((key, cont));
     }
 }
