@@ -82,8 +82,8 @@ struct RunResult {
 /// Context management over one run (a bounded context).
 #[derive(Debug, Serialize)]
 struct CtxRun {
-    /// Share of summaries carrying the task's state, first and last
-    /// `CTX_WINDOW` steps.
+    /// Share of the greedy held-out episodes' summaries that carry the
+    /// task's state, before RL and at the last evaluation.
     kept_first: Option<f64>,
     kept_last: Option<f64>,
     compactions_per_episode: f64,
@@ -97,25 +97,21 @@ struct CtxRun {
     ended_after_compaction: u64,
 }
 
-/// Steps at each end of a run whose summaries are compared.
-const CTX_WINDOW: usize = 10;
-
 impl CtxRun {
-    fn of(ms: &[arbor_train::StepMetrics]) -> Option<CtxRun> {
+    fn of(ms: &[arbor_train::StepMetrics], s: &arbor_train::Summary) -> Option<CtxRun> {
         let c: Vec<&arbor_train::metrics::ContextMetrics> =
             ms.iter().filter_map(|m| m.context.as_ref()).collect();
         if c.is_empty() {
             return None;
         }
-        let kept = |xs: &[&arbor_train::metrics::ContextMetrics]| {
-            let v: Vec<f64> = xs.iter().filter_map(|x| x.summaries_kept_state).collect();
-            (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
-        };
-        let w = CTX_WINDOW.min(c.len());
+        let last_eval = ms.iter().rev().find_map(|m| m.eval_context.as_ref());
         let n = c.len() as f64;
         Some(CtxRun {
-            kept_first: kept(&c[..w]),
-            kept_last: kept(&c[c.len() - w..]),
+            kept_first: s
+                .initial_eval_context
+                .as_ref()
+                .and_then(|x| x.summaries_kept_state),
+            kept_last: last_eval.and_then(|x| x.summaries_kept_state),
             compactions_per_episode: c.iter().map(|x| x.compactions_per_episode).sum::<f64>() / n,
             summary_tokens_per_episode: c.iter().map(|x| x.summary_tokens_per_episode).sum::<f64>()
                 / n,
@@ -134,7 +130,7 @@ fn print_context(algos: &[String], results: &[RunResult]) {
         return;
     }
     println!(
-        "\n| algo | summaries carrying the state, first / last {CTX_WINDOW} steps | compactions per episode | summary tokens per episode | episodes ended: malformed summary / missing key / full context / compaction limit | ended right after a compaction |"
+        "\n| algo | held-out summaries carrying the state (greedy), before / after RL | compactions per episode (training) | summary tokens per episode | episodes ended: malformed summary / missing key / full context / compaction limit | ended right after a compaction |"
     );
     println!("|---|---|---|---|---|---|");
     for name in algos {
@@ -436,7 +432,7 @@ pub fn run(a: AlgosArgs) -> Result<()> {
             let effective_groups =
                 ms.iter().map(|m| m.effective_groups as f64).sum::<f64>() / ms.len().max(1) as f64;
             let ps = PsRun::of(&ms);
-            let context = CtxRun::of(&ms);
+            let context = CtxRun::of(&ms, &s);
             let n = ms.len().clamp(1, 10);
             let final_reward = ms.iter().rev().take(n).map(|m| m.reward).sum::<f64>() / n as f64;
             results.push(RunResult {

@@ -175,6 +175,26 @@ pub fn run(a: TrainArgs) -> Result<()> {
             sum(|p| p.replay_failed + p.replay_diverged)
         );
     }
+    let ctx: Vec<&arbor_train::metrics::ContextMetrics> =
+        ms.iter().filter_map(|m| m.context.as_ref()).collect();
+    if !ctx.is_empty() {
+        let kept = |x: Option<&arbor_train::metrics::ContextMetrics>| {
+            x.and_then(|x| x.summaries_kept_state)
+                .map_or("-".to_string(), |k| format!("{k:.2}"))
+        };
+        let last = ms.iter().rev().find_map(|m| m.eval_context.as_ref());
+        let n = ctx.len() as f64;
+        let failed: u64 = ctx
+            .iter()
+            .map(|c| c.malformed_summaries + c.missing_keys + c.overflows + c.compaction_limit)
+            .sum();
+        println!(
+            "| context: compactions per episode / held-out summaries carrying the state before and after RL / episodes ended by the context | {:.2} / {} and {} / {failed} |",
+            ctx.iter().map(|c| c.compactions_per_episode).sum::<f64>() / n,
+            kept(summary.initial_eval_context.as_ref()),
+            kept(last),
+        );
+    }
     println!(
         "\nmetrics: {}\nplot:    {}",
         out.join("metrics.jsonl").display(),

@@ -37,6 +37,9 @@ pub(crate) struct TrainerState {
     pub(crate) optimizer_step: u64,
     pub(crate) warmup_nll: Vec<f64>,
     pub(crate) initial_eval: Option<f64>,
+    /// The context management of that evaluation (bounded contexts).
+    #[serde(default)]
+    pub(crate) initial_eval_context: Option<crate::metrics::ContextMetrics>,
     /// Token budget left over (+) or overspent (-) by the steps so far.
     #[serde(default)]
     pub(crate) budget_carry: i64,
@@ -74,6 +77,7 @@ impl TrainerState {
             optimizer_step: 0,
             warmup_nll: Vec::new(),
             initial_eval: None,
+            initial_eval_context: None,
             budget_carry: 0,
             tokens_per_task: None,
         }

@@ -121,6 +121,11 @@ pub struct StepMetrics {
     /// with `[harness] context_tokens`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub context: Option<ContextMetrics>,
+    /// The same for the greedy held-out episodes of this step's evaluation
+    /// (evaluation steps of runs with a bounded context): how the policy
+    /// compacts when it does not sample.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_context: Option<ContextMetrics>,
     /// The step's generated-token budget where one is enforced (the run's
     /// `budget = { tokens = N }` with what earlier steps carried over; PS
     /// with `ps.match_budget`: the GRPO baseline's).
@@ -214,6 +219,8 @@ pub struct Summary {
     /// Wall time of the RL steps.
     pub seconds: f64,
     pub out_dir: PathBuf,
+    /// Context management of the evaluation before RL (bounded contexts).
+    pub initial_eval_context: Option<ContextMetrics>,
 }
 
 impl Summary {
@@ -247,7 +254,14 @@ impl Summary {
             generated_tokens: all.iter().map(|m| m.generated_tokens).sum(),
             seconds,
             out_dir: out_dir.to_path_buf(),
+            initial_eval_context: None,
         }
+    }
+
+    /// With the context management of the evaluation before RL.
+    pub(crate) fn with_initial_context(mut self, c: Option<ContextMetrics>) -> Self {
+        self.initial_eval_context = c;
+        self
     }
 }
 

@@ -13,7 +13,7 @@ use crate::config::{parse_device, CriticInit, StepBudget, TrainConfig};
 use crate::learner::Learner;
 use crate::metrics::{MetricsLog, StepMetrics, Summary};
 use crate::rollout::heldout::critic_vs_monte_carlo;
-use crate::rollout::{evaluate, policy_for, RolloutPolicy, StepContext};
+use crate::rollout::{policy_for, RolloutPolicy, StepContext};
 use crate::tasks::TaskSampler;
 use crate::TrainError;
 use arbor_rl::diagnostics::{explained_variance, spearman};
@@ -191,8 +191,17 @@ impl Trainer {
 
     /// Greedy pass rate on the held-out tasks.
     fn eval(&self, engine: &mut Engine) -> Result<f64, TrainError> {
+        Ok(self.eval_with_context(engine)?.0)
+    }
+
+    /// [`Trainer::eval`] with the greedy episodes' context management
+    /// (bounded contexts).
+    fn eval_with_context(
+        &self,
+        engine: &mut Engine,
+    ) -> Result<(f64, Option<crate::metrics::ContextMetrics>), TrainError> {
         let tasks = self.eval_tasks(self.cfg.eval_tasks)?;
-        evaluate(
+        crate::rollout::eval::evaluate_with_context(
             engine,
             tasks,
             &self.sampler.rollout_config(0.0),
@@ -277,7 +286,9 @@ impl Trainer {
         }
         let mut engine = Engine::new(&self.learner.model.policy, None, self.engine_cfg.clone())?;
         if self.state.initial_eval.is_none() {
-            self.state.initial_eval = Some(self.eval(&mut engine)?);
+            let (e, c) = self.eval_with_context(&mut engine)?;
+            self.state.initial_eval = Some(e);
+            self.state.initial_eval_context = c;
         }
         let mut all = self.metrics.read()?;
         while self.state.step < self.cfg.steps {
@@ -303,7 +314,8 @@ impl Trainer {
             self.state.initial_eval.unwrap_or(0.0),
             start.elapsed().as_secs_f64(),
             &self.out_dir,
-        ))
+        )
+        .with_initial_context(self.state.initial_eval_context.clone()))
     }
 
     /// Checks that every rank of the group holds the same trainable weights
@@ -463,10 +475,11 @@ impl Trainer {
         if eval_step && self.group.world() > 1 {
             self.check_weights_agree()?;
         }
-        let eval = if eval_step {
-            Some(self.eval(engine)?)
+        let (eval, eval_context) = if eval_step {
+            let (e, c) = self.eval_with_context(engine)?;
+            (Some(e), c)
         } else {
-            None
+            (None, None)
         };
         let heldout =
             if eval_step && self.cfg.algo.has_critic() && self.cfg.critic.heldout_tasks > 0 {
@@ -498,6 +511,7 @@ impl Trainer {
             grad_norm: u.grad_norm,
             lr: u.lr,
             eval_pass_rate: eval,
+            eval_context,
             time_generate_s: r.stats.generate_s,
             time_env_s: r.stats.env_s,
             time_train_s: train_s,

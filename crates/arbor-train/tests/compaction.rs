@@ -143,15 +143,21 @@ fn focus_forks_and_credits_through_compactions() {
     assert!(c.compactions_per_episode > 0.0 && c.resets_per_episode > 0.0);
     assert!(c.calls_after_compaction_per_episode > 0.0);
     assert!(c.summaries_kept_state.is_some());
+    // Evaluation steps also report how the greedy policy compacts.
+    let e = ms.last().unwrap().eval_context.clone().expect("eval context");
+    assert!(e.compactions_per_episode > 0.0 && e.summaries_kept_state.is_some());
+    assert!(ms[0].eval_context.is_none(), "not an evaluation step");
 }
 
-/// Every compaction variant and GRPO run end to end; without compaction
+/// Every compaction variant, GRPO and Prefix Sampling (whose replays cross
+/// compactions) run end to end; without compaction
 /// every episode overflows and ends with reward 0.
 #[test]
 fn every_variant_runs_and_none_overflows() {
     for (algo, mode) in [
         ("grpo", "structured"),
         ("grpo", "workspace"),
+        ("ps", "free_form"),
         ("focus", "none"),
     ] {
         let (_, ms, _dir) = train(&config(algo, mode));
