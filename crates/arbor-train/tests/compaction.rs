@@ -144,7 +144,12 @@ fn focus_forks_and_credits_through_compactions() {
     assert!(c.calls_after_compaction_per_episode > 0.0);
     assert!(c.summaries_kept_state.is_some());
     // Evaluation steps also report how the greedy policy compacts.
-    let e = ms.last().unwrap().eval_context.clone().expect("eval context");
+    let e = ms
+        .last()
+        .unwrap()
+        .eval_context
+        .clone()
+        .expect("eval context");
     assert!(e.compactions_per_episode > 0.0 && e.summaries_kept_state.is_some());
     assert!(ms[0].eval_context.is_none(), "not an evaluation step");
 }
