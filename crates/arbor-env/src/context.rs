@@ -50,7 +50,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::env::{Action, Env, Observation, StepOutcome};
 use crate::error::{EnvError, Result};
-use crate::vocab::{SmallVocab, COMPACT, EOS, ERR, LOAD, MEMO, OK, PAD, PUT, RESET, SECTIONS};
+use crate::synthetic::strip_token_action;
+use crate::vocab::{SmallVocab, COMPACT, EOS, ERR, LOAD, MEMO, OK, PUT, RESET, SECTIONS};
 
 /// What the policy does when its context is full.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -152,17 +153,8 @@ impl ContextStats {
 
     /// Adds `o`'s counts to these.
     pub fn add(&mut self, o: &ContextStats) {
-        self.compactions += o.compactions;
-        self.summary_tokens += o.summary_tokens;
-        self.context_resets += o.context_resets;
-        self.calls_after_compaction += o.calls_after_compaction;
-        self.ended_after_compaction += o.ended_after_compaction;
-        self.malformed_summaries += o.malformed_summaries;
-        self.missing_keys += o.missing_keys;
-        self.overflows += o.overflows;
-        self.compaction_limit += o.compaction_limit;
-        self.summaries_checked += o.summaries_checked;
-        self.summaries_kept_state += o.summaries_kept_state;
+        let (a, b) = (self.counts(), o.counts());
+        *self = ContextStats::from_counts(std::array::from_fn(|i| a[i] + b[i]));
     }
 }
 
@@ -225,15 +217,6 @@ impl std::fmt::Debug for BoundedContext {
             .field("cfg", &self.cfg)
             .finish()
     }
-}
-
-/// An action's tokens without padding and trailing `<eos>`.
-fn body(ids: &[u32]) -> Vec<u32> {
-    let mut v: Vec<u32> = ids.iter().copied().filter(|&t| t != PAD).collect();
-    while v.last() == Some(&EOS) {
-        v.pop();
-    }
-    v
 }
 
 /// Whether `run` occurs in `s` as a contiguous run.
@@ -394,7 +377,7 @@ impl BoundedContext {
     /// The policy's summary (or workspace save) turn: restart the context.
     fn compact(&mut self, action: &[u32]) -> Result<StepOutcome> {
         let pending = self.st.pending.take().unwrap_or_default();
-        let summary = body(action);
+        let summary = strip_token_action(action);
         let mut restart = self.st.task.clone();
         let malformed = match self.cfg.compaction {
             Compaction::FreeForm if summary.is_empty() => Some("an empty summary".to_string()),
@@ -528,7 +511,7 @@ impl Env for BoundedContext {
         }
         let after = self.st.since_restart.is_some();
         let call = if self.cfg.compaction == Compaction::Workspace {
-            self.workspace_call(&body(&ids))
+            self.workspace_call(&strip_token_action(&ids))
         } else {
             None
         };

@@ -246,7 +246,6 @@ struct State {
     done: bool,
     steps: usize,
     context_tokens: usize,
-    compactions: usize,
     context_resets: usize,
     /// Tool responses waiting for the restart after a summary.
     pending: Option<Vec<String>>,
@@ -393,7 +392,7 @@ impl Harness {
 
     /// Compactions so far in this episode.
     pub fn compactions(&self) -> usize {
-        self.st.compactions
+        self.st.stats.compactions as usize
     }
 
     /// Context restarts of the workspace mode so far.
@@ -636,7 +635,6 @@ impl Env for Harness {
                 self.st.stats.malformed_summaries += 1;
                 return Ok(self.finish(&text, 0.0, Some(e)));
             }
-            self.st.compactions += 1;
             self.st.stats.compactions += 1;
             self.st.stats.summary_tokens += self.count(&text) as u64;
             self.st.last_summary = Some(summary);
@@ -681,7 +679,7 @@ impl Env for Harness {
                     max_compactions,
                     ..
                 } => {
-                    if self.st.compactions >= max_compactions {
+                    if self.st.stats.compactions as usize >= max_compactions {
                         self.st.stats.compaction_limit += 1;
                         let r = self.task.cutoff_reward();
                         return Ok(self.finish(
@@ -755,7 +753,7 @@ impl Env for Harness {
             self.st.steps,
             self.st.tool_calls,
             self.st.tool_errors,
-            self.st.compactions,
+            self.st.stats.compactions,
             self.st.context_resets,
             self.st.context_tokens,
             if self.st.done { ", done" } else { "" }

@@ -106,7 +106,7 @@ fn check_difficulty(k: usize) -> Result<()> {
 /// A token action reduced to its content: `<pad>` dropped anywhere,
 /// trailing `<eos>` dropped. Out-of-vocabulary ids are kept (and rejected by
 /// the caller's pattern).
-fn strip_token_action(ids: &[u32]) -> Vec<u32> {
+pub(crate) fn strip_token_action(ids: &[u32]) -> Vec<u32> {
     let mut v: Vec<u32> = ids.iter().copied().filter(|&t| t != PAD).collect();
     while v.last() == Some(&EOS) {
         v.pop();

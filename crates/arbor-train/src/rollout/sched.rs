@@ -39,7 +39,7 @@ use std::time::Instant;
 
 use arbor_engine::{Completion, Engine, SamplingParams, SeqId};
 
-use super::conts::{Cont, SegmentRecord};
+use super::conts::{advance, Cont, SegmentRecord};
 use super::{RolloutConfig, RolloutStats};
 use crate::TrainError;
 
@@ -137,12 +137,12 @@ pub(crate) fn apply_segment(
         let whole: Vec<u32> = head.iter().chain(&seg.tokens).copied().collect();
         cont.env.step(&whole)?
     };
-    if out.restart {
-        cont.context.clone_from(&out.observation);
-    } else {
-        cont.context.extend(&seg.tokens);
-        cont.context.extend(&out.observation);
-    }
+    advance(
+        &mut cont.context,
+        &seg.tokens,
+        &out.observation,
+        out.restart,
+    );
     let kind = std::mem::replace(&mut cont.next, out.next);
     let segments = cont.replayed.len() + cont.steps.len() + 1;
     let truncated = out.reward.is_none() && segments >= cfg.max_segments;
