@@ -404,6 +404,7 @@ pub fn build_task(
             fail_to_pass: vec!["test_solution.py".into()],
             pass_to_pass: Vec::new(),
             test_cmd: Some("python3 -B {test}".into()),
+            spec: None,
         };
         let (buggy_reward, fixed_reward) = oracle(&instance, &dir, sandbox)?;
         let built = BuiltTask {

@@ -3,8 +3,13 @@
 //! HumanEval-derived bug-fix tasks ([`humaneval`]).
 
 pub mod humaneval;
+pub mod repo;
 pub mod sandbox;
+pub mod spec;
 pub mod task;
 
 pub use sandbox::{bubblewrap_works, Limits, RunOutput, Sandbox};
-pub use task::{load_instances, swe_env, Evaluation, SweConfig, SweInstance, SweReward, SweTask};
+pub use spec::{LogFormat, RepoSpec, TestStatus};
+pub use task::{
+    load_instances, load_specs, swe_env, Evaluation, SweConfig, SweInstance, SweReward, SweTask,
+};

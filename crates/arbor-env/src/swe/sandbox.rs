@@ -88,6 +88,10 @@ pub struct Sandbox {
     /// Extra host paths bound read-only at the same path (e.g. a Python
     /// environment outside `/usr`).
     pub ro_paths: Vec<PathBuf>,
+    /// Environment variables set for every command, after the defaults
+    /// (so `PATH` may be replaced).
+    #[serde(default)]
+    pub env: Vec<(String, String)>,
 }
 
 /// The result of one command.
@@ -225,6 +229,7 @@ impl Sandbox {
             isolation: Isolation::Bubblewrap(bwrap),
             limits,
             ro_paths: Vec::new(),
+            env: Vec::new(),
         })
     }
 
@@ -244,7 +249,17 @@ impl Sandbox {
             isolation: Isolation::Unsandboxed,
             limits,
             ro_paths: Vec::new(),
+            env: Vec::new(),
         }
+    }
+
+    /// This sandbox with a repository's environment: `ro` mounted
+    /// read-only and `env` set for every command.
+    pub fn with_env(&self, ro: Option<&Path>, env: Vec<(String, String)>) -> Sandbox {
+        let mut s = self.clone();
+        s.ro_paths.extend(ro.map(Path::to_path_buf));
+        s.env.extend(env);
+        s
     }
 
     /// Gives `path` (recursively, links not followed) to the user this
@@ -330,6 +345,9 @@ impl Sandbox {
         ] {
             c.args(["--setenv", k, v]);
         }
+        for (k, v) in &self.env {
+            c.arg("--setenv").arg(k).arg(v);
+        }
         c.args(["--remount-ro", "/"]);
         c
     }
@@ -364,6 +382,7 @@ impl Sandbox {
             Isolation::Unsandboxed => {
                 let mut c = Command::new("env");
                 c.current_dir(workspace);
+                c.envs(self.env.iter().map(|(k, v)| (k, v)));
                 c
             }
         };

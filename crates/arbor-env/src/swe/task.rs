@@ -4,7 +4,7 @@
 //! Acc@k). Run them as an [`Env`](crate::Env) with [`swe_env`] (the tool
 //! harness adds tool-call parsing and context management).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Component, Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -13,7 +13,11 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tempfile::TempDir;
 
+use super::repo::LazyBase;
 use super::sandbox::{Sandbox, WORKDIR};
+use super::spec::{
+    last_lines, parse_junit, parse_pytest_log, Grade, LogFormat, RepoSpec, REPORT_FILE,
+};
 use crate::data::{read_jsonl, Row};
 use crate::error::{EnvError, Result};
 use crate::harness::{truncate_middle, Harness, HarnessConfig, ToolReply, ToolTask};
@@ -51,6 +55,13 @@ pub struct SweInstance {
     /// [`DEFAULT_TEST_CMD`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub test_cmd: Option<String>,
+    /// How the repository's tests run (Arbor extension): one command per
+    /// evaluation with a parsed report. Taken from the instance's `spec`
+    /// field, else from `specs.json` beside the instance file (a map from
+    /// `repo` to spec); without one, each test id runs on its own with
+    /// `test_cmd` and passes on exit code 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spec: Option<RepoSpec>,
 }
 
 impl SweInstance {
@@ -68,6 +79,18 @@ impl SweInstance {
                 Some(_) => row.str_list_field("PASS_TO_PASS")?,
             },
             test_cmd: row.opt_str_field("test_cmd")?,
+            spec: match row.fields.get("spec") {
+                None | Some(Value::Null) => None,
+                Some(v) => {
+                    let spec: RepoSpec = serde_json::from_value(v.clone())
+                        .map_err(|e| row.field_error("spec", e.to_string()))?;
+                    let dir = row.path.parent().unwrap_or(Path::new("."));
+                    Some(spec.resolve(
+                        dir,
+                        &format!("{}:{}: key `spec`", row.path.display(), row.line),
+                    )?)
+                }
+            },
         })
     }
 
@@ -95,11 +118,47 @@ pub fn patch_files(patch: &str) -> Vec<String> {
     out
 }
 
-/// Reads SWE-bench-style instances (JSONL, `.gz` accepted).
+/// The file of per-repository specs read beside an instance file.
+pub const SPECS_FILE: &str = "specs.json";
+
+/// Reads SWE-bench-style instances (JSONL, `.gz` accepted). Instances
+/// without their own `spec` take their repository's from `specs.json` in
+/// the same directory, when there is one.
 pub fn load_instances(path: &Path) -> Result<Vec<SweInstance>> {
-    read_jsonl(path)?
+    let mut list: Vec<SweInstance> = read_jsonl(path)?
         .iter()
         .map(SweInstance::from_row)
+        .collect::<Result<_>>()?;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let specs = load_specs(&dir.join(SPECS_FILE))?;
+    for inst in &mut list {
+        if inst.spec.is_none() {
+            inst.spec = specs.get(&inst.repo).cloned();
+        }
+    }
+    Ok(list)
+}
+
+/// Reads a specs file (`{"owner/name": {"test_cmd": ..., ...}, ...}`);
+/// empty when the file does not exist.
+pub fn load_specs(path: &Path) -> Result<BTreeMap<String, RepoSpec>> {
+    if !path.exists() {
+        return Ok(BTreeMap::new());
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| EnvError::io(path, e))?;
+    let raw: BTreeMap<String, Value> = serde_json::from_str(&text).map_err(|e| EnvError::Data {
+        path: path.to_path_buf(),
+        line: e.line(),
+        msg: format!("not a JSON object of repository specs: {e}"),
+    })?;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    raw.into_iter()
+        .map(|(repo, v)| {
+            let what = format!("{}: repo `{repo}`", path.display());
+            let spec: RepoSpec =
+                serde_json::from_value(v).map_err(|e| EnvError::Sandbox(format!("{what}: {e}")))?;
+            Ok((repo, spec.resolve(dir, &what)?))
+        })
         .collect()
 }
 
@@ -138,16 +197,89 @@ impl SweConfig {
 }
 
 /// The outcome of running the hidden tests.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Evaluation {
     /// The reward (1 or 0).
     pub reward: f64,
     /// Tests that passed.
     pub passed: Vec<String>,
-    /// Tests that failed (with the last lines of their output).
+    /// Tests that failed, errored or did not run (with the last lines of
+    /// their output).
     pub failed: Vec<(String, String)>,
-    /// Why evaluation could not run the tests (hidden tests did not apply).
+    /// Tests that were skipped (counted neither way, as SWE-bench does).
+    #[serde(default)]
+    pub skipped: Vec<String>,
+    /// Why evaluation could not run the tests (hidden tests did not apply,
+    /// no report was written).
     pub error: Option<String>,
+}
+
+/// Runs `tests` once with `spec` in `dir` and grades the report.
+fn run_spec(spec: &RepoSpec, sb: &Sandbox, dir: &Path, tests: &[String]) -> Result<Evaluation> {
+    // A report planted by the agent must not count.
+    let report = dir.join(REPORT_FILE);
+    let _ = std::fs::remove_file(&report);
+    let report_arg = format!("{}/{REPORT_FILE}", sb.workdir(dir));
+    let mut cmd = spec.command(tests, &report_arg);
+    if spec.log == LogFormat::Pytest {
+        // The summary is at the end of a long log: keep all of it in a file.
+        cmd = format!("{{ {cmd}\n}} > {} 2>&1", shell_quote(&report_arg));
+    }
+    let o = sb.run(dir, &cmd)?;
+    let text = std::fs::read_to_string(&report);
+    let (rep, error) = match (spec.log, text) {
+        (LogFormat::Junit, Ok(xml)) => match parse_junit(&xml) {
+            Ok(r) => (r, None),
+            Err(e) => (Default::default(), Some(e.to_string())),
+        },
+        (LogFormat::Pytest, Ok(log)) => (parse_pytest_log(&log), None),
+        (_, Err(_)) => (
+            Default::default(),
+            Some(format!(
+                "the test command wrote no report: {}",
+                last_lines(&o.render(), 8)
+            )),
+        ),
+    };
+    let g = Grade::of(tests, &rep, spec.log);
+    Ok(Evaluation {
+        reward: if g.resolved() { 1.0 } else { 0.0 },
+        passed: g.passed,
+        failed: g.failed,
+        skipped: g.skipped,
+        error,
+    })
+}
+
+/// Replaces `rel` in `dst` by its copy from `base` (removed when the base
+/// has none).
+fn restore_path(base: &Path, dst: &Path, rel: &str, sb: &Sandbox) -> Result<()> {
+    let to = dst.join(rel);
+    match std::fs::symlink_metadata(&to) {
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(&to).map_err(|e| EnvError::io(&to, e))?,
+        Ok(_) => std::fs::remove_file(&to).map_err(|e| EnvError::io(&to, e))?,
+        Err(_) => {}
+    }
+    let from = base.join(rel);
+    let Ok(md) = std::fs::symlink_metadata(&from) else {
+        return Ok(());
+    };
+    if let Some(parent) = to.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| EnvError::io(parent, e))?;
+    }
+    if md.is_dir() {
+        copy_tree(&from, &to)?;
+    } else {
+        run_host(
+            Command::new("cp")
+                .arg("-a")
+                .arg("--reflink=auto")
+                .arg(&from)
+                .arg(&to),
+            &format!("restoring {rel}"),
+        )?;
+    }
+    sb.own(&to)
 }
 
 /// Single-quotes `s` for bash.
@@ -231,51 +363,6 @@ pub fn tree_bytes(root: &Path) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-/// The pristine checkout of an instance, shared by its episodes and forks.
-#[derive(Debug)]
-struct Base {
-    _dir: TempDir,
-    path: PathBuf,
-}
-
-impl Base {
-    fn materialize(inst: &SweInstance, source: &Path, sandbox: &Sandbox) -> Result<Base> {
-        let dir = tempfile::Builder::new()
-            .prefix("arbor-swe-base")
-            .tempdir()
-            .map_err(|e| EnvError::Sandbox(format!("temp dir: {e}")))?;
-        let path = dir.path().join("ws");
-        if !inst.base_commit.is_empty() && source.join(".git").exists() {
-            run_host(
-                Command::new("git")
-                    .env("GIT_TERMINAL_PROMPT", "0")
-                    .args(["clone", "-q", "--no-hardlinks", "--no-checkout"])
-                    .arg(source)
-                    .arg(&path),
-                &format!("cloning {}", source.display()),
-            )?;
-            run_host(
-                Command::new("git")
-                    .arg("-C")
-                    .arg(&path)
-                    .args([
-                        "-c",
-                        "advice.detachedHead=false",
-                        "checkout",
-                        "-q",
-                        "--detach",
-                    ])
-                    .arg(&inst.base_commit),
-                &format!("checking out {} in {}", inst.base_commit, source.display()),
-            )?;
-        } else {
-            copy_tree(source, &path)?;
-        }
-        sandbox.own(&path)?;
-        Ok(Base { _dir: dir, path })
-    }
-}
-
 /// A workspace directory (a copy of the base).
 #[derive(Debug)]
 struct Workspace {
@@ -300,7 +387,9 @@ impl Workspace {
 pub struct SweTask {
     inst: Arc<SweInstance>,
     cfg: Arc<SweConfig>,
-    base: Arc<Base>,
+    /// The sandbox with the repository's environment.
+    sb: Arc<Sandbox>,
+    base: Arc<LazyBase>,
     ws: Option<Workspace>,
     submitted: Option<Value>,
     evaluation: Option<Evaluation>,
@@ -308,8 +397,9 @@ pub struct SweTask {
 }
 
 impl SweTask {
-    /// The task for `inst` with its repository clone at `source` (a
-    /// directory, or a git repository checked out at `base_commit`).
+    /// The task for `inst` with its repository at `source`: a directory, a
+    /// clone or a bare mirror holding `base_commit`. The task's tree (the
+    /// base commit alone, see [`super::repo`]) is made on the first reset.
     pub fn new(inst: SweInstance, source: &Path, cfg: SweConfig) -> Result<SweTask> {
         if !source.is_dir() {
             return Err(EnvError::task(
@@ -317,10 +407,21 @@ impl SweTask {
                 format!("repository directory {} does not exist", source.display()),
             ));
         }
-        let base = Base::materialize(&inst, source, &cfg.sandbox)?;
+        if !inst.base_commit.is_empty() {
+            super::repo::check_commit(source, &inst.base_commit)
+                .map_err(|e| EnvError::task(&inst.instance_id, e.to_string()))?;
+        }
+        let base = LazyBase::new(source, &inst.base_commit, &cfg.sandbox);
+        let sb = match &inst.spec {
+            Some(spec) => cfg
+                .sandbox
+                .with_env(spec.env.as_deref(), spec.command_env()),
+            None => cfg.sandbox.clone(),
+        };
         Ok(SweTask {
             inst: Arc::new(inst),
             cfg: Arc::new(cfg),
+            sb: Arc::new(sb),
             base: Arc::new(base),
             ws: None,
             submitted: None,
@@ -376,52 +477,63 @@ impl SweTask {
     /// Applies a unified diff to the workspace with `git apply` in the
     /// sandbox (used by oracle checks; the policy edits with tools).
     pub fn apply_patch(&self, patch: &str) -> Result<super::sandbox::RunOutput> {
-        apply_in(&self.cfg.sandbox, self.ws()?, patch)
+        apply_in(&self.sb, self.ws()?, patch)
     }
 
-    /// Runs the hidden tests on a copy of the workspace.
+    /// Runs the hidden tests on a copy of the workspace: the spec's
+    /// `restore` paths come back from the base, the hidden test patch is
+    /// applied, then the tests run (one command with a spec, one per test
+    /// without).
     pub fn evaluate(&self) -> Result<Evaluation> {
         let ws = self.ws()?;
         let copy = Workspace::copy_of(ws)?;
-        let sb = &self.cfg.sandbox;
+        let sb = &*self.sb;
+        if let Some(spec) = &self.inst.spec {
+            for r in &spec.restore {
+                restore_path(self.base.path()?, &copy.path, r, sb)?;
+            }
+        }
         if !self.inst.test_patch.is_empty() {
             let o = apply_in(sb, &copy.path, &self.inst.test_patch)?;
             if !o.success() {
                 return Ok(Evaluation {
                     reward: 0.0,
-                    passed: Vec::new(),
-                    failed: Vec::new(),
                     error: Some(format!("the hidden tests do not apply: {}", o.render())),
+                    ..Evaluation::default()
                 });
             }
         }
-        let cmd = self.inst.test_cmd.as_deref().unwrap_or(DEFAULT_TEST_CMD);
-        let mut passed = Vec::new();
-        let mut failed = Vec::new();
-        for t in self.inst.fail_to_pass.iter().chain(&self.inst.pass_to_pass) {
-            let o = sb.run(&copy.path, &cmd.replace("{test}", &shell_quote(t)))?;
-            if o.success() {
-                passed.push(t.clone());
-            } else {
-                let r = o.render();
-                let tail: Vec<&str> = r.lines().rev().take(5).collect();
-                failed.push((
-                    t.clone(),
-                    tail.into_iter().rev().collect::<Vec<_>>().join("\n"),
-                ));
+        let tests: Vec<String> = self
+            .inst
+            .fail_to_pass
+            .iter()
+            .chain(&self.inst.pass_to_pass)
+            .cloned()
+            .collect();
+        if tests.is_empty() {
+            return Ok(Evaluation {
+                reward: 0.0,
+                error: Some("the instance lists no tests".into()),
+                ..Evaluation::default()
+            });
+        }
+        match &self.inst.spec {
+            Some(spec) => run_spec(spec, sb, &copy.path, &tests),
+            None => {
+                let cmd = self.inst.test_cmd.as_deref().unwrap_or(DEFAULT_TEST_CMD);
+                let mut e = Evaluation::default();
+                for t in &tests {
+                    let o = sb.run(&copy.path, &cmd.replace("{test}", &shell_quote(t)))?;
+                    if o.success() {
+                        e.passed.push(t.clone());
+                    } else {
+                        e.failed.push((t.clone(), last_lines(&o.render(), 5)));
+                    }
+                }
+                e.reward = if e.failed.is_empty() { 1.0 } else { 0.0 };
+                Ok(e)
             }
         }
-        let total = self.inst.fail_to_pass.len() + self.inst.pass_to_pass.len();
-        Ok(Evaluation {
-            reward: if failed.is_empty() && total > 0 {
-                1.0
-            } else {
-                0.0
-            },
-            passed,
-            failed,
-            error: (total == 0).then(|| "the instance lists no tests".to_string()),
-        })
     }
 
     /// A workspace path from a tool argument: relative to the workspace
@@ -545,7 +657,7 @@ impl SweTask {
         let ws = self.ws().map_err(|e| e.to_string())?;
         let mut p = path.clone();
         while p != ws {
-            self.cfg.sandbox.own_entry(&p);
+            self.sb.own_entry(&p);
             if !p.pop() {
                 break;
             }
@@ -678,7 +790,7 @@ impl SweTask {
     }
 
     fn changed_files(&self) -> Vec<String> {
-        let (Some(ws), base) = (self.workspace(), &self.base.path) else {
+        let (Some(ws), Some(base)) = (self.workspace(), self.base.made()) else {
             return Vec::new();
         };
         let mut out = Vec::new();
@@ -816,7 +928,7 @@ impl ToolTask for SweTask {
 
     fn reset(&mut self) -> Result<()> {
         self.ws = None;
-        self.ws = Some(Workspace::copy_of(&self.base.path)?);
+        self.ws = Some(Workspace::copy_of(self.base.path()?)?);
         self.submitted = None;
         self.evaluation = None;
         self.calls.clear();
@@ -831,7 +943,7 @@ impl ToolTask for SweTask {
                     Ok(s) => s.to_string(),
                     Err(e) => return Ok(ToolReply::error(e)),
                 };
-                let o = self.cfg.sandbox.run(self.ws()?, &cmd)?;
+                let o = self.sb.run(self.ws()?, &cmd)?;
                 return Ok(if o.success() {
                     ToolReply::ok(o.render())
                 } else {
@@ -865,6 +977,7 @@ impl ToolTask for SweTask {
         Some(Box::new(SweTask {
             inst: Arc::clone(&self.inst),
             cfg: Arc::clone(&self.cfg),
+            sb: Arc::clone(&self.sb),
             base: Arc::clone(&self.base),
             ws,
             submitted: self.submitted.clone(),
@@ -877,6 +990,7 @@ impl ToolTask for SweTask {
         Ok(Box::new(SweTask {
             inst: Arc::clone(&self.inst),
             cfg: Arc::clone(&self.cfg),
+            sb: Arc::clone(&self.sb),
             base: Arc::clone(&self.base),
             ws: None,
             submitted: None,
@@ -948,6 +1062,7 @@ mod tests {
             fail_to_pass: vec!["test_calc.py".into()],
             pass_to_pass: vec![],
             test_cmd: Some("python3 {test}".into()),
+            spec: None,
         }
     }
 
@@ -1221,5 +1336,159 @@ mod tests {
             .unwrap()
             .ends_with("toy__calc"));
         assert!(SweTask::locate(&v[0], dir.path()).is_err());
+    }
+
+    /// A test runner in plain Python (no pytest in the sandbox here) that
+    /// runs node ids `file.py::func` and writes a pytest-style JUnit report
+    /// (`junit`) or prints pytest's `-rA` lines (`log`).
+    const RUNNER: &str = r#"import sys, importlib.util, traceback
+from xml.sax.saxutils import quoteattr
+mode, report, ids = sys.argv[1], sys.argv[2], sys.argv[3:]
+cases = []
+for tid in ids:
+    path, func = tid.split("::")
+    spec = importlib.util.spec_from_file_location("m", path)
+    m = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, ".")
+    try:
+        spec.loader.exec_module(m)
+        getattr(m, func)()
+        cases.append((tid, path, func, None))
+    except Exception:
+        cases.append((tid, path, func, traceback.format_exc()))
+if mode == "junit":
+    with open(report, "w") as f:
+        f.write("<testsuites><testsuite>")
+        for tid, path, func, err in cases:
+            cls = path[:-3].replace("/", ".")
+            f.write("<testcase classname=%s name=%s>" % (quoteattr(cls), quoteattr(func)))
+            if err:
+                f.write("<failure message=%s/>" % quoteattr(err))
+            f.write("</testcase>")
+        f.write("</testsuite></testsuites>")
+else:
+    for tid, path, func, err in cases:
+        print(("FAILED %s - %s" % (tid, err.splitlines()[-1])) if err else "PASSED " + tid)
+"#;
+
+    fn spec_instance(log: LogFormat) -> SweInstance {
+        let mode = match log {
+            LogFormat::Junit => "junit",
+            LogFormat::Pytest => "log",
+        };
+        SweInstance {
+            instance_id: "toy-spec".into(),
+            repo: "toy/calc".into(),
+            fail_to_pass: vec!["tests/test_calc.py::test_add".into()],
+            pass_to_pass: vec![
+                "tests/test_calc.py::test_zero".into(),
+                "tests/test_other.py::test_ok".into(),
+            ],
+            test_patch: String::new(),
+            spec: Some(RepoSpec {
+                test_cmd: format!("python3 -B .runner.py {mode} {{report}} {{tests}}"),
+                log,
+                env: None,
+                env_vars: [("ARBOR_TOY".to_string(), "1".to_string())].into(),
+                restore: vec!["tests".into(), ".runner.py".into()],
+            }),
+            ..instance()
+        }
+    }
+
+    fn spec_repo() -> TempDir {
+        let d = repo();
+        std::fs::create_dir(d.path().join("tests")).unwrap();
+        std::fs::write(
+            d.path().join("tests/test_calc.py"),
+            "import os\nfrom calc import add\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\
+             def test_zero():\n    assert add(0, 0) == 0 and os.environ['ARBOR_TOY'] == '1'\n",
+        )
+        .unwrap();
+        std::fs::write(
+            d.path().join("tests/test_other.py"),
+            "def test_ok():\n    pass\n",
+        )
+        .unwrap();
+        std::fs::write(d.path().join(".runner.py"), RUNNER).unwrap();
+        d
+    }
+
+    #[test]
+    fn one_run_with_a_report_grades_every_test() {
+        for log in [LogFormat::Junit, LogFormat::Pytest] {
+            for sb in logic_sandboxes("swe spec evaluation") {
+                let src = spec_repo();
+                let mut t =
+                    SweTask::new(spec_instance(log), src.path(), SweConfig::tests(sb)).unwrap();
+                t.reset().unwrap();
+                let e = t.evaluate().unwrap();
+                assert_eq!(e.reward, 0.0, "{e:?}");
+                assert_eq!(e.failed.len(), 1, "{e:?}");
+                assert_eq!(e.failed[0].0, "tests/test_calc.py::test_add");
+                assert!(e.failed[0].1.contains("AssertionError"), "{e:?}");
+                assert_eq!(e.passed.len(), 2, "{e:?}");
+
+                // Editing the tests, or planting a report, changes nothing:
+                // the tests come back from the base and the report is the
+                // run's own.
+                let ws = t.workspace().unwrap().to_path_buf();
+                std::fs::write(
+                    ws.join("tests/test_calc.py"),
+                    "def test_add(): pass\ndef test_zero(): pass\n",
+                )
+                .unwrap();
+                std::fs::remove_file(ws.join("tests/test_other.py")).unwrap();
+                std::fs::write(ws.join(REPORT_FILE), "<testsuite/>").unwrap();
+                let e = t.evaluate().unwrap();
+                assert_eq!(e.reward, 0.0, "{e:?}");
+                assert_eq!(e.passed.len(), 2, "{e:?}");
+
+                std::fs::write(ws.join("calc.py"), FIXED).unwrap();
+                let e = t.evaluate().unwrap();
+                assert_eq!(e.reward, 1.0, "{e:?}");
+                assert_eq!(e.passed.len(), 3);
+
+                // A runner that writes no report: every test failed, and
+                // the error says why.
+                std::fs::write(ws.join(".runner.py"), "import sys; sys.exit(3)\n").unwrap();
+                let mut inst = spec_instance(log);
+                inst.spec.as_mut().unwrap().restore.clear();
+                let mut t2 = SweTask::new(inst, &ws, t.cfg.as_ref().clone()).unwrap();
+                t2.reset().unwrap();
+                let e = t2.evaluate().unwrap();
+                assert_eq!(e.reward, 0.0);
+                assert_eq!(e.failed.len(), 3, "{e:?}");
+                if log == LogFormat::Junit {
+                    assert!(e.error.unwrap().contains("wrote no report"));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn specs_json_beside_the_instances_applies_by_repo() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut inst = spec_instance(LogFormat::Junit);
+        let spec = inst.spec.take().unwrap();
+        let p = dir.path().join("instances.jsonl");
+        std::fs::write(&p, format!("{}\n", serde_json::to_string(&inst).unwrap())).unwrap();
+        assert_eq!(load_instances(&p).unwrap()[0].spec, None);
+        std::fs::write(
+            dir.path().join(SPECS_FILE),
+            serde_json::to_string(&json!({"toy/calc": spec})).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(load_instances(&p).unwrap()[0].spec.as_ref(), Some(&spec));
+        std::fs::write(
+            dir.path().join(SPECS_FILE),
+            r#"{"toy/calc": {"test_cmd": "pytest {tests}", "restore": ["../up"]}}"#,
+        )
+        .unwrap();
+        let e = load_instances(&p).unwrap_err().to_string();
+        assert!(e.contains("specs.json") && e.contains("toy/calc"), "{e}");
+        std::fs::write(dir.path().join(SPECS_FILE), "[1,").unwrap();
+        let e = load_instances(&p).unwrap_err().to_string();
+        assert!(e.contains("specs.json:1"), "{e}");
     }
 }
