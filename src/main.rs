@@ -16,6 +16,7 @@ mod grade;
 mod plot;
 mod replay;
 mod score;
+mod swe;
 mod train;
 
 /// Arbor: reinforcement learning from verifiable rewards for Qwen-family
@@ -52,6 +53,10 @@ enum Command {
     /// Replay a recorded action list through a task; print the final state
     /// and reward.
     Replay(replay::ReplayArgs),
+    /// SWE tasks: build them from real Python packages, oracle-check
+    /// instance files.
+    #[command(subcommand)]
+    Swe(swe::SweCommand),
     /// Print a model's resolved files, validated config and parameter count.
     Info(score::InfoArgs),
     /// Benchmarks (results are printed; record the ones you cite in
@@ -132,6 +137,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Eval(a) => eval::run(a),
         Command::Grade(a) => grade::run(a),
         Command::Replay(a) => replay::run(a),
+        Command::Swe(c) => swe::run(c),
         Command::Bench(b) => bench::run(b),
         Command::CheckDevice(a) => check_device::run(a),
     }

@@ -13,10 +13,9 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::sandbox::Sandbox;
-use super::task::{SweConfig, SweInstance, SweTask};
+use super::task::{oracle, SweInstance};
 use crate::data::read_jsonl;
 use crate::error::{EnvError, Result};
-use crate::harness::ToolTask;
 use crate::synthetic::SplitMix64;
 
 /// One HumanEval problem.
@@ -406,7 +405,8 @@ pub fn build_task(
             test_cmd: Some("python3 -B {test}".into()),
             spec: None,
         };
-        let (buggy_reward, fixed_reward) = oracle(&instance, &dir, sandbox)?;
+        let o = oracle(&instance, &dir, sandbox)?;
+        let (buggy_reward, fixed_reward) = (o.buggy, o.gold);
         let built = BuiltTask {
             instance,
             mutant: m,
@@ -425,23 +425,6 @@ pub fn build_task(
         "{}: no mutant among the first {max_tries} makes the test fail",
         p.task_id
     )))
-}
-
-/// The oracle check through the episode executor: `(reward of the buggy
-/// workspace, reward after applying the gold patch)`.
-pub fn oracle(inst: &SweInstance, repo: &Path, sandbox: &Sandbox) -> Result<(f64, f64)> {
-    let mut t = SweTask::new(inst.clone(), repo, SweConfig::tests(sandbox.clone()))?;
-    t.reset()?;
-    let buggy = t.evaluate()?.reward;
-    let applied = t.apply_patch(&inst.patch)?;
-    if !applied.success() {
-        return Err(EnvError::task(
-            &inst.instance_id,
-            format!("the gold patch does not apply: {}", applied.render()),
-        ));
-    }
-    let fixed = t.evaluate()?.reward;
-    Ok((buggy, fixed))
 }
 
 /// Summary of a build.

@@ -11,5 +11,6 @@ pub mod task;
 pub use sandbox::{bubblewrap_works, Limits, RunOutput, Sandbox};
 pub use spec::{LogFormat, RepoSpec, TestStatus};
 pub use task::{
-    load_instances, load_specs, swe_env, Evaluation, SweConfig, SweInstance, SweReward, SweTask,
+    load_instances, load_specs, oracle, swe_env, Evaluation, Oracle, SweConfig, SweInstance,
+    SweReward, SweTask,
 };

@@ -183,7 +183,10 @@ impl LazyBase {
         if let Some((_, p)) = self.cell.get() {
             return Ok(p);
         }
-        let _g = self.init.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _g = self
+            .init
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some((_, p)) = self.cell.get() {
             return Ok(p);
         }

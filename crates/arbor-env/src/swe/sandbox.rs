@@ -328,11 +328,12 @@ impl Sandbox {
                 c.args(["--ro-bind", dir, dir]);
             }
         }
+        c.args(["--proc", "/proc", "--dev", "/dev"]);
+        c.arg("--bind").arg(scratch).arg("/tmp");
+        // After /tmp, which would hide a path below it.
         for p in &self.ro_paths {
             c.arg("--ro-bind").arg(p).arg(p);
         }
-        c.args(["--proc", "/proc", "--dev", "/dev"]);
-        c.arg("--bind").arg(scratch).arg("/tmp");
         c.arg("--bind").arg(workspace).arg(WORKDIR);
         c.args(["--chdir", WORKDIR, "--clearenv"]);
         for (k, v) in [

@@ -1037,6 +1037,54 @@ impl ToolTask for SweTask {
     }
 }
 
+/// The outcome of an instance's oracle check.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Oracle {
+    /// Reward of the buggy tree (should be 0).
+    pub buggy: f64,
+    /// Reward after the gold patch (should be 1).
+    pub gold: f64,
+    /// Seconds of the buggy tree's evaluation.
+    pub buggy_s: f64,
+    /// Seconds of the gold tree's evaluation.
+    pub gold_s: f64,
+    /// What went wrong on the gold tree when it did not score 1.
+    pub gold_failures: Vec<(String, String)>,
+}
+
+impl Oracle {
+    /// The buggy tree scores 0 and the gold patch 1.
+    pub fn passed(&self) -> bool {
+        self.buggy == 0.0 && self.gold == 1.0
+    }
+}
+
+/// The oracle check through the episode executor: the reward of the buggy
+/// tree, then of the tree with the gold patch applied.
+pub fn oracle(inst: &SweInstance, repo: &Path, sandbox: &Sandbox) -> Result<Oracle> {
+    let mut t = SweTask::new(inst.clone(), repo, SweConfig::tests(sandbox.clone()))?;
+    t.reset()?;
+    let t0 = std::time::Instant::now();
+    let buggy = t.evaluate()?.reward;
+    let buggy_s = t0.elapsed().as_secs_f64();
+    let applied = t.apply_patch(&inst.patch)?;
+    if !applied.success() {
+        return Err(EnvError::task(
+            &inst.instance_id,
+            format!("the gold patch does not apply: {}", applied.render()),
+        ));
+    }
+    let t1 = std::time::Instant::now();
+    let e = t.evaluate()?;
+    Ok(Oracle {
+        buggy,
+        gold: e.reward,
+        buggy_s,
+        gold_s: t1.elapsed().as_secs_f64(),
+        gold_failures: e.failed,
+    })
+}
+
 /// A SWE task as an [`Env`](crate::Env) through the tool harness.
 pub fn swe_env(task: SweTask, harness: HarnessConfig) -> Harness {
     Harness::new(Box::new(task), harness)
