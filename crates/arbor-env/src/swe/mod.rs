@@ -5,6 +5,7 @@
 pub mod humaneval;
 pub mod repo;
 pub mod sandbox;
+pub mod shell;
 pub mod spec;
 pub mod task;
 

@@ -306,7 +306,13 @@ impl Sandbox {
         )
     }
 
-    fn bwrap_command(&self, bwrap: &Path, workspace: &Path, scratch: &Path) -> Command {
+    fn bwrap_command(
+        &self,
+        bwrap: &Path,
+        workspace: &Path,
+        scratch: &Path,
+        state: Option<&Path>,
+    ) -> Command {
         let mut c = Command::new(bwrap);
         // Every namespace unshared; killed with its parent; setsid, so the
         // command cannot inject input into the caller's terminal.
@@ -335,6 +341,9 @@ impl Sandbox {
             c.arg("--ro-bind").arg(p).arg(p);
         }
         c.arg("--bind").arg(workspace).arg(WORKDIR);
+        if let Some(st) = state {
+            c.arg("--bind").arg(st).arg(super::shell::STATE_DIR);
+        }
         c.args(["--chdir", WORKDIR, "--clearenv"]);
         for (k, v) in [
             ("PATH", "/usr/local/bin:/usr/bin:/bin"),
@@ -366,6 +375,26 @@ impl Sandbox {
     /// Limit hits are reported in the output, not as errors; `Err` means the
     /// sandbox itself could not start.
     pub fn run(&self, workspace: &Path, command: &str) -> Result<RunOutput> {
+        self.run_inner(workspace, command, None)
+    }
+
+    /// [`Sandbox::run`] with the writable directory `state` mounted at
+    /// [`super::shell::STATE_DIR`] (a persistent shell's state).
+    pub fn run_with_state(
+        &self,
+        workspace: &Path,
+        command: &str,
+        state: &Path,
+    ) -> Result<RunOutput> {
+        self.run_inner(workspace, command, Some(state))
+    }
+
+    fn run_inner(
+        &self,
+        workspace: &Path,
+        command: &str,
+        state: Option<&Path>,
+    ) -> Result<RunOutput> {
         let root = effective_uid() == Some(0);
         let scratch = tempfile::Builder::new()
             .prefix("arbor-sbx-tmp")
@@ -376,7 +405,7 @@ impl Sandbox {
                 if root {
                     chown_for_sandbox(scratch.path())?;
                 }
-                let mut c = self.bwrap_command(bwrap, workspace, scratch.path());
+                let mut c = self.bwrap_command(bwrap, workspace, scratch.path(), state);
                 c.arg("--");
                 c
             }

@@ -15,6 +15,7 @@ use tempfile::TempDir;
 
 use super::repo::LazyBase;
 use super::sandbox::{Sandbox, WORKDIR};
+use super::shell::Shell;
 use super::spec::{
     last_lines, parse_junit, parse_pytest_log, Grade, LogFormat, RepoSpec, REPORT_FILE,
 };
@@ -394,6 +395,11 @@ pub struct SweTask {
     submitted: Option<Value>,
     evaluation: Option<Evaluation>,
     calls: Vec<String>,
+    /// The episode's persistent shell (made at reset).
+    shell: Option<Shell>,
+    /// The editor tools' undo history: a file's earlier contents, last
+    /// first out (`None`: the file did not exist).
+    undo: BTreeMap<String, Vec<Option<Vec<u8>>>>,
 }
 
 impl SweTask {
@@ -427,6 +433,8 @@ impl SweTask {
             submitted: None,
             evaluation: None,
             calls: Vec::new(),
+            shell: None,
+            undo: BTreeMap::new(),
         })
     }
 
@@ -643,25 +651,35 @@ impl SweTask {
         Ok(truncate_middle(&out.join("\n"), self.cfg.max_view_chars))
     }
 
-    fn create(&self, c: &ToolCall) -> std::result::Result<String, String> {
-        let path = self.resolve(c.str_arg("path")?)?;
-        let text = c.str_arg("file_text")?;
-        if path.is_dir() {
-            return Err(format!("`{}` is a directory", self.rel(&path)));
-        }
+    /// Writes `bytes` to `path` through the editor, remembering what was
+    /// there for `undo_edit`; the new file and directories go to the
+    /// sandbox user.
+    fn edit_write(&mut self, path: &Path, bytes: &[u8]) -> std::result::Result<(), String> {
+        let before = std::fs::read(path).ok();
         if let Some(parent) = path.parent() {
             std::fs::create_dir_all(parent).map_err(|e| e.to_string())?;
         }
-        let existed = path.exists();
-        std::fs::write(&path, text).map_err(|e| format!("`{}`: {e}", self.rel(&path)))?;
-        let ws = self.ws().map_err(|e| e.to_string())?;
-        let mut p = path.clone();
+        std::fs::write(path, bytes).map_err(|e| format!("`{}`: {e}", self.rel(path)))?;
+        let ws = self.ws().map_err(|e| e.to_string())?.to_path_buf();
+        let mut p = path.to_path_buf();
         while p != ws {
             self.sb.own_entry(&p);
             if !p.pop() {
                 break;
             }
         }
+        self.undo.entry(self.rel(path)).or_default().push(before);
+        Ok(())
+    }
+
+    fn create(&mut self, c: &ToolCall) -> std::result::Result<String, String> {
+        let path = self.resolve(c.str_arg("path")?)?;
+        let text = c.str_arg("file_text")?;
+        if path.is_dir() {
+            return Err(format!("`{}` is a directory", self.rel(&path)));
+        }
+        let existed = path.exists();
+        self.edit_write(&path, text.as_bytes())?;
         Ok(format!(
             "{} {}",
             if existed { "overwrote" } else { "created" },
@@ -669,7 +687,7 @@ impl SweTask {
         ))
     }
 
-    fn str_replace(&self, c: &ToolCall) -> std::result::Result<String, String> {
+    fn str_replace(&mut self, c: &ToolCall) -> std::result::Result<String, String> {
         let path = self.resolve(c.str_arg("path")?)?;
         let old = c.str_arg("old_str")?;
         let new = c.opt_str_arg("new_str")?.unwrap_or("");
@@ -680,12 +698,10 @@ impl SweTask {
             std::fs::read_to_string(&path).map_err(|e| format!("`{}`: {e}", self.rel(&path)))?;
         match text.matches(old).count() {
             1 => {
+                let at = text.find(old).unwrap_or(0);
                 let updated = text.replacen(old, new, 1);
-                std::fs::write(&path, &updated).map_err(|e| e.to_string())?;
-                let line = updated[..updated.find(new).unwrap_or(0)]
-                    .lines()
-                    .count()
-                    .max(1);
+                self.edit_write(&path, updated.as_bytes())?;
+                let line = text[..at].matches('\n').count() + 1;
                 Ok(format!("edited {} at line {line}", self.rel(&path)))
             }
             0 => Err(format!("`old_str` does not occur in {}", self.rel(&path))),
@@ -693,6 +709,62 @@ impl SweTask {
                 "`old_str` occurs {n} times in {}; include more context to make it unique",
                 self.rel(&path)
             )),
+        }
+    }
+
+    /// Inserts `new_str` after line `insert_line` (0: before the first).
+    fn insert(&mut self, c: &ToolCall) -> std::result::Result<String, String> {
+        let path = self.resolve(c.str_arg("path")?)?;
+        let after = c
+            .opt_int_arg("insert_line")?
+            .ok_or("`insert` needs `insert_line` (0 inserts before the first line)")?;
+        let new = c.str_arg("new_str")?;
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| format!("`{}`: {e}", self.rel(&path)))?;
+        let mut lines: Vec<&str> = text.split_inclusive('\n').collect();
+        if after < 0 || after as usize > lines.len() {
+            return Err(format!(
+                "`insert_line` {after} is outside the file (0..={} lines)",
+                lines.len()
+            ));
+        }
+        let mut block = new.to_string();
+        if !block.ends_with('\n') {
+            block.push('\n');
+        }
+        let fixed_last: String;
+        if after as usize == lines.len() && !text.is_empty() && !text.ends_with('\n') {
+            // Appending after a last line without its newline.
+            fixed_last = format!("{}\n", lines.pop().unwrap_or(""));
+            lines.push(&fixed_last);
+        }
+        let n_new = block.lines().count();
+        lines.insert(after as usize, &block);
+        let updated: String = lines.concat();
+        self.edit_write(&path, updated.as_bytes())?;
+        Ok(format!(
+            "inserted {n_new} line{} into {} after line {after}",
+            if n_new == 1 { "" } else { "s" },
+            self.rel(&path)
+        ))
+    }
+
+    /// Reverts the last editor change to a file.
+    fn undo_edit(&mut self, c: &ToolCall) -> std::result::Result<String, String> {
+        let path = self.resolve(c.str_arg("path")?)?;
+        let rel = self.rel(&path);
+        let Some(before) = self.undo.get_mut(&rel).and_then(Vec::pop) else {
+            return Err(format!("no edit of {rel} to undo"));
+        };
+        match before {
+            Some(bytes) => {
+                std::fs::write(&path, bytes).map_err(|e| format!("`{rel}`: {e}"))?;
+                Ok(format!("undid the last edit of {rel}"))
+            }
+            None => {
+                std::fs::remove_file(&path).map_err(|e| format!("`{rel}`: {e}"))?;
+                Ok(format!("undid the creation of {rel} (removed)"))
+            }
         }
     }
 
@@ -888,7 +960,8 @@ impl ToolTask for SweTask {
         vec![
             tool(
                 "bash",
-                "Run a bash command in the repository (sandboxed, no network).",
+                "Run a bash command in the repository (sandboxed, no network). The working \
+                 directory, variables and functions carry over between calls; processes do not.",
                 json!({"command": {"type": "string"}}),
                 &["command"],
             ),
@@ -911,6 +984,18 @@ impl ToolTask for SweTask {
                 &["path", "old_str"],
             ),
             tool(
+                "insert",
+                "Insert new_str after line insert_line of a file (0: before the first line).",
+                json!({"path": {"type": "string"}, "insert_line": {"type": "integer"}, "new_str": {"type": "string"}}),
+                &["path", "insert_line", "new_str"],
+            ),
+            tool(
+                "undo_edit",
+                "Revert the last create, str_replace or insert on a file.",
+                json!({"path": {"type": "string"}}),
+                &["path"],
+            ),
+            tool(
                 "list",
                 "List files under a directory (two levels).",
                 json!({"path": {"type": "string"}}),
@@ -929,9 +1014,11 @@ impl ToolTask for SweTask {
     fn reset(&mut self) -> Result<()> {
         self.ws = None;
         self.ws = Some(Workspace::copy_of(self.base.path()?)?);
+        self.shell = Some(Shell::new(&self.sb)?);
         self.submitted = None;
         self.evaluation = None;
         self.calls.clear();
+        self.undo.clear();
         Ok(())
     }
 
@@ -943,7 +1030,11 @@ impl ToolTask for SweTask {
                     Ok(s) => s.to_string(),
                     Err(e) => return Ok(ToolReply::error(e)),
                 };
-                let o = self.sb.run(self.ws()?, &cmd)?;
+                let ws = self.ws()?;
+                let o = match &self.shell {
+                    Some(sh) => sh.run(&self.sb, ws, &cmd)?,
+                    None => self.sb.run(ws, &cmd)?,
+                };
                 return Ok(if o.success() {
                     ToolReply::ok(o.render())
                 } else {
@@ -953,6 +1044,8 @@ impl ToolTask for SweTask {
             "view" => self.view(c),
             "create" => self.create(c),
             "str_replace" => self.str_replace(c),
+            "insert" => self.insert(c),
+            "undo_edit" => self.undo_edit(c),
             "list" => match c.opt_str_arg("path") {
                 Ok(p) => self
                     .resolve(p.unwrap_or("."))
@@ -974,6 +1067,10 @@ impl ToolTask for SweTask {
             Some(w) => Some(Workspace::copy_of(&w.path).ok()?),
             None => None,
         };
+        let shell = match &self.shell {
+            Some(s) => Some(s.fork(&self.sb).ok()?),
+            None => None,
+        };
         Some(Box::new(SweTask {
             inst: Arc::clone(&self.inst),
             cfg: Arc::clone(&self.cfg),
@@ -983,6 +1080,8 @@ impl ToolTask for SweTask {
             submitted: self.submitted.clone(),
             evaluation: self.evaluation.clone(),
             calls: self.calls.clone(),
+            shell,
+            undo: self.undo.clone(),
         }))
     }
 
@@ -996,6 +1095,8 @@ impl ToolTask for SweTask {
             submitted: None,
             evaluation: None,
             calls: Vec::new(),
+            shell: None,
+            undo: BTreeMap::new(),
         }))
     }
 
@@ -1032,7 +1133,11 @@ impl ToolTask for SweTask {
             None => Vec::new(),
         };
         b.push(0);
-        b.extend(serde_json::to_vec(&(&self.submitted, &self.calls)).unwrap_or_default());
+        b.extend(
+            serde_json::to_vec(&(&self.submitted, &self.calls, &self.undo)).unwrap_or_default(),
+        );
+        b.push(0);
+        b.extend(self.shell.as_ref().map(Shell::state).unwrap_or_default());
         Ok(b)
     }
 }
@@ -1538,5 +1643,86 @@ else:
         std::fs::write(dir.path().join(SPECS_FILE), "[1,").unwrap();
         let e = load_instances(&p).unwrap_err().to_string();
         assert!(e.contains("specs.json:1"), "{e}");
+    }
+
+    #[test]
+    fn insert_undo_and_a_shell_that_remembers() {
+        for sb in logic_sandboxes("swe editor and shell") {
+            let src = repo();
+            let mut t = SweTask::new(instance(), src.path(), SweConfig::tests(sb)).unwrap();
+            t.reset().unwrap();
+            let ws = t.workspace().unwrap().to_path_buf();
+            let read = |f: &str| std::fs::read_to_string(ws.join(f)).unwrap();
+            let mut call = |name: &str, args: Value| t.call(&ToolCall::new(name, args)).unwrap();
+            let r = call(
+                "insert",
+                json!({"path": "calc.py", "insert_line": 0, "new_str": "# calc"}),
+            );
+            assert!(!r.is_error, "{r:?}");
+            let r = call(
+                "insert",
+                json!({"path": "calc.py", "insert_line": 3, "new_str": "\ndef sub(a, b):\n    return a - b"}),
+            );
+            assert!(r.content.contains("inserted 3 lines"), "{r:?}");
+            assert_eq!(
+                read("calc.py"),
+                format!("# calc\n{BUGGY}\ndef sub(a, b):\n    return a - b\n")
+            );
+            let r = call(
+                "insert",
+                json!({"path": "calc.py", "insert_line": 99, "new_str": "x"}),
+            );
+            assert!(
+                r.is_error && r.content.contains("outside the file"),
+                "{r:?}"
+            );
+            let r = call(
+                "create",
+                json!({"path": "new/n.py", "file_text": "n = 1\n"}),
+            );
+            assert!(!r.is_error);
+            call(
+                "str_replace",
+                json!({"path": "new/n.py", "old_str": "1", "new_str": "2"}),
+            );
+            // Undo walks back one edit at a time, per file.
+            call("undo_edit", json!({"path": "new/n.py"}));
+            assert_eq!(read("new/n.py"), "n = 1\n");
+            let r = call("undo_edit", json!({"path": "new/n.py"}));
+            assert!(r.content.contains("removed"), "{r:?}");
+            assert!(!ws.join("new/n.py").exists());
+            let r = call("undo_edit", json!({"path": "new/n.py"}));
+            assert!(r.is_error, "{r:?}");
+            call("undo_edit", json!({"path": "calc.py"}));
+            call("undo_edit", json!({"path": "calc.py"}));
+            assert_eq!(read("calc.py"), BUGGY);
+            // The shell keeps its directory and variables between calls.
+            let r = call("bash", json!({"command": "cd docs && export K=v && N=3"}));
+            assert!(!r.is_error, "{r:?}");
+            let r = call("bash", json!({"command": "cat README; echo $K$N"}));
+            assert!(r.content.starts_with("calc\nv3\n"), "{r:?}");
+            // A fork has the same shell state, then its own.
+            let mut f = t.fork().unwrap();
+            let r = f
+                .call(&ToolCall::new("bash", json!({"command": "N=4; echo $N$K"})))
+                .unwrap();
+            assert!(r.content.starts_with("4v"), "{r:?}");
+            let r = t
+                .call(&ToolCall::new("bash", json!({"command": "echo $N"})))
+                .unwrap();
+            assert!(r.content.starts_with("3\n"), "{r:?}");
+            // A new episode starts at the root with a clean shell.
+            t.reset().unwrap();
+            let r = t
+                .call(&ToolCall::new(
+                    "bash",
+                    json!({"command": "ls; echo \"[$N]\""}),
+                ))
+                .unwrap();
+            assert!(
+                r.content.contains("calc.py") && r.content.contains("[]"),
+                "{r:?}"
+            );
+        }
     }
 }
