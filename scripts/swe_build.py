@@ -77,6 +77,62 @@ DEFAULT_PACKAGES = [p for p in PACKAGES if p != "more-itertools"]
 INDEX = os.environ.get("ARBOR_PYPI_JSON", "https://pypi.org/pypi")
 WORKDIR = "/workspace"
 REPORT = ".arbor-report.xml"
+COVERAGE = ".arbor-coverage.json"
+
+# A pytest plugin (installed into each package's environment) that records,
+# per test, the lines of the workspace it runs: a mutant is then run only
+# against the tests that reach its lines (the others cannot see it).
+COV_PLUGIN = r'''
+import json, os, sys, threading
+import pytest
+
+_root = os.environ.get("ARBOR_COV_ROOT", "")
+_cur = None
+_seen = {}
+
+
+def _local(frame, event, arg):
+    if event == "line" and _cur is not None:
+        _cur.add((frame.f_code.co_filename, frame.f_lineno))
+    return _local
+
+
+def _global(frame, event, arg):
+    if _cur is not None and frame.f_code.co_filename.startswith(_root):
+        _cur.add((frame.f_code.co_filename, frame.f_lineno))
+        return _local
+    return None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    global _cur
+    _cur = set()
+    threading.settrace(_global)
+    sys.settrace(_global)
+    try:
+        yield
+    finally:
+        sys.settrace(None)
+        threading.settrace(None)
+        _seen[item.nodeid] = _cur
+        _cur = None
+
+
+def pytest_sessionfinish(session):
+    out = os.environ.get("ARBOR_COV_OUT")
+    if not out:
+        return
+    tests = sorted(_seen)
+    index = {t: i for i, t in enumerate(tests)}
+    lines = {}
+    for t, hits in _seen.items():
+        for f, n in hits:
+            rel = f[len(_root):]
+            lines.setdefault(rel, {}).setdefault(str(n), []).append(index[t])
+    with open(out, "w") as fh:
+        json.dump({"tests": tests, "lines": lines}, fh)
+'''
 IDENT = {
     "GIT_AUTHOR_NAME": "arbor",
     "GIT_AUTHOR_EMAIL": "arbor@localhost",
@@ -211,6 +267,7 @@ def build_env(env, repo, name, version, reqs):
         )
         (info / "INSTALLER").write_text("arbor\n")
         (info / "RECORD").write_text("")
+    (site / "arbor_cov.py").write_text(COV_PLUGIN)
     r = subprocess.run(
         [str(py), "-c",
          "import importlib.metadata as m, json; print(json.dumps(sorted("
@@ -227,9 +284,9 @@ def bwrap_path():
     return shutil.which("bwrap")
 
 
-def sandbox_cmd(bwrap, work, env, pythonpath, argv, wall):
+def sandbox_cmd(bwrap, work, env, pythonpath, argv, wall, extra_env=None):
     """The command running `argv` in `work` (at /workspace), sandboxed."""
-    setenv = {
+    setenv = {**(extra_env or {}),
         "PATH": f"{env}/bin:/usr/local/bin:/usr/bin:/bin",
         "VIRTUAL_ENV": str(env),
         "PYTHONPATH": pythonpath,
@@ -269,17 +326,22 @@ def own(path):
                 os.lchown(os.path.join(root, f), NOBODY, NOBODY)
 
 
-def run_tests(ctx, work, tests, wall):
+def run_tests(ctx, work, tests, wall, coverage=False):
     """Runs pytest on `tests` (paths or ids) in `work`; returns
     ({junit key: status}, {junit key: failure text}, seconds), or None when the
-    run produced no report (timeout, crash)."""
+    run produced no report (timeout, crash). With `coverage`, the lines of the
+    workspace each test runs go to COVERAGE in `work` (see COV_PLUGIN)."""
     report = Path(work) / REPORT
     if report.exists():
         report.unlink()
+    root = WORKDIR if ctx["bwrap"] else str(work)
+    extra, env = [], None
+    if coverage:
+        extra = ["-p", "arbor_cov"]
+        env = {"ARBOR_COV_ROOT": root + "/", "ARBOR_COV_OUT": f"{root}/{COVERAGE}"}
     argv = ["python", "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir=.",
-            "-q", "--tb=short", "-rN", f"--junitxml={WORKDIR if ctx['bwrap'] else work}/{REPORT}",
-            *ctx["args"], *tests]
-    cmd, cwd = sandbox_cmd(ctx["bwrap"], work, ctx["env"], ctx["pythonpath"], argv, wall)
+            "-q", "--tb=short", "-rN", f"--junitxml={root}/{REPORT}", *extra, *ctx["args"], *tests]
+    cmd, cwd = sandbox_cmd(ctx["bwrap"], work, ctx["env"], ctx["pythonpath"], argv, wall, env)
     t0 = time.time()
     kw = {}
     if ctx["bwrap"] and os.geteuid() == 0:
@@ -576,6 +638,15 @@ def build_package(name, args, out, rng_seed):
             if r is None:
                 raise Skip(f"the test suite wrote no report within {args.suite_timeout} s")
             runs.append(r)
+        # A third run records which tests reach which lines.
+        cov = None
+        if run_tests(ctx, work, tests, 10 * args.suite_timeout, coverage=True) is not None:
+            try:
+                cov = json.loads((work / COVERAGE).read_text())
+            except (OSError, ValueError):
+                cov = None
+        if cov is None:
+            log(f"{name}: no coverage recorded; every mutant runs the whole suite")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     suite_s = max(r[2] for r in runs)
@@ -603,14 +674,25 @@ def build_package(name, args, out, rng_seed):
         for k in kinds:
             if by_kind[k]:
                 order.append(by_kind[k].pop())
-    order = order[: args.max_candidates]
 
     wall = max(10.0, 4 * suite_s + 5)
     stable_keys = {junit_key(t): t for t in stable}
     tasks, per_func, tried = [], {}, 0
     texts = {}
 
-    def try_one(m, wdir):
+    stable_set = set(stable)
+
+    def reaching(m):
+        """The stable tests that run a line of the mutant (None: unknown)."""
+        if cov is None:
+            return None
+        per_line = cov["lines"].get(m["file"], {})
+        hit = set()
+        for n in range(m["start"], m["end"] + 1):
+            hit.update(per_line.get(str(n), ()))
+        return sorted(t for t in (cov["tests"][i] for i in hit) if t in stable_set)
+
+    def try_one(m, wdir, run):
         text = texts.setdefault(m["file"], (repo / m["file"]).read_text())
         mutated = apply_mutation(text, m)
         if mutated is None:
@@ -618,14 +700,16 @@ def build_package(name, args, out, rng_seed):
         f = wdir / m["file"]
         f.write_text(mutated)
         try:
-            r = run_tests(ctx, wdir, tests, wall)
+            r = run_tests(ctx, wdir, run if run is not None else tests, wall)
         finally:
             f.write_text(text)
             own(f)
         if r is None:
             return m, None, "timed out or crashed"
         status, ftext, _ = r
-        fails = [t for k, t in stable_keys.items() if status.get(k) != "passed"]
+        # Tests that do not reach the mutant's lines run as before.
+        checked = stable_keys if run is None else {junit_key(t): t for t in run}
+        fails = [t for k, t in checked.items() if status.get(k) != "passed"]
         if not fails:
             return m, None, "no test fails"
         if len(fails) > 20:
@@ -653,9 +737,16 @@ def build_package(name, args, out, rng_seed):
                         break
                     if per_func.get((m["file"], m["func"]), 0) >= 2:
                         continue
+                    run = reaching(m)
+                    if run is not None and not run:
+                        reasons["no test reaches it"] = reasons.get("no test reaches it", 0) + 1
+                        continue
+                    if tried >= args.max_candidates:
+                        done_all = True
+                        break
                     w = free.pop()
                     tried += 1
-                    pending[ex.submit(try_one, m, w)] = w
+                    pending[ex.submit(try_one, m, w, run)] = w
                 if not pending:
                     break
                 fut = next(cf.as_completed(pending))
@@ -720,7 +811,7 @@ def build_package(name, args, out, rng_seed):
         "package": name, "version": version, "sdist": sdist.name, "sdist_sha256": sha,
         "url": link, "base_commit": base, "tests_collected": len(ids), "tests_stable": len(stable),
         "tests_flaky": flaky, "suite_seconds": round(suite_s, 2), "environment": dists,
-        "mutants_found": len(cands), "mutants_tried": tried, "tasks": len(instances),
+        "coverage": cov is not None, "mutants_found": len(cands), "mutants_tried": tried, "tasks": len(instances),
         "rejected": reasons, "seconds": round(time.time() - t0, 1),
     }
     log(f"{name}: {len(instances)} tasks from {tried} mutants tried ({len(cands)} found) in "
