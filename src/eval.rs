@@ -21,8 +21,26 @@ pub struct EvalArgs {
     pub model: String,
     /// gsm8k, math500, aime (from the shared data folder: `$ARBOR_SHARED_DATA`
     /// or `../shared/data`), math (Hendrycks MATH test), or a JSONL file.
-    #[arg(long, value_name = "NAME|FILE")]
-    pub dataset: String,
+    #[arg(long, value_name = "NAME|FILE", required_unless_present = "swe")]
+    pub dataset: Option<String>,
+    /// SWE tasks instead of math: SWE-bench-style instances (JSONL, e.g.
+    /// the `instances.jsonl` of `arbor swe build`; `specs.json` beside it
+    /// applies). Every instance is an episode through the tool harness in
+    /// the sandbox; reports pass rate, turns and tokens per task.
+    #[arg(long, value_name = "FILE", conflicts_with = "dataset")]
+    pub swe: Option<PathBuf>,
+    /// SWE: repositories (default: `repos/` beside the instances).
+    #[arg(long, value_name = "DIR", requires = "swe")]
+    pub repos: Option<PathBuf>,
+    /// SWE: policy turns per episode (then it is cut off and scored).
+    #[arg(long, default_value_t = 20)]
+    pub max_turns: usize,
+    /// SWE: environment steps on this many threads while the engine decodes.
+    #[arg(long, default_value_t = 4)]
+    pub env_workers: usize,
+    /// SWE: run commands without bubblewrap (trusted models and tasks only).
+    #[arg(long)]
+    pub unsandboxed: bool,
     /// Samples per problem (pass@k is reported for k = 1, 2, 4, ... <= n).
     #[arg(long, default_value_t = 1)]
     pub n: usize,
@@ -34,6 +52,7 @@ pub struct EvalArgs {
     pub temperature: f32,
     #[arg(long, default_value_t = 0.95)]
     pub top_p: f32,
+    /// Longest response (math) or policy turn (SWE), tokens.
     #[arg(long, default_value_t = 2048)]
     pub max_tokens: usize,
     /// Qwen3: answer without a thinking block.
@@ -101,7 +120,14 @@ pub fn run(a: EvalArgs) -> Result<()> {
     if a.temperature == 0.0 && a.n > 1 {
         bail!("--temperature 0 (greedy) gives n identical samples; use --n 1 or a positive temperature");
     }
-    let (path, fmt) = arbor_train::tasks::dataset_file(&a.dataset, "test")?;
+    if a.swe.is_some() {
+        return run_swe(&a);
+    }
+    let dataset = a
+        .dataset
+        .as_deref()
+        .context("--dataset or --swe is required")?;
+    let (path, fmt) = arbor_train::tasks::dataset_file(dataset, "test")?;
     let mut problems = load_problems(&path, fmt.as_ref())?;
     if let Some(l) = a.limit {
         problems.truncate(l);
@@ -109,14 +135,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
     if problems.is_empty() {
         bail!("{}: no problems", path.display());
     }
-    let m = LoadedModel::load(
-        &a.model,
-        &LoadOptions {
-            dtype: parse_dtype(&a.dtype)?,
-            device: Device::Cpu,
-        },
-    )
-    .with_context(|| format!("loading model `{}`", a.model))?;
+    let m = load_model(&a)?;
     let tok = m
         .tokenizer
         .as_ref()
@@ -244,6 +263,186 @@ pub fn run(a: EvalArgs) -> Result<()> {
         );
         println!("time               {:.1} s", s.seconds);
     }
+    Ok(())
+}
+
+/// One SWE task's results over its samples.
+#[derive(Debug, Serialize)]
+struct SweTaskResult {
+    id: String,
+    samples: usize,
+    passed: usize,
+    turns: f64,
+    generated_tokens: f64,
+    context_tokens: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct SweSummary {
+    model: String,
+    instances: String,
+    tasks: usize,
+    samples_per_task: usize,
+    pass_rate: f64,
+    pass_at_k: Vec<(usize, f64)>,
+    turns_per_episode: f64,
+    generated_tokens_per_episode: f64,
+    seconds: f64,
+    env_seconds: f64,
+    per_task: Vec<SweTaskResult>,
+}
+
+/// The model of `--model`, on the CPU in `--dtype`.
+fn load_model(a: &EvalArgs) -> Result<LoadedModel> {
+    LoadedModel::load(
+        &a.model,
+        &LoadOptions {
+            dtype: parse_dtype(&a.dtype)?,
+            device: Device::Cpu,
+        },
+    )
+    .with_context(|| format!("loading model `{}`", a.model))
+}
+
+fn run_swe(a: &EvalArgs) -> Result<()> {
+    use arbor_train::tasks::{TaskConfig, TaskSampler};
+    let file = a.swe.as_ref().context("--swe")?;
+    let m = load_model(a)?;
+    let tok = m
+        .tokenizer
+        .clone()
+        .with_context(|| format!("`{}` has no tokenizer.json", a.model))?;
+    let eos = m.files.eos_token_ids(&m.config.eos_token_ids)?;
+    let cfg = TaskConfig::Swe {
+        instances: file.display().to_string(),
+        repos: a.repos.as_ref().map(|r| r.display().to_string()),
+        holdout_every: 1,
+        max_tokens: a.max_tokens,
+        max_turns: a.max_turns,
+        allow_unsandboxed: a.unsandboxed,
+    };
+    let sampler = TaskSampler::new(cfg, a.seed, Some(tok), eos)?;
+    let n_tasks = sampler
+        .eval_len()
+        .unwrap_or(0)
+        .min(a.limit.unwrap_or(usize::MAX));
+    if n_tasks == 0 {
+        bail!("{}: no instances", file.display());
+    }
+    let mut tasks = Vec::with_capacity(n_tasks * a.n);
+    for i in 0..n_tasks {
+        for _ in 0..a.n {
+            tasks.push(sampler.eval_task(i as u64)?);
+        }
+    }
+    let ids: Vec<String> = tasks.iter().step_by(a.n).map(|t| t.id.clone()).collect();
+    let mut engine = Engine::new(
+        &m.model,
+        None,
+        EngineConfig {
+            kv_memory_mib: a.kv_memory_mib,
+            ..Default::default()
+        },
+    )?;
+    let start = std::time::Instant::now();
+    let (eps, stats) = arbor_train::rollout::run_episodes_detailed(
+        &mut engine,
+        tasks,
+        &sampler.rollout_config(a.temperature),
+        a.seed,
+        a.env_workers,
+    )?;
+    let seconds = start.elapsed().as_secs_f64();
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let per_task: Vec<SweTaskResult> = eps
+        .chunks(a.n)
+        .zip(&ids)
+        .map(|(g, id)| SweTaskResult {
+            id: id.clone(),
+            samples: g.len(),
+            passed: g.iter().filter(|e| e.reward >= 1.0).count(),
+            turns: mean(&g.iter().map(|e| e.turns as f64).collect::<Vec<_>>()),
+            generated_tokens: mean(
+                &g.iter()
+                    .map(|e| e.generated_tokens as f64)
+                    .collect::<Vec<_>>(),
+            ),
+            context_tokens: mean(
+                &g.iter()
+                    .map(|e| e.context_tokens as f64)
+                    .collect::<Vec<_>>(),
+            ),
+        })
+        .collect();
+    let ks: Vec<usize> = std::iter::successors(Some(1usize), |k| Some(k * 2))
+        .take_while(|&k| k <= a.n)
+        .collect();
+    let s = SweSummary {
+        model: a.model.clone(),
+        instances: file.display().to_string(),
+        tasks: n_tasks,
+        samples_per_task: a.n,
+        pass_rate: eps.iter().filter(|e| e.reward >= 1.0).count() as f64 / eps.len() as f64,
+        pass_at_k: ks
+            .iter()
+            .map(|&k| {
+                let v = per_task
+                    .iter()
+                    .map(|t| pass_at_k(a.n, t.passed, k))
+                    .sum::<f64>();
+                (k, v / n_tasks as f64)
+            })
+            .collect(),
+        turns_per_episode: mean(&eps.iter().map(|e| e.turns as f64).collect::<Vec<_>>()),
+        generated_tokens_per_episode: mean(
+            &eps.iter()
+                .map(|e| e.generated_tokens as f64)
+                .collect::<Vec<_>>(),
+        ),
+        seconds,
+        env_seconds: stats.env_s,
+        per_task,
+    };
+    if let Some(p) = &a.out {
+        let mut w = std::io::BufWriter::new(
+            std::fs::File::create(p).with_context(|| format!("{}: cannot create", p.display()))?,
+        );
+        use std::io::Write;
+        for t in &s.per_task {
+            writeln!(w, "{}", serde_json::to_string(t)?)?;
+        }
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&s)?);
+        return Ok(());
+    }
+    println!(
+        "{:<40} {:>7} {:>7} {:>9}",
+        "task", "passed", "turns", "tokens"
+    );
+    for t in &s.per_task {
+        println!(
+            "{:<40} {:>3}/{:<3} {:>7.1} {:>9.0}",
+            t.id, t.passed, t.samples, t.turns, t.generated_tokens
+        );
+    }
+    println!(
+        "instances          {} ({} tasks x {} samples)",
+        s.instances, s.tasks, s.samples_per_task
+    );
+    println!("pass rate          {:.4}", s.pass_rate);
+    for (k, v) in &s.pass_at_k {
+        println!("pass@{k:<14} {v:.4}");
+    }
+    println!("turns per episode  {:.2}", s.turns_per_episode);
+    println!(
+        "tokens per episode {:.1} generated",
+        s.generated_tokens_per_episode
+    );
+    println!(
+        "time               {:.1} s ({:.1} s in environments, summed over workers)",
+        s.seconds, s.env_seconds
+    );
     Ok(())
 }
 

@@ -31,10 +31,15 @@ pub struct ReplayArgs {
     /// Score SWE tasks by file localization Acc@K instead of hidden tests.
     #[arg(long, value_name = "K")]
     pub localization: Option<usize>,
-    /// Print every step's reward and error observation.
+    /// Print the prompt, then every step's action and observation with its
+    /// reward (long texts are cut in the middle; see --full).
     #[arg(long, short)]
     pub verbose: bool,
-    /// Print the report as one JSON object.
+    /// With --verbose, print texts whole.
+    #[arg(long)]
+    pub full: bool,
+    /// Print the report as one JSON object (the prompt and every step's
+    /// action, observation, reward and error included).
     #[arg(long)]
     pub json: bool,
 }
@@ -60,12 +65,26 @@ pub fn run(a: ReplayArgs) -> Result<()> {
         return Ok(());
     }
     if a.verbose {
-        for (i, (r, e)) in report.rewards.iter().zip(&report.errors).enumerate() {
-            match e {
-                Some(e) => println!("step {i}: reward {r}  error: {e}"),
-                None => println!("step {i}: reward {r}"),
+        let cut = |s: &str| {
+            if a.full {
+                s.trim_end().to_string()
+            } else {
+                arbor_env::harness::truncate_middle(s.trim_end(), 4000)
             }
+        };
+        println!("=== prompt\n{}", cut(&report.initial));
+        for (i, t) in report.turns.iter().enumerate() {
+            println!("=== step {i}: action");
+            println!("{}", cut(&t.action));
+            let status = match (&t.error, t.restart) {
+                (Some(_), _) => " (error)",
+                (None, true) => " (context restarts here)",
+                (None, false) => "",
+            };
+            println!("=== step {i}: observation, reward {}{status}", t.reward);
+            println!("{}", cut(&t.observation));
         }
+        println!("===");
     }
     println!("{}", report.summary);
     println!(

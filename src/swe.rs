@@ -49,6 +49,10 @@ pub struct BuildArgs {
     /// PASS_TO_PASS tests sampled per task.
     #[arg(long, default_value_t = 30)]
     pub p2p: usize,
+    /// Seconds of mutant runs per package, after which no new run starts
+    /// (keeps a build's time bounded when a suite is slow).
+    #[arg(long, default_value_t = 120.0)]
+    pub package_seconds: f64,
     /// Seed of the mutant order and the PASS_TO_PASS sample.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -120,6 +124,7 @@ fn build(a: BuildArgs) -> Result<()> {
         .args(["--tasks-per-package", &a.tasks_per_package.to_string()])
         .args(["--max-candidates", &a.max_candidates.to_string()])
         .args(["--p2p", &a.p2p.to_string()])
+        .args(["--package-seconds", &a.package_seconds.to_string()])
         .args(["--seed", &a.seed.to_string()])
         .args(["--jobs", &jobs.to_string()]);
     if let Some(p) = &a.packages {

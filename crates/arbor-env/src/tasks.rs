@@ -167,6 +167,26 @@ pub struct ReplayReport {
     /// The recorded rewards, when the trajectory had them, equal the
     /// replayed ones.
     pub rewards_match: Option<bool>,
+    /// The first observation (the prompt the policy saw).
+    pub initial: String,
+    /// Every step: the action as recorded and what the environment
+    /// answered.
+    pub turns: Vec<ReplayTurn>,
+}
+
+/// One replayed step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReplayTurn {
+    /// The action (text, or token ids as `[1, 2, ...]`).
+    pub action: String,
+    /// The observation the environment returned.
+    pub observation: String,
+    /// The step's reward.
+    pub reward: f64,
+    /// The error observation, when the action failed.
+    pub error: Option<String>,
+    /// The context restarted from this observation (compaction).
+    pub restart: bool,
 }
 
 /// Replays `traj` in `env` through its parser and executor.
@@ -182,6 +202,21 @@ pub fn replay_trajectory(env: Box<dyn Env>, traj: &Trajectory) -> Result<(Episod
         summary: ep.env().summary(),
         rewards_match: (!traj.rewards.is_empty()).then(|| traj.rewards == rewards),
         rewards,
+        initial: ep.initial().map(|o| o.text.clone()).unwrap_or_default(),
+        turns: ep
+            .turns()
+            .iter()
+            .map(|t| ReplayTurn {
+                action: match &t.action {
+                    Action::Text(s) => s.clone(),
+                    Action::Tokens(ids) => format!("{ids:?}"),
+                },
+                observation: t.outcome.observation.text.clone(),
+                reward: t.outcome.reward,
+                error: t.outcome.error.clone(),
+                restart: t.outcome.observation.restart,
+            })
+            .collect(),
     };
     Ok((ep, report))
 }

@@ -256,7 +256,7 @@ impl SwePool {
         let bad = |e: arbor_env::EnvError| TrainError::Config(format!("key `task.instances`: {e}"));
         let file = std::path::Path::new(instances);
         let mut list = arbor_env::swe::load_instances(file).map_err(bad)?;
-        if list.len() < 2 {
+        if list.len() < 2 && *holdout_every != 1 {
             return Err(TrainError::Config(format!(
                 "key `task.instances`: {instances} has {} instances; need >= 2 (train and held-out)",
                 list.len()
@@ -281,13 +281,15 @@ impl SwePool {
         let mut eval_list = Vec::new();
         let mut train_list = Vec::new();
         for (k, inst) in list.drain(..).enumerate() {
-            if (k + 1) % (*holdout_every).max(2) == 0 {
+            // `holdout_every = 1` holds out every instance (`arbor eval
+            // --swe`; training configs are validated to >= 2).
+            if (k + 1) % (*holdout_every).max(1) == 0 {
                 eval_list.push(inst);
             } else {
                 train_list.push(inst);
             }
         }
-        if eval_list.is_empty() || train_list.is_empty() {
+        if eval_list.is_empty() || (train_list.is_empty() && *holdout_every != 1) {
             return Err(TrainError::Config(format!(
                 "key `task.holdout_every`: {} instances in {instances} with holdout_every = {holdout_every} \
                  leave no held-out or no training task",

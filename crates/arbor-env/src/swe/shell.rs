@@ -148,4 +148,38 @@ mod tests {
             assert!(!String::from_utf8_lossy(&sh.state()).contains("__arbor"));
         }
     }
+
+    #[test]
+    fn hostile_commands_stay_contained_in_the_shell() {
+        let Some(sb) = crate::swe::sandbox::tests::sandbox_or_skip("persistent shell, hostile")
+        else {
+            return;
+        };
+        let ws = tempfile::tempdir().unwrap();
+        sb.own(ws.path()).unwrap();
+        let sh = Shell::new(&sb).unwrap();
+        assert!(sh.run(&sb, ws.path(), "export KEEP=1").unwrap().success());
+        // A fork bomb, an output flood, an endless loop, writes outside the
+        // workspace and to the state directory's neighbours: each ends at a
+        // limit or fails, and the shell goes on with its state.
+        let o = sh
+            .run(&sb, ws.path(), "f() { f | f & }; f; sleep 1; echo done")
+            .unwrap();
+        assert!(!o.timed_out || o.exit_code.is_none(), "{o:?}");
+        let o = sh.run(&sb, ws.path(), "yes | head -c 100000000").unwrap();
+        assert!(o.output_flood || o.truncated, "{o:?}");
+        let o = sh.run(&sb, ws.path(), "while :; do :; done").unwrap();
+        assert!(o.timed_out || o.exit_code != Some(0), "{o:?}");
+        let o = sh
+            .run(
+                &sb,
+                ws.path(),
+                "echo x > /etc/arbor-probe; echo y > /run/x; echo z > /usr/x",
+            )
+            .unwrap();
+        assert!(!o.success(), "{o:?}");
+        assert!(!std::path::Path::new("/etc/arbor-probe").exists());
+        let o = sh.run(&sb, ws.path(), "echo $KEEP").unwrap();
+        assert_eq!(o.stdout.trim(), "1", "{o:?}");
+    }
 }

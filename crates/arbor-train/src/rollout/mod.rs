@@ -245,9 +245,34 @@ pub fn run_episodes(
     engine: &mut Engine,
     tasks: Vec<TaskInstance>,
     cfg: &RolloutConfig,
-    mut seed: u64,
+    seed: u64,
     env_workers: usize,
 ) -> Result<(Vec<f64>, RolloutStats), TrainError> {
+    let (eps, stats) = run_episodes_detailed(engine, tasks, cfg, seed, env_workers)?;
+    Ok((eps.iter().map(|e| e.reward).collect(), stats))
+}
+
+/// One finished episode of [`run_episodes_detailed`].
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct EpisodeResult {
+    /// The final reward.
+    pub reward: f64,
+    /// Policy turns (segments) taken.
+    pub turns: usize,
+    /// Tokens the policy generated.
+    pub generated_tokens: usize,
+    /// Tokens in the final context (prompt, actions, observations).
+    pub context_tokens: usize,
+}
+
+/// [`run_episodes`] with each episode's turns and tokens.
+pub fn run_episodes_detailed(
+    engine: &mut Engine,
+    tasks: Vec<TaskInstance>,
+    cfg: &RolloutConfig,
+    mut seed: u64,
+    env_workers: usize,
+) -> Result<(Vec<EpisodeResult>, RolloutStats), TrainError> {
     let conts: Vec<conts::Cont> = tasks
         .into_iter()
         .map(|t| conts::Cont::new(None, arbor_rl::NodeId(0), t.prompt, t.episode))
@@ -256,8 +281,16 @@ pub fn run_episodes(
     let done = sched.run_all(conts)?;
     let mut stats = sched.finish();
     stats.episodes = done.len();
-    let rewards = done.iter().map(conts::Cont::reward).collect();
-    Ok((rewards, stats))
+    let eps = done
+        .iter()
+        .map(|c| EpisodeResult {
+            reward: c.reward(),
+            turns: c.steps.len(),
+            generated_tokens: c.generated(),
+            context_tokens: c.context.len(),
+        })
+        .collect();
+    Ok((eps, stats))
 }
 
 /// How many tasks `tokens` generated tokens buy at `per_task` each
