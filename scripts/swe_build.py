@@ -772,17 +772,10 @@ def build_package(name, args, out, rng_seed):
         for w in workers:
             shutil.rmtree(w, ignore_errors=True)
 
-    # Commit each mutant on its own ref; write instances.
-    instances = []
-    for k, (m, (mutated, fails, ftext)) in enumerate(sorted(tasks, key=lambda t: (t[0]["file"], t[0]["start"], t[0]["kind"]))):
-        iid = f"{name}-{version}-{k:03d}-{m['kind']}"
-        git(repo, "checkout", "-q", "--detach", base)
-        (repo / m["file"]).write_text(mutated)
-        git(repo, "commit", "-q", "--no-verify", "-am", "task")
-        commit = git(repo, "rev-parse", "HEAD")
-        git(repo, "update-ref", f"refs/tasks/{iid}", commit)
-        patch = git(repo, "diff", commit, base, raw=True)
-        git(repo, "checkout", "-q", "-f", "main")
+    # PASS_TO_PASS samples: half from the failing tests' files, half from
+    # the rest.
+    chosen = []
+    for m, (mutated, fails, ftext) in sorted(tasks, key=lambda t: (t[0]["file"], t[0]["start"], t[0]["kind"])):
         fail_set = set(fails)
         rest = [t for t in stable if t not in fail_set]
         fail_files = {t.split("::")[0] for t in fails}
@@ -792,8 +785,68 @@ def build_package(name, args, out, rng_seed):
         rng.shuffle(far)
         half = args.p2p // 2
         p2p = near[:half] + far[: args.p2p - min(half, len(near))]
-        p2p = sorted(p2p[: args.p2p])
-        first = ftext.get(junit_key(sorted(fails)[0]), "")
+        chosen.append((m, mutated, sorted(fails), sorted(p2p[: args.p2p]), ftext))
+
+    # The selection alone on the original tree, as evaluation runs it: a
+    # test that passed in the full suite may need an earlier test's side
+    # effects. Such PASS_TO_PASS tests are dropped; a task whose
+    # FAIL_TO_PASS test fails there is dropped.
+    def alone(item, wdir):
+        m, mutated, fails, p2p, ftext = item
+        r = run_tests(ctx, wdir, fails + p2p, wall)
+        if r is None:
+            return item, None
+        status = r[0]
+        if any(status.get(junit_key(t)) != "passed" for t in fails):
+            return item, None
+        return (m, mutated, fails, [t for t in p2p if status.get(junit_key(t)) == "passed"], ftext), True
+
+    checked = []
+    workers = [Path(tempfile.mkdtemp(prefix=f"arbor-swe-{name}-c")) for _ in range(args.jobs)]
+    try:
+        for w in workers:
+            shutil.copytree(repo, w, dirs_exist_ok=True, symlinks=True)
+            own(w)
+        free = list(workers)
+        with cf.ThreadPoolExecutor(args.jobs) as ex:
+            pending = {}
+            it = iter(chosen)
+            while True:
+                while free:
+                    item = next(it, None)
+                    if item is None:
+                        break
+                    w = free.pop()
+                    pending[ex.submit(alone, item, w)] = w
+                if not pending:
+                    break
+                fut = next(cf.as_completed(pending))
+                free.append(pending.pop(fut))
+                item, ok = fut.result()
+                if ok:
+                    checked.append(item)
+                else:
+                    reasons["FAIL_TO_PASS fails alone on the original"] = \
+                        reasons.get("FAIL_TO_PASS fails alone on the original", 0) + 1
+    finally:
+        for w in workers:
+            shutil.rmtree(w, ignore_errors=True)
+    dropped_p2p = sum(len(c[3]) for c in chosen) - sum(len(c[3]) for c in checked)
+
+    # Commit each mutant on its own ref; write instances.
+    instances = []
+    checked.sort(key=lambda t: (t[0]["file"], t[0]["start"], t[0]["kind"]))
+    for k, (m, mutated, fails, p2p, ftext) in enumerate(checked):
+        iid = f"{name}-{version}-{k:03d}-{m['kind']}"
+        git(repo, "checkout", "-q", "--detach", base)
+        (repo / m["file"]).write_text(mutated)
+        git(repo, "commit", "-q", "--no-verify", "-am", "task")
+        commit = git(repo, "rev-parse", "HEAD")
+        git(repo, "update-ref", f"refs/tasks/{iid}", commit)
+        patch = git(repo, "diff", commit, base, raw=True)
+        git(repo, "checkout", "-q", "-f", "main")
+        fail_files = {t.split("::")[0] for t in fails}
+        first = ftext.get(junit_key(fails[0]), "")
         instances.append({
             "instance_id": iid,
             "repo": f"pypi/{name}",
@@ -801,7 +854,7 @@ def build_package(name, args, out, rng_seed):
             "problem_statement": statement(name, len(fails), len(fail_files), first),
             "patch": patch,
             "test_patch": "",
-            "FAIL_TO_PASS": sorted(fails),
+            "FAIL_TO_PASS": fails,
             "PASS_TO_PASS": p2p,
             "mutation": {"kind": m["kind"], "file": m["file"], "function": m["func"],
                          "lines": [m["start"], m["end"]]},
@@ -821,7 +874,7 @@ def build_package(name, args, out, rng_seed):
         "url": link, "base_commit": base, "tests_collected": len(ids), "tests_stable": len(stable),
         "tests_flaky": flaky, "suite_seconds": round(suite_s, 2), "environment": dists,
         "coverage": cov is not None, "mutants_found": len(cands), "mutants_tried": tried, "tasks": len(instances),
-        "rejected": reasons, "seconds": round(time.time() - t0, 1),
+        "rejected": reasons, "pass_to_pass_dropped": dropped_p2p, "seconds": round(time.time() - t0, 1),
     }
     log(f"{name}: {len(instances)} tasks from {tried} mutants tried ({len(cands)} found) in "
         f"{info['seconds']} s; rejected: {reasons}")
@@ -833,13 +886,13 @@ def main():
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--packages", default=",".join(DEFAULT_PACKAGES),
                     help=f"comma-separated, from: {', '.join(PACKAGES)}")
-    ap.add_argument("--tasks-per-package", type=int, default=60)
+    ap.add_argument("--tasks-per-package", type=int, default=70)
     ap.add_argument("--max-candidates", type=int, default=200, help="mutants tried per package at most")
     ap.add_argument("--p2p", type=int, default=30, help="PASS_TO_PASS tests sampled per task")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--suite-timeout", type=float, default=300.0)
-    ap.add_argument("--package-seconds", type=float, default=120.0,
+    ap.add_argument("--package-seconds", type=float, default=100.0,
                     help="no new mutant run starts after this long in one package's mutant phase")
     ap.add_argument("--unsandboxed", action="store_true", help="run the tests without bubblewrap")
     a = ap.parse_args()

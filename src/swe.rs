@@ -41,7 +41,7 @@ pub struct BuildArgs {
     #[arg(long)]
     pub packages: Option<String>,
     /// Tasks kept per package at most.
-    #[arg(long, default_value_t = 60)]
+    #[arg(long, default_value_t = 70)]
     pub tasks_per_package: usize,
     /// Mutants tried per package at most.
     #[arg(long, default_value_t = 200)]
@@ -51,7 +51,7 @@ pub struct BuildArgs {
     pub p2p: usize,
     /// Seconds of mutant runs per package, after which no new run starts
     /// (keeps a build's time bounded when a suite is slow).
-    #[arg(long, default_value_t = 120.0)]
+    #[arg(long, default_value_t = 100.0)]
     pub package_seconds: f64,
     /// Seed of the mutant order and the PASS_TO_PASS sample.
     #[arg(long, default_value_t = 0)]
