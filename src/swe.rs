@@ -151,15 +151,10 @@ fn build(a: BuildArgs) -> Result<()> {
         unsandboxed: a.unsandboxed,
     })?;
     s.print();
-    let packages: std::collections::BTreeSet<&str> = s
-        .passed_ids
-        .iter()
-        .map(|id| id.split('-').next().unwrap_or(id))
-        .collect();
     println!(
         "built {} tasks from {} packages in {:.0} s (factory {:.0} s, oracle check {:.0} s): {}",
         s.passed,
-        packages.len(),
+        s.passed_repos.len(),
         t0.elapsed().as_secs_f64(),
         factory_s,
         s.seconds,
@@ -192,7 +187,8 @@ struct CheckResult {
 struct CheckSummary {
     total: usize,
     passed: usize,
-    passed_ids: Vec<String>,
+    /// The repositories with at least one passing instance.
+    passed_repos: std::collections::BTreeSet<String>,
     failures: Vec<(String, String)>,
     eval_s: Vec<f64>,
     seconds: f64,
@@ -259,7 +255,7 @@ fn check(j: &CheckJob<'_>) -> Result<CheckSummary> {
     let mut s = CheckSummary {
         total: results.len(),
         passed: 0,
-        passed_ids: Vec::new(),
+        passed_repos: Default::default(),
         failures: Vec::new(),
         eval_s: Vec::new(),
         seconds: t0.elapsed().as_secs_f64(),
@@ -276,11 +272,11 @@ fn check(j: &CheckJob<'_>) -> Result<CheckSummary> {
         )),
         None => None,
     };
-    for (r, row) in results.iter().zip(&rows) {
+    for ((r, row), inst) in results.iter().zip(&rows).zip(&insts) {
         s.eval_s.extend(r.buggy_s.iter().chain(&r.gold_s));
         if r.passed {
             s.passed += 1;
-            s.passed_ids.push(r.instance_id.clone());
+            s.passed_repos.insert(inst.repo.clone());
             if let Some(w) = &mut passed_out {
                 writeln!(w, "{}", serde_json::Value::Object(row.fields.clone()))?;
             }

@@ -227,7 +227,12 @@ fn run_spec(spec: &RepoSpec, sb: &Sandbox, dir: &Path, tests: &[String]) -> Resu
         cmd = format!("{{ {cmd}\n}} > {} 2>&1", shell_quote(&report_arg));
     }
     let o = sb.run(dir, &cmd)?;
-    let text = std::fs::read_to_string(&report);
+    // Read only a regular file: the code under test could leave a link to
+    // a host file in its place.
+    let text = match std::fs::symlink_metadata(&report) {
+        Ok(m) if m.file_type().is_file() => std::fs::read_to_string(&report),
+        _ => Err(std::io::Error::other("no regular report file")),
+    };
     let (rep, error) = match (spec.log, text) {
         (LogFormat::Junit, Ok(xml)) => match parse_junit(&xml) {
             Ok(r) => (r, None),
@@ -925,6 +930,10 @@ impl ToolTask for SweTask {
 
     fn prompt(&self) -> String {
         let what = match self.cfg.reward {
+            SweReward::Tests if self.inst.test_patch.is_empty() => {
+                "Resolve the issue below: edit the code so the issue is fixed. \
+                The tests are run when you call `submit`."
+            }
             SweReward::Tests => {
                 "Resolve the issue below: edit the code so the issue is fixed. \
                 Hidden tests are run when you call `submit`."
@@ -1615,6 +1624,28 @@ else:
                 if log == LogFormat::Junit {
                     assert!(e.error.unwrap().contains("wrote no report"));
                 }
+
+                // A runner that leaves a link to a host file in the
+                // report's place: the link is not followed.
+                let host = tempfile::tempdir().unwrap();
+                let fake = host.path().join("all-pass.xml");
+                std::fs::write(
+                    &fake,
+                    "<testsuite><testcase classname=\"tests.test_calc\" name=\"test_add\"/>\
+                     <testcase classname=\"tests.test_calc\" name=\"test_zero\"/>\
+                     <testcase classname=\"tests.test_other\" name=\"test_ok\"/></testsuite>",
+                )
+                .unwrap();
+                std::fs::write(
+                    t2.workspace().unwrap().join(".runner.py"),
+                    format!(
+                        "import os, sys; os.symlink({:?}, sys.argv[2])\n",
+                        fake.display().to_string()
+                    ),
+                )
+                .unwrap();
+                let e = t2.evaluate().unwrap();
+                assert_eq!(e.reward, 0.0, "{e:?}");
             }
         }
     }
