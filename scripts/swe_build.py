@@ -72,7 +72,9 @@ PACKAGES = {
     # Its suite takes ~18 s here (21k subtests): too slow for many mutants.
     "more-itertools": ("11.2.1", "cbf08fd0af284dc69718b9b76a8e6203df624d70209ea511e4219d350c856f63", [], []),
 }
-DEFAULT_PACKAGES = [p for p in PACKAGES if p != "more-itertools"]
+# iniconfig is a dependency of pytest, so its environment would show the
+# original source; the builder skips it.
+DEFAULT_PACKAGES = [p for p in PACKAGES if p not in ("more-itertools", "iniconfig")]
 
 INDEX = os.environ.get("ARBOR_PYPI_JSON", "https://pypi.org/pypi")
 WORKDIR = "/workspace"
@@ -255,18 +257,17 @@ def build_env(env, repo, name, version, reqs):
     have = [d for d in site.glob("*.dist-info") if d.name.split("-")[0].lower() == norm]
     info = site / f"{name.replace('-', '_')}-{version}.dist-info"
     if have:
-        # pytest depends on it (iniconfig): its metadata is there already;
-        # the workspace's code still comes first on sys.path.
-        info = None
-    else:
-        info.mkdir()
+        # pytest depends on it (iniconfig): the environment, which the agent
+        # can read, would hold the original source of every task.
+        raise Skip(f"{name} is installed in the environment as a dependency of pytest, "
+                   "so the original source would be visible to the agent")
+    info.mkdir()
     pkg_info = repo / "PKG-INFO"
-    if info is not None:
-        (info / "METADATA").write_text(
-            pkg_info.read_text() if pkg_info.exists() else f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
-        )
-        (info / "INSTALLER").write_text("arbor\n")
-        (info / "RECORD").write_text("")
+    (info / "METADATA").write_text(
+        pkg_info.read_text() if pkg_info.exists() else f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    )
+    (info / "INSTALLER").write_text("arbor\n")
+    (info / "RECORD").write_text("")
     (site / "arbor_cov.py").write_text(COV_PLUGIN)
     r = subprocess.run(
         [str(py), "-c",
@@ -868,6 +869,12 @@ def build_package(name, args, out, rng_seed):
         "env": f"envs/{name}",
         "env_vars": {"PYTHONPATH": pythonpath},
         "restore": tests,
+        # Only the package source carries the agent's changes into the run
+        # (a root `pytest.py` or `conftest.py` cannot change it), and a
+        # skipped or xfail test is a failure: every selected test passes on
+        # the fixed tree.
+        "keep": sorted({Path(f).parts[0] for f in source_files(repo, pythonpath)}),
+        "strict": True,
     }
     info = {
         "package": name, "version": version, "sdist": sdist.name, "sdist_sha256": sha,

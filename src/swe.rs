@@ -37,7 +37,7 @@ pub struct BuildArgs {
     /// Output directory.
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
-    /// Packages (comma-separated; default: the twelve with fast suites).
+    /// Packages (comma-separated; default: the eleven with fast suites).
     #[arg(long)]
     pub packages: Option<String>,
     /// Tasks kept per package at most.

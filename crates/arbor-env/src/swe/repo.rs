@@ -39,11 +39,17 @@ pub fn git_dir(dir: &Path) -> Option<PathBuf> {
 
 fn git(dir: &Path) -> Command {
     let mut c = Command::new("git");
+    no_user_config(&mut c);
+    c.args(["-c", "safe.directory=*", "-C"]).arg(dir);
+    c
+}
+
+/// Git without the system's or the user's configuration (templates,
+/// hooks, excludes, line-ending conversion).
+fn no_user_config(c: &mut Command) {
     c.env("GIT_TERMINAL_PROMPT", "0")
         .env("GIT_CONFIG_NOSYSTEM", "1")
-        .args(["-c", "safe.directory=*", "-C"])
-        .arg(dir);
-    c
+        .env("GIT_CONFIG_GLOBAL", "/dev/null");
 }
 
 fn run(cmd: &mut Command, what: &str) -> Result<String> {
@@ -63,15 +69,16 @@ fn run(cmd: &mut Command, what: &str) -> Result<String> {
 /// Checks that `commit` exists in the repository at `source` (cheap; the
 /// tree itself is made later).
 pub fn check_commit(source: &Path, commit: &str) -> Result<()> {
-    let Some(gd) = git_dir(source) else {
+    if git_dir(source).is_none() {
         return Err(EnvError::Sandbox(format!(
             "{} is not a git repository, but the instance names base commit {commit}",
             source.display()
         )));
-    };
+    }
+    // `-C` on the source itself also serves work trees whose `.git` is a
+    // file.
     run(
-        git(&gd)
-            .arg("--git-dir=.")
+        git(source)
             .args(["cat-file", "-e"])
             .arg(format!("{commit}^{{commit}}")),
         &format!("base commit {commit} in {}", source.display()),
@@ -88,9 +95,10 @@ pub fn materialize(source: &Path, commit: &str, dst: &Path) -> Result<()> {
         Some(_) => {
             // A clone sharing the source's objects (cheap), checked out at
             // the commit, then stripped of its history.
+            let mut clone = Command::new("git");
+            no_user_config(&mut clone);
             run(
-                Command::new("git")
-                    .env("GIT_TERMINAL_PROMPT", "0")
+                clone
                     .args(["-c", "safe.directory=*", "clone", "-q", "--shared"])
                     .arg("--no-checkout")
                     .arg(source)
@@ -131,7 +139,8 @@ pub fn materialize(source: &Path, commit: &str, dst: &Path) -> Result<()> {
         git(dst).args(["init", "-q", "-b", "main"]),
         &what("initialising"),
     )?;
-    run(git(dst).args(["add", "-A"]), &what("staging"))?;
+    // Ignored files too: the tree is what the commit holds.
+    run(git(dst).args(["add", "-A", "-f"]), &what("staging"))?;
     let mut c = git(dst);
     commit_env(&mut c);
     run(

@@ -26,6 +26,9 @@ pub const STATE_DIR: &str = "/run/arbor-shell";
 /// The state file in the state directory (bash source).
 const STATE_FILE: &str = "state";
 
+/// The largest state a shell keeps (bytes); a larger one is dropped.
+pub const MAX_STATE_BYTES: u64 = 1 << 20;
+
 /// Bash's own variables, which a new shell sets itself (or which are
 /// read-only): never saved.
 const SPECIALS: &str = "BASH*|COMP*|DIRSTACK|EUID|FUNCNAME|GROUPS|HISTCMD|HOSTNAME|HOSTTYPE|IFS\
@@ -53,18 +56,27 @@ impl Shell {
     /// An independent copy (for forks).
     pub fn fork(&self, sb: &Sandbox) -> Result<Shell> {
         let s = Shell::new(sb)?;
-        let from = self.dir.path().join(STATE_FILE);
-        if from.exists() {
+        let state = self.state();
+        if !state.is_empty() {
             let to = s.dir.path().join(STATE_FILE);
-            std::fs::copy(&from, &to).map_err(|e| EnvError::io(&to, e))?;
+            std::fs::write(&to, state).map_err(|e| EnvError::io(&to, e))?;
             sb.own_entry(&to);
         }
         Ok(s)
     }
 
-    /// The saved state (empty before the first call).
+    /// The saved state (empty before the first call). The sandbox can
+    /// write the state directory, so only a regular file of at most
+    /// [`MAX_STATE_BYTES`] counts: a link, a FIFO or a device is never
+    /// opened on the host.
     pub fn state(&self) -> Vec<u8> {
-        std::fs::read(self.dir.path().join(STATE_FILE)).unwrap_or_default()
+        let p = self.dir.path().join(STATE_FILE);
+        match std::fs::symlink_metadata(&p) {
+            Ok(m) if m.file_type().is_file() && m.len() <= MAX_STATE_BYTES => {
+                std::fs::read(&p).unwrap_or_default()
+            }
+            _ => Vec::new(),
+        }
     }
 
     /// Runs `command` in this shell in `workspace`.
@@ -146,6 +158,13 @@ mod tests {
             assert!(o.timed_out);
             assert_eq!(run("echo \"[$D]$C\"").stdout.trim(), "[]3");
             assert!(!String::from_utf8_lossy(&sh.state()).contains("__arbor"));
+            // A state file replaced by a link (to a host file), as a
+            // command could leave it, is not read.
+            let st = sh.dir.path().join(STATE_FILE);
+            std::fs::remove_file(&st).unwrap();
+            std::os::unix::fs::symlink("/etc/hostname", &st).unwrap();
+            assert!(sh.state().is_empty());
+            assert!(sh.fork(&sb).unwrap().state().is_empty());
         }
     }
 

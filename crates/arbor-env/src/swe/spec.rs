@@ -13,6 +13,10 @@
 //! | failed, error, absent from the report | failure |
 //! | skipped | neither (left out of both rates) |
 //!
+//! A strict spec ([`RepoSpec::strict`]) counts only `passed` as success.
+//! pytest's `-rA` summary names no skipped test, so in that format a
+//! skipped test is absent (a failure); JUnit reports name them.
+//!
 //! The reward is 1 iff no selected test is a failure and at least one test
 //! was selected (SWE-bench's "resolved": both success rates are 1, and a
 //! rate over no counted test is 1).
@@ -65,6 +69,17 @@ pub struct RepoSpec {
     /// tests themselves cannot change the reward.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub restore: Vec<String>,
+    /// When set, only these paths (the package source) carry the agent's
+    /// changes into evaluation: the rest of the tree is the base's, so
+    /// files beside the tests (a `pytest.py` or `conftest.py` at the root)
+    /// cannot change the run. `restore` applies after.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub keep: Vec<String>,
+    /// Only `passed` succeeds: a skipped or xfail test is a failure (for
+    /// tasks whose selected tests all pass on the fixed tree, so the
+    /// policy cannot pass by skipping). Off by default, as SWE-bench grades.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub strict: bool,
 }
 
 impl RepoSpec {
@@ -81,11 +96,13 @@ impl RepoSpec {
                     .into(),
             ));
         }
-        for r in &self.restore {
-            if !is_relative_inside(r) {
-                return Err(bad(format!(
-                    "`restore` entry `{r}` must be a relative path inside the repository"
-                )));
+        for (key, list) in [("restore", &self.restore), ("keep", &self.keep)] {
+            for r in list {
+                if !is_relative_inside(r) {
+                    return Err(bad(format!(
+                        "`{key}` entry `{r}` must be a relative path inside the repository"
+                    )));
+                }
             }
         }
         if let Some(env) = &self.env {
@@ -300,20 +317,25 @@ pub struct Grade {
 }
 
 impl Grade {
-    /// Grades `tests` (the instance's FAIL_TO_PASS then PASS_TO_PASS).
+    /// Grades `tests` (the instance's FAIL_TO_PASS then PASS_TO_PASS);
+    /// `strict`: only `passed` succeeds (see [`RepoSpec::strict`]).
     pub fn of<'a>(
         tests: impl IntoIterator<Item = &'a String>,
         rep: &TestReport,
         log: LogFormat,
+        strict: bool,
     ) -> Grade {
         let mut g = Grade::default();
         for t in tests {
             match rep.get(t, log) {
-                Some(s) if s.is_success() => g.passed.push(t.clone()),
-                Some(TestStatus::Skipped) => g.skipped.push(t.clone()),
+                Some(TestStatus::Passed) => g.passed.push(t.clone()),
+                Some(s) if s.is_success() && !strict => g.passed.push(t.clone()),
+                Some(TestStatus::Skipped) if !strict => g.skipped.push(t.clone()),
                 Some(s) => {
                     let text = rep.failure_text(t, log).unwrap_or(match s {
                         TestStatus::Error => "error",
+                        TestStatus::Skipped => "skipped (a failure under a strict spec)",
+                        TestStatus::XFail => "xfail (a failure under a strict spec)",
                         _ => "failed",
                     });
                     g.failed.push((t.clone(), last_lines(text, 5)));
@@ -394,7 +416,7 @@ E       assert 3 == 4</failure></testcase>
             "tests/test_a.py::test_xf",
             "tests/test_a.py::test_skip",
         ]);
-        let g = Grade::of(&good, &rep, j);
+        let g = Grade::of(&good, &rep, j, false);
         assert!(g.resolved(), "{g:?}");
         assert_eq!(g.skipped, ids(&["tests/test_a.py::test_skip"]));
         for bad in [
@@ -405,12 +427,12 @@ E       assert 3 == 4</failure></testcase>
         ] {
             let mut t = good.clone();
             t.push(bad.to_string());
-            let g = Grade::of(&t, &rep, j);
+            let g = Grade::of(&t, &rep, j, false);
             assert!(!g.resolved(), "{bad}");
             assert_eq!(g.failed.len(), 1);
         }
         assert!(
-            !Grade::of(&[], &rep, j).resolved(),
+            !Grade::of(&[], &rep, j, false).resolved(),
             "no tests: not resolved"
         );
         assert!(parse_junit("<testsuite><testcase").is_err());
@@ -472,6 +494,8 @@ XPASS tests/test_a.py::test_xp
             env: None,
             env_vars: BTreeMap::new(),
             restore: restore.iter().map(ToString::to_string).collect(),
+            keep: Vec::new(),
+            strict: false,
         };
         let ok = spec("pytest --junitxml={report} {tests}", &["tests"]);
         assert!(ok.clone().resolve(d.path(), "s").is_ok());

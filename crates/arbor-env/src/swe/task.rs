@@ -215,6 +215,17 @@ pub struct Evaluation {
     pub error: Option<String>,
 }
 
+impl Evaluation {
+    /// Reward 0 because the tests could not run (the workspace is in a
+    /// state evaluation cannot use).
+    pub fn error(msg: String) -> Evaluation {
+        Evaluation {
+            error: Some(msg),
+            ..Evaluation::default()
+        }
+    }
+}
+
 /// Runs `tests` once with `spec` in `dir` and grades the report.
 fn run_spec(spec: &RepoSpec, sb: &Sandbox, dir: &Path, tests: &[String]) -> Result<Evaluation> {
     // A report planted by the agent must not count.
@@ -247,7 +258,7 @@ fn run_spec(spec: &RepoSpec, sb: &Sandbox, dir: &Path, tests: &[String]) -> Resu
             )),
         ),
     };
-    let g = Grade::of(tests, &rep, spec.log);
+    let g = Grade::of(tests, &rep, spec.log, spec.strict);
     Ok(Evaluation {
         reward: if g.resolved() { 1.0 } else { 0.0 },
         passed: g.passed,
@@ -257,22 +268,38 @@ fn run_spec(spec: &RepoSpec, sb: &Sandbox, dir: &Path, tests: &[String]) -> Resu
     })
 }
 
-/// Replaces `rel` in `dst` by its copy from `base` (removed when the base
-/// has none).
-fn restore_path(base: &Path, dst: &Path, rel: &str, sb: &Sandbox) -> Result<()> {
-    let to = dst.join(rel);
+/// Makes every parent of `rel` in `dst` a real directory: a link or a file
+/// the agent left on the way is removed (the link itself, never what it
+/// points to), so nothing below follows it out of `dst`.
+fn real_parents(dst: &Path, rel: &str) -> Result<PathBuf> {
+    let mut p = dst.to_path_buf();
+    let comps: Vec<_> = Path::new(rel).components().collect();
+    for c in comps.iter().take(comps.len().saturating_sub(1)) {
+        p.push(c);
+        match std::fs::symlink_metadata(&p) {
+            Ok(m) if m.is_dir() => continue,
+            Ok(_) => std::fs::remove_file(&p).map_err(|e| EnvError::io(&p, e))?,
+            Err(_) => {}
+        }
+        std::fs::create_dir(&p).map_err(|e| EnvError::io(&p, e))?;
+    }
+    Ok(dst.join(rel))
+}
+
+/// Replaces `rel` in `dst` by its copy from `from_root` (removed when
+/// `from_root` has none). Links on the way are not followed.
+fn replace_path(from_root: &Path, dst: &Path, rel: &str, sb: &Sandbox) -> Result<()> {
+    let to = real_parents(dst, rel)?;
     match std::fs::symlink_metadata(&to) {
+        // `remove_dir_all` removes links inside without following them.
         Ok(m) if m.is_dir() => std::fs::remove_dir_all(&to).map_err(|e| EnvError::io(&to, e))?,
         Ok(_) => std::fs::remove_file(&to).map_err(|e| EnvError::io(&to, e))?,
         Err(_) => {}
     }
-    let from = base.join(rel);
+    let from = from_root.join(rel);
     let Ok(md) = std::fs::symlink_metadata(&from) else {
         return Ok(());
     };
-    if let Some(parent) = to.parent() {
-        std::fs::create_dir_all(parent).map_err(|e| EnvError::io(parent, e))?;
-    }
     if md.is_dir() {
         copy_tree(&from, &to)?;
     } else {
@@ -282,7 +309,7 @@ fn restore_path(base: &Path, dst: &Path, rel: &str, sb: &Sandbox) -> Result<()> 
                 .arg("--reflink=auto")
                 .arg(&from)
                 .arg(&to),
-            &format!("restoring {rel}"),
+            &format!("copying {rel}"),
         )?;
     }
     sb.own(&to)
@@ -499,11 +526,26 @@ impl SweTask {
     /// without).
     pub fn evaluate(&self) -> Result<Evaluation> {
         let ws = self.ws()?;
-        let copy = Workspace::copy_of(ws)?;
         let sb = &*self.sb;
+        let copy = match &self.inst.spec {
+            // Only the `keep` paths carry the agent's changes; everything
+            // else is the base's.
+            Some(spec) if !spec.keep.is_empty() => {
+                let copy = Workspace::copy_of(self.base.path()?)?;
+                for k in &spec.keep {
+                    if let Err(e) = replace_path(ws, &copy.path, k, sb) {
+                        return Ok(Evaluation::error(format!("cannot take `{k}`: {e}")));
+                    }
+                }
+                copy
+            }
+            _ => Workspace::copy_of(ws)?,
+        };
         if let Some(spec) = &self.inst.spec {
             for r in &spec.restore {
-                restore_path(self.base.path()?, &copy.path, r, sb)?;
+                if let Err(e) = replace_path(self.base.path()?, &copy.path, r, sb) {
+                    return Ok(Evaluation::error(format!("cannot restore `{r}`: {e}")));
+                }
             }
         }
         if !self.inst.test_patch.is_empty() {
@@ -764,6 +806,7 @@ impl SweTask {
         match before {
             Some(bytes) => {
                 std::fs::write(&path, bytes).map_err(|e| format!("`{rel}`: {e}"))?;
+                self.sb.own_entry(&path);
                 Ok(format!("undid the last edit of {rel}"))
             }
             None => {
@@ -1553,6 +1596,8 @@ else:
                 env: None,
                 env_vars: [("ARBOR_TOY".to_string(), "1".to_string())].into(),
                 restore: vec!["tests".into(), ".runner.py".into()],
+                keep: Vec::new(),
+                strict: false,
             }),
             ..instance()
         }
@@ -1648,6 +1693,54 @@ else:
                 assert_eq!(e.reward, 0.0, "{e:?}");
             }
         }
+    }
+
+    #[test]
+    fn only_the_kept_paths_reach_evaluation() {
+        for sb in logic_sandboxes("swe spec keep") {
+            let src = spec_repo();
+            let mut inst = spec_instance(LogFormat::Junit);
+            let spec = inst.spec.as_mut().unwrap();
+            spec.restore.clear();
+            spec.keep = vec!["calc.py".into()];
+            let mut t = SweTask::new(inst, src.path(), SweConfig::tests(sb)).unwrap();
+            t.reset().unwrap();
+            let ws = t.workspace().unwrap().to_path_buf();
+            // A runner rewritten to report every test passed stays outside
+            // the run; a link planted where a kept path's parent would be
+            // is not followed.
+            std::fs::write(
+                ws.join(".runner.py"),
+                "import sys\nopen(sys.argv[2], 'w').write('<testsuite/>')\n",
+            )
+            .unwrap();
+            let e = t.evaluate().unwrap();
+            assert_eq!(e.reward, 0.0, "{e:?}");
+            assert_eq!(e.failed.len(), 1, "{e:?}");
+            std::fs::write(ws.join("calc.py"), FIXED).unwrap();
+            assert_eq!(t.evaluate().unwrap().reward, 1.0);
+        }
+    }
+
+    #[test]
+    fn restoring_never_follows_a_planted_link() {
+        let src = spec_repo();
+        let mut inst = spec_instance(LogFormat::Junit);
+        inst.spec.as_mut().unwrap().restore = vec!["docs/README".into()];
+        let sb = Sandbox::unsandboxed(Default::default());
+        let mut t = SweTask::new(inst, src.path(), SweConfig::tests(sb)).unwrap();
+        t.reset().unwrap();
+        let ws = t.workspace().unwrap().to_path_buf();
+        let host = tempfile::tempdir().unwrap();
+        std::fs::write(host.path().join("README"), "host file\n").unwrap();
+        std::fs::remove_dir_all(ws.join("docs")).unwrap();
+        std::os::unix::fs::symlink(host.path(), ws.join("docs")).unwrap();
+        t.evaluate().unwrap();
+        assert_eq!(
+            std::fs::read_to_string(host.path().join("README")).unwrap(),
+            "host file\n"
+        );
+        assert_eq!(std::fs::read_dir(host.path()).unwrap().count(), 1);
     }
 
     #[test]
