@@ -226,6 +226,10 @@ impl Evaluation {
     }
 }
 
+/// The script file evaluation writes its test command to, in the
+/// evaluation copy's root.
+const RUN_SCRIPT: &str = ".arbor-run.sh";
+
 /// Runs `tests` once with `spec` in `dir` and grades the report.
 fn run_spec(spec: &RepoSpec, sb: &Sandbox, dir: &Path, tests: &[String]) -> Result<Evaluation> {
     // A report planted by the agent must not count.
@@ -237,7 +241,13 @@ fn run_spec(spec: &RepoSpec, sb: &Sandbox, dir: &Path, tests: &[String]) -> Resu
         // The summary is at the end of a long log: keep all of it in a file.
         cmd = format!("{{ {cmd}\n}} > {} 2>&1", shell_quote(&report_arg));
     }
-    let o = sb.run(dir, &cmd)?;
+    // The command goes in a script file: a long selection of test ids
+    // would pass Linux's limit on one argument (128 KiB) as `bash -c`.
+    let script = dir.join(RUN_SCRIPT);
+    let _ = std::fs::remove_file(&script);
+    std::fs::write(&script, format!("{cmd}\n")).map_err(|e| EnvError::io(&script, e))?;
+    sb.own_entry(&script);
+    let o = sb.run(dir, &format!("exec bash {RUN_SCRIPT}"))?;
     // Read only a regular file: the code under test could leave a link to
     // a host file in its place.
     let text = match std::fs::symlink_metadata(&report) {
@@ -1720,6 +1730,33 @@ else:
             std::fs::write(ws.join("calc.py"), FIXED).unwrap();
             assert_eq!(t.evaluate().unwrap().reward, 1.0);
         }
+    }
+
+    #[test]
+    fn a_selection_longer_than_one_argument_runs() {
+        let src = spec_repo();
+        // A runner that reports every id it is given as passed.
+        std::fs::write(
+            src.path().join(".runner.py"),
+            "import sys\nfrom xml.sax.saxutils import quoteattr\n\
+             out = open(sys.argv[2], 'w')\nout.write('<testsuite>')\n\
+             for t in sys.argv[3:]:\n    p, f = t.split('::')\n    \
+             out.write('<testcase classname=%s name=%s/>' % (quoteattr(p[:-3].replace('/', '.')), quoteattr(f)))\n\
+             out.write('</testsuite>')\n",
+        )
+        .unwrap();
+        let mut inst = spec_instance(LogFormat::Junit);
+        inst.pass_to_pass = (0..3000)
+            .map(|i| {
+                format!("tests/test_many.py::test_a_long_name_to_fill_the_command_line_{i:05}")
+            })
+            .collect();
+        let sb = Sandbox::unsandboxed(Default::default());
+        let mut t = SweTask::new(inst, src.path(), SweConfig::tests(sb)).unwrap();
+        t.reset().unwrap();
+        let e = t.evaluate().unwrap();
+        assert_eq!(e.reward, 1.0, "{:?}", e.error);
+        assert_eq!(e.passed.len(), 3001);
     }
 
     #[test]
