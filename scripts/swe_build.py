@@ -36,12 +36,14 @@ system, the work copy the only writable tree) unless --unsandboxed.
 
 import argparse
 import ast
+import collections
 import concurrent.futures as cf
 import hashlib
 import json
 import os
 import random
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -54,6 +56,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 PYTEST = "pytest==9.2.0"
+# How every run calls pytest: no cache written into the tree, the package's
+# own addopts (coverage plugins, ...) off, node ids relative to the root.
+PYTEST_ARGV = ["python", "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir=."]
 
 # name: (version, sdist sha256, extra test requirements, extra pytest args)
 PACKAGES = {
@@ -227,11 +232,10 @@ def layout(repo, name):
     """PYTHONPATH entry and test paths of an unpacked package."""
     pp = "src" if (repo / "src").is_dir() else "."
     tests = [d for d in ("tests", "test", "testing") if (repo / d).is_dir()]
-    mod = name.replace("-", "_")
-    for root in (repo / pp,):
-        for sub in ("tests", "test"):
-            if (root / mod / sub).is_dir():
-                tests.append(str((root / mod / sub).relative_to(repo)))
+    mod = repo / pp / name.replace("-", "_")
+    for sub in ("tests", "test"):
+        if (mod / sub).is_dir():
+            tests.append(str((mod / sub).relative_to(repo)))
     tests += sorted(p.name for p in repo.glob("test_*.py"))
     if not tests:
         raise Skip("no tests found (tests/, test/, testing/, <pkg>/tests or test_*.py)")
@@ -319,6 +323,13 @@ def sandbox_cmd(bwrap, work, env, pythonpath, argv, wall, extra_env=None):
     return c, None
 
 
+def sandbox_user(ctx):
+    """Run as `nobody` when bubblewrap runs as root (so `ulimit -u` applies)."""
+    if ctx["bwrap"] and os.geteuid() == 0:
+        return {"user": NOBODY, "group": NOBODY, "extra_groups": []}
+    return {}
+
+
 def own(path):
     if os.geteuid() == 0:
         for root, dirs, files in os.walk(path):
@@ -340,15 +351,12 @@ def run_tests(ctx, work, tests, wall, coverage=False):
     if coverage:
         extra = ["-p", "arbor_cov"]
         env = {"ARBOR_COV_ROOT": root + "/", "ARBOR_COV_OUT": f"{root}/{COVERAGE}"}
-    argv = ["python", "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir=.",
-            "-q", "--tb=short", "-rN", f"--junitxml={root}/{REPORT}", *extra, *ctx["args"], *tests]
+    argv = [*PYTEST_ARGV, "-q", "--tb=short", "-rN", f"--junitxml={root}/{REPORT}",
+            *extra, *ctx["args"], *tests]
     cmd, cwd = sandbox_cmd(ctx["bwrap"], work, ctx["env"], ctx["pythonpath"], argv, wall, env)
     t0 = time.time()
-    kw = {}
-    if ctx["bwrap"] and os.geteuid() == 0:
-        kw = {"user": NOBODY, "group": NOBODY, "extra_groups": []}
     p = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True, **kw)
+                         start_new_session=True, **sandbox_user(ctx))
     try:
         p.wait(timeout=wall)
     except subprocess.TimeoutExpired:
@@ -404,15 +412,13 @@ def junit_key(node_id):
 
 
 def collect(ctx, repo):
-    argv = ["python", "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir=.",
-            "--collect-only", "-q", *ctx["args"], *ctx["tests"]]
+    argv = [*PYTEST_ARGV, "--collect-only", "-q", *ctx["args"], *ctx["tests"]]
     work = Path(tempfile.mkdtemp(prefix="arbor-swe-collect"))
     try:
         shutil.copytree(repo, work, dirs_exist_ok=True, symlinks=True)
         own(work)
         cmd, cwd = sandbox_cmd(ctx["bwrap"], work, ctx["env"], ctx["pythonpath"], argv, 300)
-        kw = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if ctx["bwrap"] and os.geteuid() == 0 else {}
-        r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, **kw)
+        r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, **sandbox_user(ctx))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     ids = [l.strip() for l in r.stdout.splitlines() if "::" in l and not l.startswith(" ")]
@@ -436,7 +442,7 @@ def is_test_path(rel):
     name = parts[-1]
     return (any(p in ("tests", "test", "testing", "docs", "doc", "examples", "benchmarks") for p in parts[:-1])
             or name.startswith("test_") or name.endswith("_test.py")
-            or name in ("conftest.py", "setup.py", "noxfile.py", "conftest.py"))
+            or name in ("conftest.py", "setup.py", "noxfile.py"))
 
 
 def source_files(repo, pythonpath):
@@ -517,11 +523,9 @@ def mutants_of(rel, text):
                 continue
             if len(body) == 1 and isinstance(body[0], ast.Raise):
                 continue
-            start = body[0].lineno
             # Keep decorators and comments above the first statement.
-            out.append({"file": rel, "kind": "raise_body", "func": node.name, "start": start,
-                        "end": node.end_lineno,
-                        "lines": [indent(start) + "raise NotImplementedError\n"]})
+            start = body[0].lineno
+            add("raise_body", node, start, node.end_lineno, [indent(start) + "raise NotImplementedError\n"])
         elif isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in FLIP:
             left, right = node.left, node.comparators[0]
             if left.end_lineno != node.lineno or right.lineno != node.lineno or node.lineno != node.end_lineno:
@@ -612,6 +616,35 @@ def statement(pkg, n_fail, files, failure):
 # ---------------------------------------------------------------- build
 
 
+def on_copies(repo, jobs, prefix, take, work, done):
+    """Runs `work(item, dir)` on `jobs` private copies of `repo`: `take(n)`
+    gives the next item while a copy is free (`n`: items in flight; None:
+    nothing more now), `done(result)` gets each result as it ends."""
+    dirs = [Path(tempfile.mkdtemp(prefix=prefix)) for _ in range(jobs)]
+    try:
+        for d in dirs:
+            shutil.copytree(repo, d, dirs_exist_ok=True, symlinks=True)
+            own(d)
+        free = list(dirs)
+        with cf.ThreadPoolExecutor(jobs) as ex:
+            pending = {}
+            while True:
+                while free:
+                    item = take(len(pending))
+                    if item is None:
+                        break
+                    d = free.pop()
+                    pending[ex.submit(work, item, d)] = d
+                if not pending:
+                    break
+                fut = next(cf.as_completed(pending))
+                free.append(pending.pop(fut))
+                done(fut.result())
+    finally:
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def build_package(name, args, out, rng_seed):
     version, sha, reqs, extra = PACKAGES[name]
     t0 = time.time()
@@ -661,8 +694,9 @@ def build_package(name, args, out, rng_seed):
 
     # Candidate mutants, balanced over kinds, at most 2 per function.
     rng = random.Random(f"{rng_seed}:{name}")
+    sources = source_files(repo, pythonpath)
     cands = []
-    for rel in source_files(repo, pythonpath):
+    for rel in sources:
         cands += mutants_of(rel, (repo / rel).read_text())
     by_kind = {}
     for c in cands:
@@ -728,50 +762,40 @@ def build_package(name, args, out, rng_seed):
         return m, (mutated, fails, ftext), None
 
     t_mut = time.time()
-    workers = [Path(tempfile.mkdtemp(prefix=f"arbor-swe-{name}-w")) for _ in range(args.jobs)]
-    reasons = {}
-    try:
-        for w in workers:
-            shutil.copytree(repo, w, dirs_exist_ok=True, symlinks=True)
-            own(w)
-        free = list(workers)
-        with cf.ThreadPoolExecutor(args.jobs) as ex:
-            pending = {}
-            it = iter(order)
-            done_all = False
-            while True:
-                while free and not done_all and len(tasks) + len(pending) < args.tasks_per_package:
-                    m = next(it, None)
-                    if m is None:
-                        done_all = True
-                        break
-                    if per_func.get((m["file"], m["func"]), 0) >= 2:
-                        continue
-                    run = reaching(m)
-                    if run is not None and not run:
-                        reasons["no test reaches it"] = reasons.get("no test reaches it", 0) + 1
-                        continue
-                    if tried >= args.max_candidates or time.time() - t_mut > args.package_seconds:
-                        done_all = True
-                        break
-                    w = free.pop()
-                    tried += 1
-                    pending[ex.submit(try_one, m, w, run)] = w
-                if not pending:
-                    break
-                fut = next(cf.as_completed(pending))
-                free.append(pending.pop(fut))
-                m, ok, why = fut.result()
-                if ok is None:
-                    reasons[why] = reasons.get(why, 0) + 1
-                    continue
-                if len(tasks) >= args.tasks_per_package or per_func.get((m["file"], m["func"]), 0) >= 2:
-                    continue
-                per_func[(m["file"], m["func"])] = per_func.get((m["file"], m["func"]), 0) + 1
-                tasks.append((m, ok))
-    finally:
-        for w in workers:
-            shutil.rmtree(w, ignore_errors=True)
+    reasons = collections.Counter()
+    order_it = iter(order)
+    exhausted = False
+
+    def take(in_flight):
+        nonlocal tried, exhausted
+        while not exhausted and len(tasks) + in_flight < args.tasks_per_package:
+            m = next(order_it, None)
+            if m is None:
+                exhausted = True
+                break
+            if per_func.get((m["file"], m["func"]), 0) >= 2:
+                continue
+            run = reaching(m)
+            if run is not None and not run:
+                reasons["no test reaches it"] += 1
+                continue
+            if tried >= args.max_candidates or time.time() - t_mut > args.package_seconds:
+                exhausted = True
+                break
+            tried += 1
+            return m, run
+        return None
+
+    def done(result):
+        m, ok, why = result
+        if ok is None:
+            reasons[why] += 1
+        elif len(tasks) < args.tasks_per_package and per_func.get((m["file"], m["func"]), 0) < 2:
+            per_func[(m["file"], m["func"])] = per_func.get((m["file"], m["func"]), 0) + 1
+            tasks.append((m, ok))
+
+    on_copies(repo, args.jobs, f"arbor-swe-{name}-w", take,
+              lambda item, d: try_one(item[0], d, item[1]), done)
 
     # PASS_TO_PASS samples: half from the failing tests' files, half from
     # the rest.
@@ -803,35 +827,16 @@ def build_package(name, args, out, rng_seed):
         return (m, mutated, fails, [t for t in p2p if status.get(junit_key(t)) == "passed"], ftext), True
 
     checked = []
-    workers = [Path(tempfile.mkdtemp(prefix=f"arbor-swe-{name}-c")) for _ in range(args.jobs)]
-    try:
-        for w in workers:
-            shutil.copytree(repo, w, dirs_exist_ok=True, symlinks=True)
-            own(w)
-        free = list(workers)
-        with cf.ThreadPoolExecutor(args.jobs) as ex:
-            pending = {}
-            it = iter(chosen)
-            while True:
-                while free:
-                    item = next(it, None)
-                    if item is None:
-                        break
-                    w = free.pop()
-                    pending[ex.submit(alone, item, w)] = w
-                if not pending:
-                    break
-                fut = next(cf.as_completed(pending))
-                free.append(pending.pop(fut))
-                item, ok = fut.result()
-                if ok:
-                    checked.append(item)
-                else:
-                    reasons["FAIL_TO_PASS fails alone on the original"] = \
-                        reasons.get("FAIL_TO_PASS fails alone on the original", 0) + 1
-    finally:
-        for w in workers:
-            shutil.rmtree(w, ignore_errors=True)
+    chosen_it = iter(chosen)
+
+    def kept(result):
+        item, ok = result
+        if ok:
+            checked.append(item)
+        else:
+            reasons["FAIL_TO_PASS fails alone on the original"] += 1
+
+    on_copies(repo, args.jobs, f"arbor-swe-{name}-c", lambda _: next(chosen_it, None), alone, kept)
     dropped_p2p = sum(len(c[3]) for c in chosen) - sum(len(c[3]) for c in checked)
 
     # Commit each mutant on its own ref; write instances.
@@ -862,9 +867,8 @@ def build_package(name, args, out, rng_seed):
         })
     git(repo, "gc", "-q", "--prune=now", check=False)
     spec = {
-        "test_cmd": "python -m pytest -p no:cacheprovider -o addopts= --rootdir=. -q --tb=short -rN "
-                    + " ".join(f"'{a}'" if " " in a else a for a in extra)
-                    + (" " if extra else "") + "--junitxml={report} {tests}",
+        "test_cmd": " ".join(shlex.quote(a) for a in [*PYTEST_ARGV, "-q", "--tb=short", "-rN", *extra])
+                    + " --junitxml={report} {tests}",
         "log": "junit",
         "env": f"envs/{name}",
         "env_vars": {"PYTHONPATH": pythonpath},
@@ -873,7 +877,7 @@ def build_package(name, args, out, rng_seed):
         # (a root `pytest.py` or `conftest.py` cannot change it), and a
         # skipped or xfail test is a failure: every selected test passes on
         # the fixed tree.
-        "keep": sorted({Path(f).parts[0] for f in source_files(repo, pythonpath)}),
+        "keep": sorted({Path(f).parts[0] for f in sources}),
         "strict": True,
     }
     info = {
@@ -881,10 +885,10 @@ def build_package(name, args, out, rng_seed):
         "url": link, "base_commit": base, "tests_collected": len(ids), "tests_stable": len(stable),
         "tests_flaky": flaky, "suite_seconds": round(suite_s, 2), "environment": dists,
         "coverage": cov is not None, "mutants_found": len(cands), "mutants_tried": tried, "tasks": len(instances),
-        "rejected": reasons, "pass_to_pass_dropped": dropped_p2p, "seconds": round(time.time() - t0, 1),
+        "rejected": dict(reasons), "pass_to_pass_dropped": dropped_p2p, "seconds": round(time.time() - t0, 1),
     }
     log(f"{name}: {len(instances)} tasks from {tried} mutants tried ({len(cands)} found) in "
-        f"{info['seconds']} s; rejected: {reasons}")
+        f"{info['seconds']} s; rejected: {dict(reasons)}")
     return instances, spec, info
 
 

@@ -74,6 +74,18 @@ pub struct EvalArgs {
     pub kv_memory_mib: usize,
 }
 
+/// Mean unbiased pass@k over problems (`correct[i]` of `n` samples right)
+/// for k = 1, 2, 4, ... <= n.
+fn pass_at_ks(n: usize, correct: &[usize]) -> Vec<(usize, f64)> {
+    std::iter::successors(Some(1usize), |k| Some(k * 2))
+        .take_while(|&k| k <= n)
+        .map(|k| {
+            let v = correct.iter().map(|&c| pass_at_k(n, c, k)).sum::<f64>();
+            (k, v / correct.len().max(1) as f64)
+        })
+        .collect()
+}
+
 /// Unbiased pass@k from `n` samples with `c` correct: `1 - C(n-c, k) / C(n, k)`.
 pub fn pass_at_k(n: usize, c: usize, k: usize) -> f64 {
     if k > n {
@@ -217,20 +229,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
         per_problem_correct.push(c);
     }
     let total = problems.len() * a.n;
-    let ks: Vec<usize> = std::iter::successors(Some(1usize), |k| Some(k * 2))
-        .take_while(|&k| k <= a.n)
-        .collect();
-    let pass = ks
-        .iter()
-        .map(|&k| {
-            let v = per_problem_correct
-                .iter()
-                .map(|&c| pass_at_k(a.n, c, k))
-                .sum::<f64>()
-                / problems.len() as f64;
-            (k, v)
-        })
-        .collect();
+    let pass = pass_at_ks(a.n, &per_problem_correct);
     let s = Summary {
         model: a.model.clone(),
         dataset: path.display().to_string(),
@@ -305,6 +304,7 @@ fn load_model(a: &EvalArgs) -> Result<LoadedModel> {
 }
 
 fn run_swe(a: &EvalArgs) -> Result<()> {
+    use arbor_train::rollout::EpisodeResult;
     use arbor_train::tasks::{TaskConfig, TaskSampler};
     let file = a.swe.as_ref().context("--swe")?;
     let m = load_model(a)?;
@@ -353,7 +353,9 @@ fn run_swe(a: &EvalArgs) -> Result<()> {
         a.env_workers,
     )?;
     let seconds = start.elapsed().as_secs_f64();
-    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    fn mean<'a>(eps: &'a [EpisodeResult], f: impl Fn(&'a EpisodeResult) -> usize) -> f64 {
+        eps.iter().map(|e| f(e) as f64).sum::<f64>() / eps.len().max(1) as f64
+    }
     let per_task: Vec<SweTaskResult> = eps
         .chunks(a.n)
         .zip(&ids)
@@ -361,44 +363,21 @@ fn run_swe(a: &EvalArgs) -> Result<()> {
             id: id.clone(),
             samples: g.len(),
             passed: g.iter().filter(|e| e.reward >= 1.0).count(),
-            turns: mean(&g.iter().map(|e| e.turns as f64).collect::<Vec<_>>()),
-            generated_tokens: mean(
-                &g.iter()
-                    .map(|e| e.generated_tokens as f64)
-                    .collect::<Vec<_>>(),
-            ),
-            context_tokens: mean(
-                &g.iter()
-                    .map(|e| e.context_tokens as f64)
-                    .collect::<Vec<_>>(),
-            ),
+            turns: mean(g, |e| e.turns),
+            generated_tokens: mean(g, |e| e.generated_tokens),
+            context_tokens: mean(g, |e| e.context_tokens),
         })
         .collect();
-    let ks: Vec<usize> = std::iter::successors(Some(1usize), |k| Some(k * 2))
-        .take_while(|&k| k <= a.n)
-        .collect();
+    let passed: Vec<usize> = per_task.iter().map(|t| t.passed).collect();
     let s = SweSummary {
         model: a.model.clone(),
         instances: file.display().to_string(),
         tasks: n_tasks,
         samples_per_task: a.n,
-        pass_rate: eps.iter().filter(|e| e.reward >= 1.0).count() as f64 / eps.len() as f64,
-        pass_at_k: ks
-            .iter()
-            .map(|&k| {
-                let v = per_task
-                    .iter()
-                    .map(|t| pass_at_k(a.n, t.passed, k))
-                    .sum::<f64>();
-                (k, v / n_tasks as f64)
-            })
-            .collect(),
-        turns_per_episode: mean(&eps.iter().map(|e| e.turns as f64).collect::<Vec<_>>()),
-        generated_tokens_per_episode: mean(
-            &eps.iter()
-                .map(|e| e.generated_tokens as f64)
-                .collect::<Vec<_>>(),
-        ),
+        pass_rate: passed.iter().sum::<usize>() as f64 / eps.len() as f64,
+        pass_at_k: pass_at_ks(a.n, &passed),
+        turns_per_episode: mean(&eps, |e| e.turns),
+        generated_tokens_per_episode: mean(&eps, |e| e.generated_tokens),
         seconds,
         env_seconds: stats.env_s,
         per_task,

@@ -231,7 +231,6 @@ fn check(j: &CheckJob<'_>) -> Result<CheckSummary> {
     let next = AtomicUsize::new(0);
     let results: Mutex<Vec<Option<CheckResult>>> =
         Mutex::new((0..insts.len()).map(|_| None).collect());
-    let done = AtomicUsize::new(0);
     let bar = indicatif::ProgressBar::new(insts.len() as u64);
     std::thread::scope(|s| {
         for _ in 0..j.jobs.min(insts.len()).max(1) {
@@ -240,7 +239,6 @@ fn check(j: &CheckJob<'_>) -> Result<CheckSummary> {
                 let Some(inst) = insts.get(i) else { break };
                 let r = check_one(inst, &repos, &sandbox);
                 results.lock().expect("results")[i] = Some(r);
-                done.fetch_add(1, Ordering::Relaxed);
                 bar.inc(1);
             });
         }

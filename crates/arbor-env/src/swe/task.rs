@@ -561,11 +561,10 @@ impl SweTask {
         if !self.inst.test_patch.is_empty() {
             let o = apply_in(sb, &copy.path, &self.inst.test_patch)?;
             if !o.success() {
-                return Ok(Evaluation {
-                    reward: 0.0,
-                    error: Some(format!("the hidden tests do not apply: {}", o.render())),
-                    ..Evaluation::default()
-                });
+                return Ok(Evaluation::error(format!(
+                    "the hidden tests do not apply: {}",
+                    o.render()
+                )));
             }
         }
         let tests: Vec<String> = self
@@ -576,11 +575,7 @@ impl SweTask {
             .cloned()
             .collect();
         if tests.is_empty() {
-            return Ok(Evaluation {
-                reward: 0.0,
-                error: Some("the instance lists no tests".into()),
-                ..Evaluation::default()
-            });
+            return Ok(Evaluation::error("the instance lists no tests".into()));
         }
         match &self.inst.spec {
             Some(spec) => run_spec(spec, sb, &copy.path, &tests),
