@@ -1,13 +1,14 @@
-//! With the `cuda` feature, compiles `kernels/*.cu` (workspace root) to PTX
-//! for `sm_$CUDA_COMPUTE_CAP` (default 90) into `$OUT_DIR`, where
-//! `src/cuda.rs` embeds them. Without it, does nothing: CPU builds need no
+//! With the `cuda` feature, compiles `kernels/*.cu` (workspace root) into
+//! fat binaries in `$OUT_DIR`, where `src/cuda.rs` embeds them: SASS for
+//! `sm_$CUDA_COMPUTE_CAP` (default 90: H100/H200), loaded with no JIT, plus
+//! PTX of the same architecture, which the driver compiles for newer GPUs. Without it, does nothing: CPU builds need no
 //! CUDA. nvcc is `$NVCC`, else `$CUDA_ROOT/bin/nvcc` (or CUDA_HOME /
 //! CUDA_PATH), else `nvcc` on PATH; `scripts/cuda-toolchain.sh` sets these.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const KERNELS: &[&str] = &["logprob", "ppo", "segment", "paged_attention"];
+const KERNELS: &[&str] = &["logprob", "ppo", "segment", "paged_attention", "sample"];
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
@@ -37,15 +38,16 @@ fn main() {
     for k in KERNELS {
         let src = kdir.join(format!("{k}.cu"));
         println!("cargo:rerun-if-changed={}", src.display());
-        let ptx = out.join(format!("{k}.ptx"));
+        let fatbin = out.join(format!("{k}.fatbin"));
         let status = Command::new(&nvcc)
-            .args(["--ptx", "-O3", "-std=c++17", "--expt-relaxed-constexpr"])
-            .arg(format!("-arch=sm_{cap}"))
+            .args(["--fatbin", "-O3", "-std=c++17", "--expt-relaxed-constexpr"])
+            .arg(format!("-gencode=arch=compute_{cap},code=sm_{cap}"))
+            .arg(format!("-gencode=arch=compute_{cap},code=compute_{cap}"))
             .arg("-I")
             .arg(&kdir)
             .arg(&src)
             .arg("-o")
-            .arg(&ptx)
+            .arg(&fatbin)
             .status()
             .unwrap_or_else(|e| {
                 panic!(

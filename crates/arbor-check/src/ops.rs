@@ -468,3 +468,73 @@ pub fn fused_checks(dev: &Device, quick: bool, rng: &mut Rng, out: &mut Vec<Chec
     }
     Ok(())
 }
+
+/// Sampling on the device ([`arbor_ops::sample_rows`]) against the host
+/// reference ([`arbor_ops::sample_row`]) on the same f32 logits and draws:
+/// greedy and three temperatures, masked (`-inf`) entries, and a NaN row
+/// that must give no token. Checks the share of tokens that differ (a draw
+/// within rounding of a token boundary may flip) and the logprobs and
+/// entropies of the rest.
+pub fn sampling_checks(
+    dev: &Device,
+    quick: bool,
+    rng: &mut Rng,
+    out: &mut Vec<Check>,
+) -> Result<()> {
+    let (rows, v) = if quick { (32, 1000) } else { (256, 151_936) };
+    let mut logits = rng.uniform(rows * v, -4.0, 4.0);
+    // Row 1 masks most of the vocabulary; row 2 is broken.
+    for (i, x) in logits[v..2 * v].iter_mut().enumerate() {
+        if i % 7 != 0 {
+            *x = f64::NEG_INFINITY;
+        }
+    }
+    logits[2 * v + v / 2] = f64::NAN;
+    let host: Vec<f32> = logits.iter().map(|&x| x as f32).collect();
+    let l = Tensor::from_vec(host.clone(), (rows, v), &Device::Cpu)?.to_device(dev)?;
+    let reqs: Vec<arbor_ops::SampleRequest> = (0..rows)
+        .map(|r| arbor_ops::SampleRequest {
+            row: r as u32,
+            inv_temperature: [0.0, 1.0, 1.0 / 0.7, 1.0 / 1.5][r % 4],
+            u: rng.next_f64(),
+        })
+        .collect();
+    let got = arbor_ops::sample_rows(&l, &reqs)?;
+    let (mut differ, mut broken_ok) = (0usize, true);
+    let (mut g, mut w) = (Vec::new(), Vec::new());
+    for (r, got) in reqs.iter().zip(&got) {
+        let want = arbor_ops::sample_row(&host[r.row as usize * v..][..v], r.inv_temperature, r.u);
+        match (got, want) {
+            (Some(a), Some(b)) if a.token == b.token => {
+                g.extend([a.logprob as f64, a.entropy as f64]);
+                w.extend([b.logprob as f64, b.entropy as f64]);
+            }
+            (Some(_), Some(_)) => differ += 1,
+            (None, None) => {}
+            _ => broken_ok = false,
+        }
+    }
+    let frac = if broken_ok {
+        differ as f64 / rows as f64
+    } else {
+        f64::NAN
+    };
+    crate::util::push_tol(
+        out,
+        "kernel",
+        "sampling: tokens that differ",
+        DType::F32,
+        frac,
+        2.0 / rows as f64,
+    );
+    let g = Tensor::new(g.as_slice(), &Device::Cpu)?;
+    let w = Tensor::new(w.as_slice(), &Device::Cpu)?;
+    push(
+        out,
+        "kernel",
+        "sampling: logprob, entropy",
+        DType::F32,
+        rel_err(&g, &w)?,
+    );
+    Ok(())
+}

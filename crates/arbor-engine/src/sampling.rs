@@ -74,6 +74,12 @@ impl SamplingParams {
         }
     }
 
+    /// Whether top-k, top-p or min-p restrict the support (sampling then
+    /// sorts the candidates, which the engine does on the host).
+    pub fn has_cuts(&self) -> bool {
+        self.temperature > 0.0 && (self.top_k > 0 || self.top_p < 1.0 || self.min_p > 0.0)
+    }
+
     /// Reject nonsensical settings with an error naming the field.
     pub fn validate(&self) -> Result<(), EngineError> {
         let bad = |f: &str, v: String| Err(EngineError::InvalidParams(format!("{f} = {v}")));

@@ -1,39 +1,93 @@
-//! CUDA plumbing shared by the ops: the PTX that `build.rs` compiled from
-//! `kernels/*.cu`, function lookup through candle's device (modules load
-//! once per device), launch shapes and slice access.
+//! CUDA plumbing shared by the ops: the fat binaries `build.rs` compiled
+//! from `kernels/*.cu` (SASS for the build's architecture, so the first
+//! launch in a fresh process runs without JIT, plus PTX for newer GPUs),
+//! function lookup (each module loads once per device), launch shapes and
+//! slice access.
 #![allow(unsafe_code)]
 
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig};
-use candle_core::cuda_backend::{CudaDevice, CudaStorage};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DeviceRepr, LaunchArgs, LaunchConfig,
+};
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
+use candle_core::cuda_backend::{CudaDevice, CudaStorage, DeviceId};
 use candle_core::{DType, Layout, Result};
 
 pub use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 pub use candle_core::cuda_backend::WrapErr;
 
-/// PTX of every kernel file, by module name.
-pub const MODULES: &[(&str, &str)] = &[
+/// Fat binary (sm SASS + PTX) of every kernel file, by module name.
+pub const MODULES: &[(&str, &[u8])] = &[
     (
         "logprob",
-        include_str!(concat!(env!("OUT_DIR"), "/logprob.ptx")),
+        include_bytes!(concat!(env!("OUT_DIR"), "/logprob.fatbin")),
     ),
-    ("ppo", include_str!(concat!(env!("OUT_DIR"), "/ppo.ptx"))),
+    (
+        "ppo",
+        include_bytes!(concat!(env!("OUT_DIR"), "/ppo.fatbin")),
+    ),
     (
         "segment",
-        include_str!(concat!(env!("OUT_DIR"), "/segment.ptx")),
+        include_bytes!(concat!(env!("OUT_DIR"), "/segment.fatbin")),
     ),
     (
         "paged_attention",
-        include_str!(concat!(env!("OUT_DIR"), "/paged_attention.ptx")),
+        include_bytes!(concat!(env!("OUT_DIR"), "/paged_attention.fatbin")),
+    ),
+    (
+        "sample",
+        include_bytes!(concat!(env!("OUT_DIR"), "/sample.fatbin")),
     ),
 ];
 
-/// PTX of a kernel module.
-pub fn ptx(module: &str) -> Result<&'static str> {
-    MODULES
+/// Loaded modules, by device and module name.
+type ModuleCache = Mutex<HashMap<(DeviceId, &'static str), Arc<CudaModule>>>;
+
+fn module(dev: &CudaDevice, name: &'static str) -> Result<Arc<CudaModule>> {
+    static CACHE: OnceLock<ModuleCache> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    let key = (dev.id(), name);
+    if let Some(m) = cache.lock().expect("module cache").get(&key) {
+        return Ok(m.clone());
+    }
+    let image = MODULES
         .iter()
-        .find(|(m, _)| *m == module)
-        .map(|(_, p)| *p)
-        .ok_or_else(|| candle_core::Error::Msg(format!("arbor-ops: no PTX module {module}")))
+        .find(|(m, _)| *m == name)
+        .map(|(_, image)| *image)
+        .ok_or_else(|| candle_core::Error::Msg(format!("arbor-ops: no kernel module {name}")))?;
+    // `cuModuleLoadData` takes the fat binary as it is: the SASS that
+    // matches the device, else the PTX compiled for it.
+    let m = dev
+        .cuda_stream()
+        .context()
+        .load_module(Ptx::from_binary(image.to_vec()))
+        .w()?;
+    cache.lock().expect("module cache").insert(key, m.clone());
+    Ok(m)
+}
+
+/// A kernel of one of Arbor's modules, bound to the device's stream.
+#[derive(Debug)]
+pub struct Kernel {
+    func: CudaFunction,
+    stream: Arc<CudaStream>,
+}
+
+impl Kernel {
+    /// Function `name` of module `module` (a `kernels/<module>.cu`).
+    pub fn get(dev: &CudaDevice, module_name: &'static str, name: &str) -> Result<Kernel> {
+        Ok(Kernel {
+            func: module(dev, module_name)?.load_function(name).w()?,
+            stream: dev.cuda_stream(),
+        })
+    }
+
+    /// A launch on the device's stream.
+    pub fn builder(&self) -> LaunchArgs<'_> {
+        self.stream.launch_builder(&self.func)
+    }
 }
 
 /// Grid-stride launch over `n` elements.

@@ -2,7 +2,7 @@
 //!
 //! Arbor's own kernels. Every op has a CPU reference (tested against float64
 //! brute force or finite differences) and, with the `cuda` feature, a CUDA
-//! kernel from `kernels/*.cu` compiled to PTX by `build.rs`, exposed as a
+//! kernel from `kernels/*.cu` compiled by `build.rs` (SASS + PTX), exposed as a
 //! candle `CustomOp` so it sits in the autograd graph:
 //!
 //! - [`fused_logprobs`]: LM head + log-softmax + gather + entropy in chunks,
@@ -19,6 +19,9 @@
 //!   advantages to token positions and back;
 //! - [`paged_attention_op`], [`cache_write`]: attention over the engine's
 //!   block tables and KV writes into the paged cache;
+//! - [`sample_rows`]: greedy and tempered sampling with the chosen token's
+//!   logprob and the entropy, where the logits are (one launch on a GPU;
+//!   only the results come back);
 //! - [`cpu::rows`]: fused row-wise f32 kernels of the generation forward
 //!   (RMSNorm, head split + q/k-norm + RoPE, `silu(g) * u`);
 //! - [`matmul_nt_op`]: the CPU `x w^T` of every `Linear` (f32 or bf16
@@ -39,6 +42,7 @@ pub mod linear;
 pub mod logprob;
 pub mod paged;
 pub mod ppo;
+pub mod sample;
 pub mod segment;
 
 pub use adamw::{adamw_step, sum_sq, AdamWStep};
@@ -52,6 +56,7 @@ pub use linear::matmul_nt_op;
 pub use logprob::{fused_logprobs, DEFAULT_CHUNK_ELEMS};
 pub use paged::{cache_write, paged_attention_op, PagedMeta};
 pub use ppo::{pack_aux, ppo_loss, value_loss, PpoClip};
+pub use sample::{sample_row, sample_rows, SampleRequest, Sampled};
 pub use segment::{segment_broadcast, segment_mean, segment_sum};
 
 /// Run `f` on a rayon worker thread when `device` is the CPU (moved there

@@ -256,11 +256,7 @@ impl CustomOp3 for FusedLogprob {
         let (n, h) = hl.shape().dims2()?;
         let v = wl.shape().dims()[0];
         let suf = cuda::suffix(hs.dtype())?;
-        let f = dev.get_or_load_custom_func(
-            &format!("logprob_rows_{suf}"),
-            "arbor_logprob",
-            cuda::ptx("logprob")?,
-        )?;
+        let f = cuda::Kernel::get(&dev, "logprob", &format!("logprob_rows_{suf}"))?;
         let targets = cuda::view::<u32>(ts, tl)?;
         let mut out = cuda::alloc_out::<f32>(&dev, n * 3)?;
         let rows = chunk_len(self.chunk_elems, v);
@@ -430,16 +426,8 @@ impl CustomOp3 for FusedLogprobGrad {
         let v = wl.shape().dims()[0];
         let dt = hs.dtype();
         let suf = cuda::suffix(dt)?;
-        let grad_f = dev.get_or_load_custom_func(
-            &format!("logprob_grad_{suf}"),
-            "arbor_logprob",
-            cuda::ptx("logprob")?,
-        )?;
-        let add_f = dev.get_or_load_custom_func(
-            &format!("add_to_f32_{suf}"),
-            "arbor_logprob",
-            cuda::ptx("logprob")?,
-        )?;
+        let grad_f = cuda::Kernel::get(&dev, "logprob", &format!("logprob_grad_{suf}"))?;
+        let add_f = cuda::Kernel::get(&dev, "logprob", &format!("add_to_f32_{suf}"))?;
         let aux = cuda::view::<f32>(auxs, auxl)?;
         let total = self.out_len(n, v, h);
         let mut out = match dt {

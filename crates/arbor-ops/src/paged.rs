@@ -237,10 +237,10 @@ impl CustomOp3 for PagedAttn {
                 ks.dtype()
             );
         }
-        let f = dev.get_or_load_custom_func(
+        let f = cuda::Kernel::get(
+            &dev,
+            "paged_attention",
             &format!("paged_attention_{}", cuda::suffix(dt)?),
-            "arbor_paged_attention",
-            cuda::ptx("paged_attention")?,
         )?;
         let (ps, pl) = self.meta.positions.storage_and_layout();
         let (ss, sl) = self.meta.token_seq.storage_and_layout();
@@ -360,10 +360,10 @@ impl InplaceOp3 for CacheWrite {
         let (t, nkv, d) = rl.shape().dims3()?;
         let (ti, row) = (t as i32, (nkv * d) as i32);
         let n_slots = cl.shape().dims()[0] as u32;
-        let f = dev.get_or_load_custom_func(
+        let f = cuda::Kernel::get(
+            &dev,
+            "paged_attention",
             &format!("cache_write_{}", cuda::suffix(rows.dtype())?),
-            "arbor_paged_attention",
-            cuda::ptx("paged_attention")?,
         )?;
         let sv = cuda::view::<u32>(slots, sl)?;
         let c0 = cl.start_offset();

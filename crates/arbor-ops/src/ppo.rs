@@ -213,7 +213,7 @@ mod gpu {
         params: &[f32],
     ) -> Result<(CudaStorage, Shape)> {
         let dev = x.device.clone();
-        let f = dev.get_or_load_custom_func(name, "arbor_ppo", cuda::ptx("ppo")?)?;
+        let f = cuda::Kernel::get(&dev, "ppo", name)?;
         let xv = cuda::view::<f32>(x, xl)?;
         let av = cuda::view::<f32>(aux, al)?;
         let n = xl.shape().elem_count() as i32;
@@ -249,7 +249,7 @@ mod gpu {
         params: &[f32],
     ) -> Result<(CudaStorage, Shape)> {
         let dev = x.device.clone();
-        let f = dev.get_or_load_custom_func(name, "arbor_ppo", cuda::ptx("ppo")?)?;
+        let f = cuda::Kernel::get(&dev, "ppo", name)?;
         let xv = cuda::view::<f32>(x, xl)?;
         let av = cuda::view::<f32>(aux, al)?;
         let gv = cuda::view::<f32>(g, gl)?;

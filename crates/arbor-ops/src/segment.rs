@@ -112,15 +112,14 @@ fn launch(
     let mut out = cuda::alloc_out::<f32>(&dev, out_len)?;
     let (ni, si) = (n as i32, s as i32);
     if name == "segment_sum" {
-        let z =
-            dev.get_or_load_custom_func("segment_zero", "arbor_segment", cuda::ptx("segment")?)?;
+        let z = cuda::Kernel::get(&dev, "segment", "segment_zero")?;
         let mut b = z.builder();
         b.arg(&mut out).arg(&si);
         // SAFETY: matches `segment_zero`; out holds s floats.
         #[allow(unsafe_code)]
         unsafe { b.launch(cuda::grid1d(s, 256)) }.w()?;
     }
-    let f = dev.get_or_load_custom_func(name, "arbor_segment", cuda::ptx("segment")?)?;
+    let f = cuda::Kernel::get(&dev, "segment", name)?;
     let mut b = f.builder();
     b.arg(&xv).arg(&sv).arg(&mut out).arg(&ni).arg(&si);
     // SAFETY: matches `segment_broadcast` / `segment_sum` in kernels/segment.cu.

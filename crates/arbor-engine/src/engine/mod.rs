@@ -139,6 +139,9 @@ pub struct Engine {
     /// Tests: make the next step's forward fail.
     #[cfg(test)]
     fail_next_forward: bool,
+    /// Tests: sample CPU logits as device logits are sampled.
+    #[cfg(test)]
+    sample_as_on_device: bool,
 }
 
 impl Engine {
@@ -255,6 +258,8 @@ impl Engine {
             stats: EngineStats::default(),
             #[cfg(test)]
             fail_next_forward: false,
+            #[cfg(test)]
+            sample_as_on_device: false,
         })
     }
 
@@ -665,11 +670,15 @@ impl Engine {
         self.stats.peak_blocks_in_use = self.stats.peak_blocks_in_use.max(in_use);
         let logits = self.forward_logits(&batch, ids, scheduled.len())?;
         self.stats.steps += 1;
-        if logits.device().is_cpu() {
+        #[cfg(test)]
+        let host = logits.device().is_cpu() && !self.sample_as_on_device;
+        #[cfg(not(test))]
+        let host = logits.device().is_cpu();
+        if host {
             with_cpu_f32(&logits, |flat| self.record_and_sample(scheduled, flat))??;
         } else {
-            // A device's logits are copied to the host for sampling.
-            self.record_and_sample(scheduled, &logits.flatten_all()?.to_vec1::<f32>()?)?;
+            // A device's logits stay there: tokens are sampled on it.
+            self.record_and_sample_on_device(scheduled, &logits)?;
         }
         Ok(n_tokens)
     }
@@ -763,6 +772,43 @@ mod tests {
         e.run(|_| {}).unwrap();
         // 9 tokens: two full blocks of 4 from the cache.
         assert_eq!(e.stats().prefill_cached, 8);
+    }
+
+    /// Sampling where the logits are (as on a GPU: greedy and tempered rows
+    /// by `arbor_ops::sample_rows`, rows with cuts on the host) gives the
+    /// tokens and logprobs of the host sampler, each sequence drawing from
+    /// its own RNG, fan-outs included.
+    #[test]
+    fn device_sampling_matches_the_host_sampler() {
+        let m = fixture();
+        let run = |on_device: bool| {
+            let mut e = engine(&m);
+            e.sample_as_on_device = on_device;
+            let t = |seed, temperature, top_p| SamplingParams {
+                temperature,
+                top_p,
+                max_tokens: 12,
+                seed,
+                ..Default::default()
+            };
+            e.submit(
+                (1..10).collect(),
+                vec![t(1, 1.0, 1.0), t(2, 0.7, 1.0), t(3, 1.0, 0.9)],
+            )
+            .unwrap();
+            e.submit((20..27).collect(), vec![SamplingParams::greedy(12)])
+                .unwrap();
+            e.submit((30..41).collect(), vec![t(4, 1.3, 1.0)]).unwrap();
+            e.run(|_| {}).unwrap()
+        };
+        let (host, dev) = (run(false), run(true));
+        assert_eq!(host.len(), 5);
+        for (a, b) in host.iter().zip(&dev) {
+            assert_eq!(a.tokens, b.tokens, "sequence {}", a.id);
+            for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
+                assert!((x - y).abs() < 1e-4, "sequence {}: {x} vs {y}", a.id);
+            }
+        }
     }
 
     /// A block size whose block (or pool) overflows the address space is a

@@ -2,6 +2,7 @@
 //! token (or fan a computed prompt out into its samples), and stop the
 //! sequences that are done.
 
+use rand::Rng;
 use rayon::prelude::*;
 
 use super::{Engine, FinishReason, Seq};
@@ -13,16 +14,78 @@ use crate::{EngineError, SeqId};
 const STOP_WINDOW_MARGIN: usize = 16;
 
 impl Engine {
-    /// Step 4: record, sample, fan out, stop. `logits` holds one row per
-    /// scheduled sequence, in order.
+    /// Step 4 on the host: record, sample, fan out, stop. `logits` holds one
+    /// row per scheduled sequence, in order.
     pub(super) fn record_and_sample(
         &mut self,
         scheduled: Vec<SeqId>,
         logits: &[f32],
     ) -> Result<(), EngineError> {
         let vocab = logits.len() / scheduled.len().max(1);
-        let mut todo: Vec<(SeqId, &[f32])> = Vec::new();
-        for (id, row) in scheduled.into_iter().zip(logits.chunks_exact(vocab.max(1))) {
+        let todo = self.record(scheduled)?;
+        // Sample in parallel: each sequence has its own RNG.
+        let mut work = self.take_seqs(&todo);
+        let sampled: Vec<Option<(u32, f32)>> = work
+            .par_iter_mut()
+            .map(|(_, s, row)| sample(&logits[*row * vocab..][..vocab], &s.params, &mut s.rng))
+            .collect();
+        self.apply_samples(work, sampled);
+        Ok(())
+    }
+
+    /// Step 4 with the logits on a device: the tokens of sequences without
+    /// top-k / top-p / min-p cuts are sampled there
+    /// ([`arbor_ops::sample_rows`], each with a uniform draw from its own
+    /// RNG, the one the host sampler would take), so only their ids and
+    /// logprobs come back; a sequence with cuts has its one row copied to
+    /// the host and sampled there.
+    pub(super) fn record_and_sample_on_device(
+        &mut self,
+        scheduled: Vec<SeqId>,
+        logits: &candle_core::Tensor,
+    ) -> Result<(), EngineError> {
+        let todo = self.record(scheduled)?;
+        let mut work = self.take_seqs(&todo);
+        let mut sampled = vec![None; work.len()];
+        let (mut reqs, mut at, mut host) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, (_, s, row)) in work.iter_mut().enumerate() {
+            if s.params.has_cuts() {
+                host.push(i);
+                continue;
+            }
+            let greedy = s.params.temperature == 0.0;
+            reqs.push(arbor_ops::SampleRequest {
+                row: *row as u32,
+                inv_temperature: if greedy {
+                    0.0
+                } else {
+                    1.0 / s.params.temperature
+                },
+                u: if greedy { 0.0 } else { s.rng.random::<f64>() },
+            });
+            at.push(i);
+        }
+        if !reqs.is_empty() {
+            for (i, r) in at.into_iter().zip(arbor_ops::sample_rows(logits, &reqs)?) {
+                sampled[i] = r.map(|r| (r.token, r.logprob));
+            }
+        }
+        for i in host {
+            let (_, s, row) = &mut work[i];
+            let l = logits.get(*row)?.to_vec1::<f32>()?;
+            sampled[i] = sample(&l, &s.params, &mut s.rng);
+        }
+        self.apply_samples(work, sampled);
+        Ok(())
+    }
+
+    /// Record each scheduled sequence's computed KV, and fan a computed
+    /// prompt out into its samples. Returns the sequences to sample, each
+    /// with its row of the step's logits (the samples of a fan-out share
+    /// their parent's).
+    fn record(&mut self, scheduled: Vec<SeqId>) -> Result<Vec<(SeqId, usize)>, EngineError> {
+        let mut todo = Vec::new();
+        for (row, id) in scheduled.into_iter().enumerate() {
             let s = self.seqs.get_mut(&id).expect("scheduled seq exists");
             let computed_now = s.tokens.len() - s.computed;
             // Prompt prefill and preemption recompute; not the one decode token.
@@ -33,22 +96,24 @@ impl Engine {
             let tokens = s.tokens.clone();
             self.kv.commit(id, &tokens)?;
             if !self.seqs[&id].fan_out.is_empty() {
-                self.spawn_fan_out(id, row)?;
+                for child in self.spawn_fan_out(id)? {
+                    todo.push((child, row));
+                }
             } else {
                 todo.push((id, row));
             }
         }
-        self.sample_and_stop(todo);
-        Ok(())
+        Ok(todo)
     }
 
-    /// The parent's prompt is computed: fork its KV into every child, each
-    /// sampling its own first token from the shared logits.
-    fn spawn_fan_out(&mut self, parent: SeqId, logits: &[f32]) -> Result<(), EngineError> {
+    /// The parent's prompt is computed: fork its KV into every child (each
+    /// then samples its own first token from the shared logits). Returns
+    /// the children.
+    fn spawn_fan_out(&mut self, parent: SeqId) -> Result<Vec<SeqId>, EngineError> {
         let p = self.seqs.get_mut(&parent).expect("parent exists");
         let children = std::mem::take(&mut p.fan_out);
         let (tokens, computed) = (p.tokens.clone(), p.computed);
-        let mut todo = Vec::new();
+        let mut ids = Vec::new();
         for (cid, params) in children {
             self.kv.fork(parent, cid)?;
             let mut c = Seq::new(tokens.clone(), params);
@@ -56,39 +121,32 @@ impl Engine {
             c.has_kv = true;
             self.seqs.insert(cid, c);
             self.running.push(cid);
-            todo.push((cid, logits));
+            ids.push(cid);
         }
-        self.stats.prefill_forked += (computed * todo.len().saturating_sub(1)) as u64;
+        self.stats.prefill_forked += (computed * ids.len().saturating_sub(1)) as u64;
         // The parent only held the shared prompt.
         self.seqs.remove(&parent);
         self.kv.free(parent)?;
         self.running.retain(|&r| r != parent);
-        self.sample_and_stop(todo);
-        Ok(())
+        Ok(ids)
     }
 
-    fn sample_and_stop(&mut self, todo: Vec<(SeqId, &[f32])>) {
-        // Sample in parallel: each sequence has its own RNG.
-        let mut work: Vec<(SeqId, Seq, &[f32])> = todo
-            .into_iter()
-            .map(|(id, row)| (id, self.seqs.remove(&id).expect("seq exists"), row))
-            .collect();
-        // `false`: the logits held no distribution (NaN or infinite values).
-        let sampled: Vec<bool> = work
-            .par_iter_mut()
-            .map(|(_, s, row)| match sample(row, &s.params, &mut s.rng) {
-                Some((tok, lp)) => {
-                    s.tokens.push(tok);
-                    s.logprobs.push(lp);
-                    true
-                }
-                None => false,
-            })
-            .collect();
+    /// The sequences to sample, taken out of the table (with their rows)
+    /// so they can be sampled in parallel.
+    fn take_seqs(&mut self, todo: &[(SeqId, usize)]) -> Vec<(SeqId, Seq, usize)> {
+        todo.iter()
+            .map(|&(id, row)| (id, self.seqs.remove(&id).expect("seq exists"), row))
+            .collect()
+    }
+
+    /// Put the sampled sequences back with their new token (`None`: the
+    /// logits held no distribution, NaN or infinite values) and stop those
+    /// that are done.
+    fn apply_samples(&mut self, work: Vec<(SeqId, Seq, usize)>, sampled: Vec<Option<(u32, f32)>>) {
         let mut done = Vec::new();
         let mut failed = Vec::new();
-        for ((id, s, _), ok) in work.into_iter().zip(sampled) {
-            if !ok {
+        for ((id, mut s, _), got) in work.into_iter().zip(sampled) {
+            let Some((tok, lp)) = got else {
                 let msg = format!(
                     "the model's logits at position {} are not finite (NaN or infinite): \
                      no token can be sampled",
@@ -97,10 +155,11 @@ impl Engine {
                 self.seqs.insert(id, s);
                 failed.push((id, msg));
                 continue;
-            }
+            };
+            s.tokens.push(tok);
+            s.logprobs.push(lp);
             self.stats.generated += 1;
-            let last = *s.tokens.last().expect("just sampled");
-            let reason = if s.params.stop_tokens.contains(&last) {
+            let reason = if s.params.stop_tokens.contains(&tok) {
                 Some((FinishReason::Stop, None))
             } else if let Some(stop) = self.stop_string_hit(&s) {
                 Some((FinishReason::Stop, Some(stop)))
