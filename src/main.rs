@@ -128,6 +128,8 @@ fn tune_malloc() {
 }
 
 fn run(cli: Cli) -> Result<()> {
+    // A bad switch list fails here, by name, before any work.
+    arbor_ops::tuning::cuts_off_from_env().map_err(anyhow::Error::msg)?;
     match cli.command {
         Command::Train(a) => train::run(a),
         Command::Report(a) => train::report(a),

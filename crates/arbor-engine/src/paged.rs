@@ -412,6 +412,33 @@ impl<'a> DevicePagedAttention<'a> {
     }
 }
 
+impl<'a> DevicePagedAttention<'a> {
+    /// Over inputs already on the device: `meta` (from
+    /// [`arbor_ops::PagedMeta::from_device`]) and `slots: [t]` u32, the
+    /// values of `batch.slots`, which are checked against the cache here.
+    pub fn from_parts(
+        cache: &'a DeviceKvCache,
+        batch: &PagedBatch,
+        meta: arbor_ops::PagedMeta,
+        slots: Tensor,
+    ) -> arbor_model::Result<Self> {
+        let n_slots = cache.num_blocks * cache.block_size;
+        if let Some(&s) = batch.slots.iter().find(|&&s| s >= n_slots) {
+            return Err(ModelError::Input(format!(
+                "paged attention: slot {s} outside the cache ({n_slots} slots)"
+            )));
+        }
+        if slots.dims1()? != batch.len() {
+            return Err(ModelError::Input(format!(
+                "paged attention: {} slots for a batch of {} tokens",
+                slots.dims1()?,
+                batch.len()
+            )));
+        }
+        Ok(DevicePagedAttention { cache, meta, slots })
+    }
+}
+
 impl AttentionBackend for DevicePagedAttention<'_> {
     fn inference(&self) -> bool {
         true

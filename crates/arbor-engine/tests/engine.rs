@@ -829,3 +829,43 @@ fn stop_strings_stop_where_the_decoded_text_first_contains_them() {
     }
     assert!(checked >= 3, "only {checked} seeds gave a late stop string");
 }
+
+/// The engine's weights are detached from autograd but share the trainer's
+/// storage: an in-place update of the variables (as the optimizer makes)
+/// reaches the engine, which then generates what a fresh engine over the
+/// updated model does.
+#[test]
+fn in_place_weight_updates_reach_the_engine() {
+    let cfg = fixture("qwen3").model.cfg.clone();
+    let vars = candle_nn::VarMap::new();
+    let p = arbor_model::ParamLoader::trainable(
+        arbor_model::ParamSource::Random { seed: 3 },
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+        vars.clone(),
+    );
+    let m = Transformer::load(&cfg, &p).unwrap();
+    let cfg = EngineConfig {
+        block_size: 4,
+        num_blocks: 32,
+        ..Default::default()
+    };
+    let greedy = |e: &mut Engine| {
+        e.submit((3..15).collect(), vec![SamplingParams::greedy(8)])
+            .unwrap();
+        e.run(|_| {}).unwrap().remove(0)
+    };
+    let mut e = Engine::new(&m, None, cfg.clone()).unwrap();
+    let before = greedy(&mut e);
+    for v in vars.all_vars() {
+        let t = v.as_tensor();
+        let noise = t.randn_like(0.0, 0.05).unwrap();
+        v.set(&(t + noise).unwrap()).unwrap();
+    }
+    e.invalidate();
+    let after = greedy(&mut e);
+    let fresh = greedy(&mut Engine::new(&m, None, cfg).unwrap());
+    assert_eq!(after.tokens, fresh.tokens);
+    assert_eq!(after.logprobs, fresh.logprobs);
+    assert_ne!(before.logprobs, after.logprobs);
+}

@@ -88,6 +88,21 @@ fn paged_chunks_equal_dense_hidden_states() {
                 diff.to_scalar::<f64>().unwrap() < 1e-9,
                 "{name}: device backend differs"
             );
+            // The GPU step's forward, inputs on the device and RoPE from
+            // the device table: the same computation.
+            let dev = m.device();
+            let ho = m
+                .forward_on_device(
+                    &input.flatten_all().unwrap(),
+                    &Tensor::new(positions.as_slice(), dev).unwrap(),
+                    &mut DevicePagedAttention::new(&dcache, &batch).unwrap(),
+                )
+                .unwrap();
+            let diff = (&h - &ho).unwrap().abs().unwrap().max_all().unwrap();
+            assert!(
+                diff.to_scalar::<f64>().unwrap() < 1e-12,
+                "{name}: forward_on_device differs"
+            );
             let rows: Vec<Vec<f64>> = h.squeeze(0).unwrap().to_vec2().unwrap();
             for (r, &i) in rows.into_iter().zip(&owner) {
                 got[i].extend(r);

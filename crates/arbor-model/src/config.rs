@@ -184,6 +184,18 @@ impl ModelConfig {
         }
     }
 
+    /// Qwen3-4B's `config.json` (36 layers, hidden 2560, 32/8 heads of
+    /// 128, intermediate 9728, tied embeddings).
+    pub fn qwen3_4b() -> Self {
+        ModelConfig {
+            hidden_size: 2560,
+            intermediate_size: 9728,
+            num_hidden_layers: 36,
+            num_attention_heads: 32,
+            ..Self::qwen3_0_6b()
+        }
+    }
+
     /// Serialise as an HF `config.json` (transformers-4 style keys), so that a
     /// checkpoint Arbor writes loads in transformers.
     pub fn to_hf_json(&self) -> Value {

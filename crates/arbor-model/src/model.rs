@@ -825,6 +825,73 @@ impl Transformer {
         Ok(self.norm.forward(&x)?)
     }
 
+    /// [`Transformer::forward_with`] for one packed step whose inputs are on
+    /// the model's device already: `ids: [n]` (u32 token ids the caller has
+    /// checked against the vocabulary: nothing is read back here, so a GPU
+    /// step never waits on the host) and `positions: [n]` (u32, below
+    /// `max_position_embeddings`; RoPE comes from a table on the device).
+    /// Returns the final hidden states, `[1, n, H]`.
+    pub fn forward_on_device(
+        &self,
+        ids: &Tensor,
+        positions: &Tensor,
+        backend: &mut dyn AttentionBackend,
+    ) -> Result<Tensor> {
+        let n = ids.dims1()?;
+        if positions.dims1()? != n {
+            return Err(ModelError::Input(format!(
+                "{} positions for {n} tokens",
+                positions.dims1()?
+            )));
+        }
+        let (cos, sin) = self.rope.cos_sin_gather(positions, self.dtype)?;
+        let half = self.cfg.head_dim / 2;
+        let cos = cos.reshape((1, 1, n, half))?;
+        let sin = sin.reshape((1, 1, n, half))?;
+        let mut x = self
+            .embed
+            .index_select(ids, 0)?
+            .to_dtype(self.dtype)?
+            .reshape((1, n, self.cfg.hidden_size))?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward(i, &x, &cos, &sin, backend)?;
+        }
+        Ok(self.norm.forward(&x)?)
+    }
+
+    /// The same model with every parameter detached from autograd (the
+    /// same storage, so in-place updates of the trainer's variables still
+    /// show): for generation, whose ops then record no backward graph.
+    pub fn detached(&self) -> Transformer {
+        let mut m = self.clone();
+        let lin = |l: &mut Linear| {
+            l.weight = l.weight.detach();
+            l.bias = l.bias.as_ref().map(Tensor::detach);
+            if let Some(a) = &mut l.lora {
+                a.a = a.a.detach();
+                a.b = a.b.detach();
+            }
+        };
+        m.embed = m.embed.detach();
+        m.lm_head = m.lm_head.detach();
+        m.norm.weight = m.norm.weight.detach();
+        for layer in &mut m.layers {
+            let a = &mut layer.attn;
+            for l in [&mut a.q, &mut a.k, &mut a.v, &mut a.o] {
+                lin(l);
+            }
+            for n in [&mut a.q_norm, &mut a.k_norm].into_iter().flatten() {
+                n.weight = n.weight.detach();
+            }
+            for l in [&mut layer.mlp.gate, &mut layer.mlp.up, &mut layer.mlp.down] {
+                lin(l);
+            }
+            layer.input_norm.weight = layer.input_norm.weight.detach();
+            layer.post_norm.weight = layer.post_norm.weight.detach();
+        }
+        m
+    }
+
     /// Training forward of `B` rows of `T` tokens, `ids: [B, T]`, each row a
     /// sequence from position 0: [`Transformer::forward_packed`] over the
     /// rows. Returns `[B, T, H]`.

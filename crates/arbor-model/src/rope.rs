@@ -17,6 +17,11 @@ use crate::error::Result;
 #[derive(Debug, Clone)]
 pub struct Rope {
     inv_freq: Vec<f32>,
+    /// Positions of the table [`Rope::cos_sin_gather`] reads.
+    max_positions: usize,
+    /// `(cos, sin)`, each `[max_positions, head_dim/2]`, on the device and
+    /// in the dtype of the first [`Rope::cos_sin_gather`] call.
+    table: std::sync::OnceLock<(Tensor, Tensor)>,
 }
 
 impl Rope {
@@ -64,7 +69,33 @@ impl Rope {
                 }
             }
         }
-        Rope { inv_freq }
+        Rope {
+            inv_freq,
+            max_positions: cfg.max_position_embeddings.max(1),
+            table: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// `(cos, sin)`, each `[n, head_dim/2]` in `dtype`, of the `n` positions
+    /// held by `positions: [n]` (u32, on the model's device): gathered from
+    /// a table of every position built once per model copy, so a step on a
+    /// GPU uploads nothing for RoPE and reads no position back. The values
+    /// are [`Rope::cos_sin`]'s. Positions must be below the model's
+    /// `max_position_embeddings` (the engine's contexts are).
+    pub fn cos_sin_gather(&self, positions: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
+        let (cos, sin) = match self.table.get() {
+            Some(t) => t,
+            None => {
+                let all: Vec<u32> = (0..self.max_positions as u32).collect();
+                let t = self.cos_sin(&all, dtype, positions.device())?;
+                self.table.get_or_init(|| t)
+            }
+        };
+        let (cos, sin) = (
+            cos.index_select(positions, 0)?,
+            sin.index_select(positions, 0)?,
+        );
+        Ok((cos.to_dtype(dtype)?, sin.to_dtype(dtype)?))
     }
 
     /// The inverse frequencies, length `head_dim / 2`.

@@ -212,3 +212,50 @@ pub fn reset_pool_peak(dev: &CudaDevice) -> Result<()> {
     .result()
     .w()
 }
+
+/// Sets a freshly opened device up for Arbor's single-threaded use, as the
+/// [`crate::GpuCut`]s `events` and `pool` say: no per-tensor event
+/// tracking (for tensors created from now on), and a default memory pool
+/// that keeps freed memory for the next allocation instead of returning it
+/// to the driver. Call it before loading anything on the device.
+pub fn tune_device(dev: &CudaDevice) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys::{
+        cuMemPoolSetAttribute, CUmemPool_attribute as A,
+    };
+    if crate::GpuCut::Events.on() {
+        // SAFETY: Arbor drives each device from one thread on candle's one
+        // stream per device, so no tensor is used on another stream than
+        // the one it was made on, which is what the events guard against.
+        unsafe { dev.disable_event_tracking() };
+    }
+    if crate::GpuCut::Pool.on() {
+        let pool = default_pool(dev)?;
+        let mut keep = u64::MAX;
+        // SAFETY: the release threshold is a cuuint64_t attribute.
+        unsafe {
+            cuMemPoolSetAttribute(
+                pool,
+                A::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut keep as *mut u64 as *mut std::ffi::c_void,
+            )
+        }
+        .result()
+        .w()?;
+    }
+    Ok(())
+}
+
+/// The device's peak memory bandwidth in bytes/s from its attributes:
+/// 2 (double data rate) x memory clock x bus width. `None` where the driver
+/// does not report them.
+pub fn peak_bandwidth(dev: &CudaDevice) -> Option<f64> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
+    let ctx = dev.cuda_stream().context().clone();
+    let clock_khz = ctx
+        .attribute(A::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)
+        .ok()?;
+    let bus_bits = ctx
+        .attribute(A::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)
+        .ok()?;
+    (clock_khz > 0 && bus_bits > 0).then(|| 2.0 * clock_khz as f64 * 1e3 * bus_bits as f64 / 8.0)
+}

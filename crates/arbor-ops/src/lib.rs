@@ -44,6 +44,7 @@ pub mod paged;
 pub mod ppo;
 pub mod sample;
 pub mod segment;
+pub mod tuning;
 
 pub use adamw::{adamw_step, sum_sq, AdamWStep};
 pub use cpu::attention::{paged_attention, KvElem, PagedAttentionArgs};
@@ -54,10 +55,11 @@ pub use cpu::matmul::{
 pub use fused::{packed_causal_attention, rms_norm, rope, swiglu};
 pub use linear::matmul_nt_op;
 pub use logprob::{fused_logprobs, DEFAULT_CHUNK_ELEMS};
-pub use paged::{cache_write, paged_attention_op, PagedMeta};
+pub use paged::{cache_write, paged_attention_op, PackedTables, PagedMeta};
 pub use ppo::{pack_aux, ppo_loss, value_loss, PpoClip};
 pub use sample::{sample_row, sample_rows, SampleRequest, Sampled};
 pub use segment::{segment_broadcast, segment_mean, segment_sum};
+pub use tuning::GpuCut;
 
 /// Run `f` on a rayon worker thread when `device` is the CPU (moved there
 /// once, unless the caller already is one), else on the calling thread. CPU kernels

@@ -38,6 +38,69 @@ impl PagedMeta {
         dev: &Device,
     ) -> Result<Self> {
         let t = positions.len();
+        let packed = PackedTables::new(positions, token_seq, tables, block_size)?;
+        let seq: Vec<u32> = token_seq.iter().map(|&s| s as u32).collect();
+        Ok(PagedMeta {
+            positions: Tensor::from_slice(positions, t, dev)?,
+            token_seq: Tensor::from_vec(seq, t, dev)?,
+            tables: Tensor::from_vec(packed.flat, (packed.rows, packed.max_blocks), dev)?,
+            block_size,
+            max_block: packed.max_block,
+        })
+    }
+
+    /// Metadata already on the device, as [`PackedTables`] laid it out
+    /// (parts of one upload, say): `positions, token_seq: [t]` u32 and
+    /// `tables: [rows, max_blocks]` u32 with the values `packed` checked.
+    pub fn from_device(
+        positions: Tensor,
+        token_seq: Tensor,
+        tables: Tensor,
+        packed: &PackedTables,
+        block_size: usize,
+    ) -> Result<Self> {
+        let t = positions.dims1()?;
+        if token_seq.dims1()? != t || tables.dims2()? != (packed.rows, packed.max_blocks) {
+            candle_core::bail!(
+                "PagedMeta: {t} positions, {:?} sequence ids and tables {:?} do not match \
+                 the packed tables [{}, {}]",
+                token_seq.dims(),
+                tables.dims(),
+                packed.rows,
+                packed.max_blocks
+            );
+        }
+        Ok(PagedMeta {
+            positions,
+            token_seq,
+            tables,
+            block_size,
+            max_block: packed.max_block,
+        })
+    }
+}
+
+/// Block tables of one step checked against its tokens and packed as the
+/// kernels read them: `[rows, max_blocks]` u32, row-major, padded with 0.
+#[derive(Debug, Clone)]
+pub struct PackedTables {
+    pub flat: Vec<u32>,
+    pub rows: usize,
+    pub max_blocks: usize,
+    /// Largest block id (checked against the cache by the attention op).
+    pub max_block: u32,
+}
+
+impl PackedTables {
+    /// Checks that every token's sequence has a table that reaches its
+    /// position, then packs the tables.
+    pub fn new(
+        positions: &[u32],
+        token_seq: &[usize],
+        tables: &[Vec<u32>],
+        block_size: usize,
+    ) -> Result<Self> {
+        let t = positions.len();
         if token_seq.len() != t {
             candle_core::bail!(
                 "PagedMeta: {t} positions but {} sequence ids",
@@ -60,18 +123,16 @@ impl PagedMeta {
                 );
             }
         }
-        let mut flat = vec![0u32; tables.len().max(1) * maxb];
+        let rows = tables.len().max(1);
+        let mut flat = vec![0u32; rows * maxb];
         for (s, tab) in tables.iter().enumerate() {
             flat[s * maxb..s * maxb + tab.len()].copy_from_slice(tab);
         }
-        let seq: Vec<u32> = token_seq.iter().map(|&s| s as u32).collect();
-        let max_block = tables.iter().flatten().copied().max().unwrap_or(0);
-        Ok(PagedMeta {
-            positions: Tensor::from_slice(positions, t, dev)?,
-            token_seq: Tensor::from_vec(seq, t, dev)?,
-            tables: Tensor::from_vec(flat, (tables.len().max(1), maxb), dev)?,
-            block_size,
-            max_block,
+        Ok(PackedTables {
+            flat,
+            rows,
+            max_blocks: maxb,
+            max_block: tables.iter().flatten().copied().max().unwrap_or(0),
         })
     }
 }

@@ -535,8 +535,20 @@ fn first_line(e: &dyn std::fmt::Display) -> String {
     e.to_string().lines().next().unwrap_or_default().to_string()
 }
 
-/// `cpu`, `cuda` or `cuda:N` as a candle device.
+/// `cpu`, `cuda` or `cuda:N` as a candle device; a CUDA device is set up
+/// by `arbor_ops::cuda::tune_device` (no event tracking, a pool that keeps
+/// its memory) before anything is loaded on it.
 pub fn parse_device(spec: &str) -> Result<Device, String> {
+    let dev = open_device(spec)?;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = &dev {
+        arbor_ops::cuda::tune_device(d)
+            .map_err(|e| format!("cannot set up {spec}: {}", first_line(&e)))?;
+    }
+    Ok(dev)
+}
+
+fn open_device(spec: &str) -> Result<Device, String> {
     match spec {
         "cpu" => Ok(Device::Cpu),
         "cuda" => Device::new_cuda(0)

@@ -83,6 +83,11 @@ pub struct EngineStats {
     pub cow_copies: u64,
     /// Highest number of KV blocks in use at once.
     pub peak_blocks_in_use: u64,
+    /// KV rows attention read: the sum over computed tokens of their
+    /// position + 1 (exact for decode tokens; what a decode step's
+    /// memory-bandwidth roofline counts).
+    #[serde(default)]
+    pub kv_rows_read: u64,
 }
 
 #[derive(Debug)]
@@ -139,9 +144,9 @@ pub struct Engine {
     /// Tests: make the next step's forward fail.
     #[cfg(test)]
     fail_next_forward: bool,
-    /// Tests: sample CPU logits as device logits are sampled.
+    /// Tests: build step inputs and sample as on a GPU, on the CPU.
     #[cfg(test)]
-    sample_as_on_device: bool,
+    device_path_on_cpu: bool,
 }
 
 impl Engine {
@@ -211,7 +216,13 @@ impl Engine {
             n => n,
         };
         // Pack first, so the packs go on huge pages too.
-        let mut own = model.clone();
+        // Generation records no backward graph (`GpuCut::Detach`); the
+        // storage is the trainer's, so in-place updates still show.
+        let mut own = if arbor_ops::GpuCut::Detach.on() {
+            model.detached()
+        } else {
+            model.clone()
+        };
         let cpu = own.device().is_cpu();
         let report = |what: &str, t0: std::time::Instant, bytes: usize| {
             tracing::debug!("{what}: {} MiB in {:.2?}", bytes >> 20, t0.elapsed());
@@ -259,7 +270,7 @@ impl Engine {
             #[cfg(test)]
             fail_next_forward: false,
             #[cfg(test)]
-            sample_as_on_device: false,
+            device_path_on_cpu: false,
         })
     }
 
@@ -287,6 +298,11 @@ impl Engine {
             KvStore::Host(c) => c.bytes(),
             KvStore::Device(c) => c.bytes(),
         }
+    }
+
+    /// Bytes of KV one token slot holds (K and V of every layer).
+    pub fn kv_bytes_per_token(&self) -> usize {
+        self.kv_bytes() / (self.kv.stats().total * self.cfg.block_size).max(1)
     }
 
     /// Current policy version of the KV cache.
@@ -670,15 +686,15 @@ impl Engine {
         self.stats.peak_blocks_in_use = self.stats.peak_blocks_in_use.max(in_use);
         let logits = self.forward_logits(&batch, ids, scheduled.len())?;
         self.stats.steps += 1;
-        #[cfg(test)]
-        let host = logits.device().is_cpu() && !self.sample_as_on_device;
-        #[cfg(not(test))]
-        let host = logits.device().is_cpu();
-        if host {
-            with_cpu_f32(&logits, |flat| self.record_and_sample(scheduled, flat))??;
-        } else {
+        self.stats.kv_rows_read += batch.positions.iter().map(|&p| p as u64 + 1).sum::<u64>();
+        let on_device = self.device_inputs(logits.device()) && arbor_ops::GpuCut::Sampling.on();
+        if on_device {
             // A device's logits stay there: tokens are sampled on it.
             self.record_and_sample_on_device(scheduled, &logits)?;
+        } else if logits.device().is_cpu() {
+            with_cpu_f32(&logits, |flat| self.record_and_sample(scheduled, flat))??;
+        } else {
+            self.record_and_sample(scheduled, &logits.flatten_all()?.to_vec1::<f32>()?)?;
         }
         Ok(n_tokens)
     }
@@ -774,16 +790,28 @@ mod tests {
         assert_eq!(e.stats().prefill_cached, 8);
     }
 
-    /// Sampling where the logits are (as on a GPU: greedy and tempered rows
-    /// by `arbor_ops::sample_rows`, rows with cuts on the host) gives the
-    /// tokens and logprobs of the host sampler, each sequence drawing from
-    /// its own RNG, fan-outs included.
+    /// The GPU step on the CPU (one upload of the step's inputs, RoPE from
+    /// the device table, the candle forward, and sampling where the logits
+    /// are: greedy and tempered rows by `arbor_ops::sample_rows`, rows with
+    /// cuts on the host) gives the tokens of the CPU engine, each sequence
+    /// drawing from its own RNG, fan-outs included, and its logprobs to
+    /// round-off (the two forwards sum in different orders).
     #[test]
-    fn device_sampling_matches_the_host_sampler() {
+    fn the_gpu_step_on_the_cpu_matches_the_cpu_engine() {
         let m = fixture();
         let run = |on_device: bool| {
-            let mut e = engine(&m);
-            e.sample_as_on_device = on_device;
+            let mut e = Engine::new(
+                &m,
+                None,
+                EngineConfig {
+                    block_size: 4,
+                    num_blocks: 64,
+                    kv_on_device: Some(on_device),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            e.device_path_on_cpu = on_device;
             let t = |seed, temperature, top_p| SamplingParams {
                 temperature,
                 top_p,
