@@ -8,12 +8,15 @@
 #   scripts/gpu-check.sh run     (on the GPU machine) unpacks that binary,
 #       finds the CUDA libraries there (pip's nvidia-* packages of the
 #       machine's Python, or a CUDA toolkit, or the driver's folder), runs
-#       `arbor check-device`, then a few RL steps of `arbor train
-#       configs/gpu-smoke.toml` on the GPU, then the learner step against
-#       PyTorch (scripts/bench_hf_train.py), and writes everything under
-#       $OUT (default ./gpu-check-out): check-device.json/.txt,
-#       gpu-smoke.txt and the run directory gpu-smoke/, bench-train.jsonl,
-#       nvidia-smi.txt.
+#       `arbor check-device`, then the generation benchmarks (Qwen3-0.6B
+#       and 4B shapes, the GPU overhead cuts one by one, the fork workload)
+#       and their transformers peer (scripts/bench_hf_generate.py), then a
+#       few RL steps of `arbor train configs/gpu-smoke.toml` on the GPU,
+#       then the learner step against PyTorch (scripts/bench_hf_train.py),
+#       and writes everything under $OUT (default ./gpu-check-out):
+#       check-device.json/.txt, generate-*.jsonl, fork-*.json,
+#       generate-peer.jsonl, generate-table.md, gpu-smoke.txt and the run
+#       directory gpu-smoke/, bench-train.jsonl, nvidia-smi.txt.
 #
 # With no argument: `run` where nvidia-smi sees a GPU, else `build`.
 # dist/ is git-ignored: copy it to the GPU machine along with the working
@@ -88,6 +91,40 @@ run)
   # measured).
   "$bin" check-device --json "$OUT/check-device.json" "$@" 2>&1 | tee "$OUT/check-device.txt"
   rc=${PIPESTATUS[0]}
+  # Generation, Qwen3 shapes with random weights in bf16, 128-token prompts:
+  # the batch sweep (its first run is the fresh process's), each GPU
+  # overhead cut measured one by one at B=64 (all off, then each turned on
+  # in turn; ARBOR_GPU_OFF), the 4B shape, the fork workload (1 prompt of
+  # 1,024 tokens x 16 samples); then the transformers peer on the same GPU
+  # and shapes; then one table (generate-table.md).
+  gen="$bin bench generate --device cuda --dtype bf16 --prompt-len 128"
+  timeout 150 $gen --preset qwen3-0.6b --max-tokens 256 --batch 1,64,256 --json \
+    > "$OUT/generate-qwen3-0.6b.jsonl" 2> "$OUT/generate.err"
+  echo "gpu-check: generate sweep exit $?"
+  off="events,pool,detach,sync,upload,sampling"
+  : > "$OUT/generate-cuts.jsonl"
+  for cut in none events pool detach sync upload sampling; do
+    if [ "$cut" != none ]; then
+      off="$(printf '%s' "$off" | tr ',' '\n' | grep -vx "$cut" | paste -sd, -)"
+    fi
+    ARBOR_GPU_OFF="$off" timeout 60 $gen --preset qwen3-0.6b --max-tokens 64 --batch 64,64 --json \
+      2>> "$OUT/generate.err" | tail -1 >> "$OUT/generate-cuts.jsonl"
+  done
+  timeout 120 $gen --preset qwen3-4b --max-tokens 256 --batch 64,64 --json 2>> "$OUT/generate.err" \
+    | tail -1 > "$OUT/generate-qwen3-4b.jsonl"
+  timeout 60 "$bin" bench fork --device cuda --dtype bf16 --preset qwen3-0.6b --n 16 \
+    --prompt-len 1024 --max-tokens 256 --json > "$OUT/fork-qwen3-0.6b.json" 2>> "$OUT/generate.err"
+  peer=""
+  for py in /opt/torch/.venv/bin/python3 python3; do
+    if command -v "$py" >/dev/null 2>&1 && "$py" -c 'import torch, transformers' 2>/dev/null; then peer="$py"; break; fi
+  done
+  if [ -n "$peer" ]; then
+    timeout 200 "$peer" scripts/bench_hf_generate.py generate --device cuda --preset qwen3-0.6b \
+      --dtype bf16 --batch 1,64 --prompt-len 128 --max-tokens 256 --json-lines \
+      > "$OUT/generate-peer.jsonl" 2> "$OUT/generate-peer.err"
+    echo "gpu-check: transformers generate peer exit $?"
+  fi
+  python3 scripts/gpu_generate_table.py "$OUT" || true
   # A few RL steps of the real trainer with everything on the GPU.
   "$bin" train configs/gpu-smoke.toml --out "$OUT/gpu-smoke" > "$OUT/gpu-smoke.txt" 2>&1
   rc_train=$?
@@ -96,10 +133,6 @@ run)
   # The learner step (forward, backward, AdamW) against PyTorch eager, HF
   # model + torch AdamW, Qwen3-0.6B shape, 8 x 1,024 tokens: arbor (f32),
   # then torch in f32 and in bf16. One JSON line per engine.
-  peer=""
-  for py in /opt/torch/.venv/bin/python3 python3; do
-    if command -v "$py" >/dev/null 2>&1 && "$py" -c 'import torch, transformers' 2>/dev/null; then peer="$py"; break; fi
-  done
   if [ -n "$peer" ]; then
     timeout 150 "$peer" scripts/bench_hf_train.py --device cuda --preset qwen3-0.6b --batch 8 --seq 1024 \
       --dtype f32 --peak-tflops 989 --arbor "$bin" --json > "$OUT/bench-train.jsonl" 2> "$OUT/bench-train.err"

@@ -51,7 +51,8 @@ pub enum BenchCommand {
 /// The model a generation benchmark runs.
 #[derive(Debug, Args)]
 pub struct BenchModel {
-    /// Shape preset with random weights: smollm2-135m or qwen3-0.6b.
+    /// Shape preset with random weights: smollm2-135m, qwen3-0.6b or
+    /// qwen3-4b (speed does not depend on the values).
     #[arg(long, default_value = "smollm2-135m", conflicts_with = "model")]
     pub preset: String,
     /// A real checkpoint instead (directory or HF id).
@@ -65,9 +66,14 @@ pub struct BenchModel {
     /// model and the engine's KV cache on that GPU.
     #[arg(long, default_value = "cpu")]
     pub device: String,
-    /// Print the result as JSON.
+    /// Print the result as JSON (one line per batch size when
+    /// `--batch` lists several).
     #[arg(long)]
     pub json: bool,
+    /// Peak memory bandwidth in GB/s for the roofline (default: from the
+    /// GPU's attributes; none on the CPU unless given).
+    #[arg(long, value_name = "GB_PER_S")]
+    pub peak_gbs: Option<f64>,
 }
 
 /// The device a benchmark's `--device` names.
@@ -90,9 +96,11 @@ pub(crate) fn bench_device(name: &str) -> Result<Device> {
 pub struct GenBenchArgs {
     #[command(flatten)]
     pub m: BenchModel,
-    /// Prompts in the batch.
-    #[arg(long, default_value_t = 32)]
-    pub batch: usize,
+    /// Prompts in the batch; a comma-separated list (`1,64,256`) runs each
+    /// size in turn on the same loaded model (the first run is the fresh
+    /// process's).
+    #[arg(long, default_value = "32", value_delimiter = ',')]
+    pub batch: Vec<usize>,
     /// Tokens per prompt.
     #[arg(long, default_value_t = 64)]
     pub prompt_len: usize,
@@ -122,7 +130,10 @@ pub struct ForkBenchArgs {
 #[derive(Debug, Serialize)]
 struct GenBenchResult {
     bench: &'static str,
+    /// The preset (random weights of its shape), or the checkpoint.
     model: String,
+    /// `random` for a preset, `checkpoint` for `--model`.
+    weights: &'static str,
     dtype: String,
     /// `cpu`, or `cuda:N`: where the model and the KV cache were.
     device: String,
@@ -147,6 +158,33 @@ struct GenBenchResult {
     /// On a GPU: the CUDA memory pool's high-water mark during the run
     /// (KV pool, activations, logits; the weights were loaded before).
     peak_device_mib: Option<f64>,
+    /// Steps that only decoded (no prompt token computed), their mean
+    /// wall time, and their generated tokens per second.
+    decode_steps: u64,
+    ms_per_step: f64,
+    decode_tokens_per_s: f64,
+    /// The run's first step (a prefill: module loads, first launches) and
+    /// its first decode-only step, in ms.
+    first_step_ms: f64,
+    first_decode_step_ms: f64,
+    /// Whether this was the process's first run (its first steps then
+    /// include the kernels' first loads).
+    fresh_process: bool,
+    /// Bytes of parameters (each read once per step) and of KV one token
+    /// slot holds.
+    weight_bytes: u64,
+    kv_bytes_per_token: u64,
+    /// Bytes a decode step reads at the least, averaged over the decode
+    /// steps: the weights plus each sequence's KV rows.
+    bytes_per_decode_step: f64,
+    /// Peak memory bandwidth the roofline uses (GB/s), and where it came
+    /// from (`device attributes`, `--peak-gbs`); none on the CPU unless given.
+    bandwidth_gb_s: Option<f64>,
+    bandwidth_source: Option<&'static str>,
+    /// (bytes of every decode step / bandwidth) / their measured time.
+    roofline_fraction: Option<f64>,
+    /// `ARBOR_GPU_OFF`: the GPU overhead cuts turned off for this run.
+    gpu_cuts_off: Vec<&'static str>,
 }
 
 fn load_for_bench(m: &BenchModel) -> Result<(arbor_model::Transformer, String)> {
@@ -164,10 +202,7 @@ fn load_for_bench(m: &BenchModel) -> Result<(arbor_model::Transformer, String)> 
         None => {
             let cfg = preset_config(preset)?;
             let p = ParamLoader::frozen(ParamSource::Random { seed: 0 }, dtype, &dev);
-            Ok((
-                arbor_model::Transformer::load(&cfg, &p)?,
-                format!("{preset} (random weights)"),
-            ))
+            Ok((arbor_model::Transformer::load(&cfg, &p)?, preset.clone()))
         }
     }
 }
@@ -176,7 +211,8 @@ pub(crate) fn preset_config(preset: &str) -> Result<ModelConfig> {
     Ok(match preset {
         "smollm2-135m" => ModelConfig::smollm2_135m(),
         "qwen3-0.6b" => ModelConfig::qwen3_0_6b(),
-        other => bail!("unknown --preset `{other}` (smollm2-135m, qwen3-0.6b)"),
+        "qwen3-4b" => ModelConfig::qwen3_4b(),
+        other => bail!("unknown --preset `{other}` (smollm2-135m, qwen3-0.6b, qwen3-4b)"),
     })
 }
 
@@ -223,14 +259,40 @@ fn bench_prompt(len: usize, salt: u64, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
+/// How a bench run is printed and which it is.
+struct RunOpts {
+    json: bool,
+    /// One compact JSON line (several runs in one process).
+    json_line: bool,
+    fresh_process: bool,
+    peak_gbs: Option<f64>,
+}
+
+/// The roofline's bandwidth: `--peak-gbs`, else the GPU's attributes.
+fn roofline_bandwidth(dev: &Device, peak_gbs: Option<f64>) -> (Option<f64>, Option<&'static str>) {
+    if let Some(g) = peak_gbs {
+        return (Some(g * 1e9), Some("--peak-gbs"));
+    }
+    match dev {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => match arbor_ops::cuda::peak_bandwidth(d) {
+            Some(b) => (Some(b), Some("device attributes")),
+            None => (None, None),
+        },
+        _ => (None, None),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 fn run_engine_bench(
     bench: &'static str,
     model: &arbor_model::Transformer,
     name: String,
+    random_weights: bool,
     dtype: &str,
     shared_prefix: Option<usize>,
     jobs: Vec<(Vec<u32>, Vec<arbor_engine::SamplingParams>)>,
-    json: bool,
+    opts: &RunOpts,
 ) -> Result<()> {
     let cfg = arbor_engine::EngineConfig {
         max_seqs: 512,
@@ -244,11 +306,42 @@ fn run_engine_bench(
     let sequences: usize = jobs.iter().map(|j| j.1.len()).sum();
     let prompt_len = jobs[0].0.len();
     let new_tokens = jobs[0].1[0].max_tokens;
+    let weight_bytes: u64 = model
+        .named_tensors()?
+        .iter()
+        .map(|(_, t)| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
+        .sum();
+    let kv_bytes_per_token = engine.kv_bytes_per_token() as u64;
     let start = Instant::now();
     for (p, s) in jobs {
         engine.submit(p, s)?;
     }
-    let done = engine.run(|_| {})?;
+    // Step by hand to time the decode-only steps (each step ends with the
+    // sampled tokens on the host, so wall time is device time).
+    let (mut decode_s, mut decode_steps, mut decode_tokens, mut decode_bytes) =
+        (0.0, 0u64, 0u64, 0.0);
+    let (mut first_step_ms, mut first_decode_step_ms) = (None, None);
+    let mut done = Vec::new();
+    while engine.has_pending() {
+        let before = engine.stats().clone();
+        let t = Instant::now();
+        engine.step()?;
+        let dt = t.elapsed().as_secs_f64();
+        let after = engine.stats();
+        first_step_ms.get_or_insert(dt * 1e3);
+        let prefill = after.prefill_computed > before.prefill_computed
+            || after.prefill_cached > before.prefill_cached
+            || after.prefill_forked > before.prefill_forked;
+        if !prefill && after.generated > before.generated {
+            first_decode_step_ms.get_or_insert(dt * 1e3);
+            decode_s += dt;
+            decode_steps += 1;
+            decode_tokens += after.generated - before.generated;
+            decode_bytes += weight_bytes as f64
+                + ((after.kv_rows_read - before.kv_rows_read) * kv_bytes_per_token) as f64;
+        }
+        done.extend(engine.take_finished());
+    }
     dev.synchronize()?;
     let seconds = start.elapsed().as_secs_f64();
     let peak_device_mib = meter
@@ -257,10 +350,16 @@ fn run_engine_bench(
     if let Some(c) = done.iter().find(|c| c.error.is_some()) {
         bail!("sequence {} failed: {:?}", c.id, c.error);
     }
+    let (bandwidth, bandwidth_source) = roofline_bandwidth(&dev, opts.peak_gbs);
     let st = engine.stats().clone();
     let r = GenBenchResult {
         bench,
         model: name,
+        weights: if random_weights {
+            "random"
+        } else {
+            "checkpoint"
+        },
         dtype: dtype.to_string(),
         device: match dev.location() {
             candle_core::DeviceLocation::Cpu => "cpu".into(),
@@ -285,12 +384,45 @@ fn run_engine_bench(
         kv_pool_mib: engine.kv_bytes() as f64 / (1 << 20) as f64,
         peak_rss_mib: rss_mib().1,
         peak_device_mib,
+        decode_steps,
+        ms_per_step: if decode_steps > 0 {
+            decode_s * 1e3 / decode_steps as f64
+        } else {
+            0.0
+        },
+        decode_tokens_per_s: if decode_s > 0.0 {
+            decode_tokens as f64 / decode_s
+        } else {
+            0.0
+        },
+        first_step_ms: first_step_ms.unwrap_or(0.0),
+        first_decode_step_ms: first_decode_step_ms.unwrap_or(0.0),
+        fresh_process: opts.fresh_process,
+        weight_bytes,
+        kv_bytes_per_token,
+        bytes_per_decode_step: if decode_steps > 0 {
+            decode_bytes / decode_steps as f64
+        } else {
+            0.0
+        },
+        bandwidth_gb_s: bandwidth.map(|b| b / 1e9),
+        bandwidth_source,
+        roofline_fraction: bandwidth
+            .filter(|_| decode_s > 0.0)
+            .map(|b| decode_bytes / b / decode_s),
+        gpu_cuts_off: arbor_ops::tuning::cuts_off_from_env()
+            .unwrap_or_default()
+            .into_iter()
+            .map(arbor_ops::GpuCut::name)
+            .collect(),
     };
-    if json {
+    if opts.json_line {
+        println!("{}", serde_json::to_string(&r)?);
+    } else if opts.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
     } else {
         println!("bench                  {}", r.bench);
-        println!("model                  {}", r.model);
+        println!("model                  {} ({} weights)", r.model, r.weights);
         println!(
             "sequences x tokens     {} x ({} prompt + {} new)",
             r.sequences, r.prompt_len, r.new_tokens
@@ -304,6 +436,33 @@ fn run_engine_bench(
             "generated              {} tokens, {:.1} tokens/s",
             r.generated_tokens, r.generated_tokens_per_s
         );
+        println!(
+            "decode steps           {} of {:.2} ms, {:.1} tokens/s",
+            r.decode_steps, r.ms_per_step, r.decode_tokens_per_s
+        );
+        println!(
+            "first step             {:.1} ms (first decode step {:.2} ms{})",
+            r.first_step_ms,
+            r.first_decode_step_ms,
+            if r.fresh_process {
+                ", fresh process"
+            } else {
+                ""
+            }
+        );
+        match (r.roofline_fraction, r.bandwidth_gb_s) {
+            (Some(f), Some(b)) => println!(
+                "roofline               {:.1}% of {:.0} GB/s ({}; {:.0} MB a decode step)",
+                100.0 * f,
+                b,
+                r.bandwidth_source.unwrap_or_default(),
+                r.bytes_per_decode_step / 1e6
+            ),
+            _ => println!(
+                "roofline               no bandwidth (give --peak-gbs); {:.0} MB a decode step",
+                r.bytes_per_decode_step / 1e6
+            ),
+        }
         println!("prefill computed       {} tokens", r.prefill_computed);
         println!("prefill from cache     {} tokens", r.prefill_cached);
         println!("prefill shared by fork {} tokens", r.prefill_forked);
@@ -313,16 +472,19 @@ fn run_engine_bench(
         if let Some(m) = r.peak_device_mib {
             println!("peak device memory     {m:.0} MiB (CUDA pool, KV pool included)");
         }
+        if !r.gpu_cuts_off.is_empty() {
+            println!("GPU cuts off           {}", r.gpu_cuts_off.join(", "));
+        }
     }
     Ok(())
 }
 
 fn generate_bench(a: GenBenchArgs) -> Result<()> {
-    if a.batch == 0 || a.prompt_len == 0 || a.max_tokens == 0 {
+    if a.batch.is_empty() || a.batch.contains(&0) || a.prompt_len == 0 || a.max_tokens == 0 {
         bail!("--batch, --prompt-len and --max-tokens must be >= 1");
     }
-    if a.batch > MAX_SAMPLES {
-        bail!("--batch {} is more than {MAX_SAMPLES} sequences", a.batch);
+    if let Some(b) = a.batch.iter().find(|&&b| b > MAX_SAMPLES) {
+        bail!("--batch {b} is more than {MAX_SAMPLES} sequences");
     }
     if a.shared_prefix > a.prompt_len {
         bail!(
@@ -334,27 +496,36 @@ fn generate_bench(a: GenBenchArgs) -> Result<()> {
     let (model, name) = load_fitting(&a.m, a.prompt_len, a.max_tokens)?;
     let vocab = model.cfg.vocab_size;
     let shared = bench_prompt(a.shared_prefix, u32::MAX as u64, vocab);
-    let jobs = (0..a.batch)
-        .map(|i| {
-            let p = arbor_engine::SamplingParams::greedy(a.max_tokens);
-            let mut prompt = shared.clone();
-            prompt.extend(bench_prompt(
-                a.prompt_len - a.shared_prefix,
-                i as u64,
-                vocab,
-            ));
-            (prompt, vec![p])
-        })
-        .collect();
-    run_engine_bench(
-        "generate",
-        &model,
-        name,
-        &a.m.dtype,
-        Some(a.shared_prefix),
-        jobs,
-        a.m.json,
-    )
+    for (k, &batch) in a.batch.iter().enumerate() {
+        let jobs = (0..batch)
+            .map(|i| {
+                let p = arbor_engine::SamplingParams::greedy(a.max_tokens);
+                let mut prompt = shared.clone();
+                prompt.extend(bench_prompt(
+                    a.prompt_len - a.shared_prefix,
+                    i as u64,
+                    vocab,
+                ));
+                (prompt, vec![p])
+            })
+            .collect();
+        run_engine_bench(
+            "generate",
+            &model,
+            name.clone(),
+            a.m.model.is_none(),
+            &a.m.dtype,
+            Some(a.shared_prefix),
+            jobs,
+            &RunOpts {
+                json: a.m.json,
+                json_line: a.m.json && a.batch.len() > 1,
+                fresh_process: k == 0,
+                peak_gbs: a.m.peak_gbs,
+            },
+        )?;
+    }
+    Ok(())
 }
 
 fn fork_bench(a: ForkBenchArgs) -> Result<()> {
@@ -378,10 +549,16 @@ fn fork_bench(a: ForkBenchArgs) -> Result<()> {
         "fork",
         &model,
         name,
+        a.m.model.is_none(),
         &a.m.dtype,
         None,
         vec![(bench_prompt(a.prompt_len, 1, vocab), samples)],
-        a.m.json,
+        &RunOpts {
+            json: a.m.json,
+            json_line: false,
+            fresh_process: true,
+            peak_gbs: a.m.peak_gbs,
+        },
     )
 }
 
