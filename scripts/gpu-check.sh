@@ -101,9 +101,9 @@ run)
   timeout 150 $gen --preset qwen3-0.6b --max-tokens 256 --batch 1,64,256 --json \
     > "$OUT/generate-qwen3-0.6b.jsonl" 2> "$OUT/generate.err"
   echo "gpu-check: generate sweep exit $?"
-  off="events,pool,detach,sync,upload,sampling"
+  off="events,pool,detach,sync,upload,sampling,fused,graphs"
   : > "$OUT/generate-cuts.jsonl"
-  for cut in none events pool detach sync upload sampling; do
+  for cut in none events pool detach sync upload sampling fused graphs; do
     if [ "$cut" != none ]; then
       off="$(printf '%s' "$off" | tr ',' '\n' | grep -vx "$cut" | paste -sd, -)"
     fi

@@ -66,11 +66,13 @@ def main():
         lines.append("")
     cuts = [r for p in out.glob("generate-cuts.jsonl") for r in objects(p)]
     if cuts:
-        lines += ["| GPU cuts off | ms/step | decode tok/s | % roofline |", "|---|---|---|---|"]
+        lines += ["| GPU cuts off | fused step | ms/step | decode tok/s | % roofline |",
+                  "|---|---|---|---|---|"]
         for r in cuts:
             roof = r.get("roofline_fraction")
-            lines.append("| {} | {} | {} | {} |".format(
+            lines.append("| {} | {} | {} | {} | {} |".format(
                 ", ".join(r.get("gpu_cuts_off") or []) or "none",
+                "yes" if r.get("fused_decode") else "no",
                 fmt(r.get("ms_per_step"), ".2f"), fmt(r.get("decode_tokens_per_s"), ",.0f"),
                 "" if roof is None else f"{100 * roof:.1f}%"))
         lines.append("")

@@ -185,6 +185,8 @@ struct GenBenchResult {
     roofline_fraction: Option<f64>,
     /// `ARBOR_GPU_OFF`: the GPU overhead cuts turned off for this run.
     gpu_cuts_off: Vec<&'static str>,
+    /// Whether decode-only steps ran on the engine's dedicated decode step.
+    fused_decode: bool,
 }
 
 fn load_for_bench(m: &BenchModel) -> Result<(arbor_model::Transformer, String)> {
@@ -415,6 +417,7 @@ fn run_engine_bench(
             .into_iter()
             .map(arbor_ops::GpuCut::name)
             .collect(),
+        fused_decode: engine.fast_decode_active(),
     };
     if opts.json_line {
         println!("{}", serde_json::to_string(&r)?);
@@ -471,6 +474,9 @@ fn run_engine_bench(
         println!("peak RSS               {:.0} MiB", r.peak_rss_mib);
         if let Some(m) = r.peak_device_mib {
             println!("peak device memory     {m:.0} MiB (CUDA pool, KV pool included)");
+        }
+        if r.fused_decode {
+            println!("decode path            dedicated fused step");
         }
         if !r.gpu_cuts_off.is_empty() {
             println!("GPU cuts off           {}", r.gpu_cuts_off.join(", "));

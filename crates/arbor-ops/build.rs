@@ -8,7 +8,14 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const KERNELS: &[&str] = &["logprob", "ppo", "segment", "paged_attention", "sample"];
+const KERNELS: &[&str] = &[
+    "logprob",
+    "ppo",
+    "segment",
+    "paged_attention",
+    "sample",
+    "decode",
+];
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");

@@ -237,3 +237,117 @@ pub fn train_check(dev: &Device, quick: bool, rng: &mut Rng, out: &mut Vec<Check
     });
     Ok(())
 }
+
+/// The engine's dedicated decode step (a bf16 model on a GPU) against the
+/// same weights in an f32 model on the device, scored by teacher forcing:
+/// five prompts of different lengths (a bucket of 8 with padding rows,
+/// block tables that widen mid-run) whose generations end at different
+/// steps (the batch shrinks through smaller buckets, each its own captured
+/// graph), four greedy and one sampled. Each generated token's logprob must
+/// match the f32 model's log-softmax within 2e-2, and each greedy pick must
+/// be the f32 model's argmax up to a near-tie of 2e-2.
+pub fn fast_decode_checks(
+    dev: &Device,
+    quick: bool,
+    _rng: &mut Rng,
+    out: &mut Vec<Check>,
+) -> Result<()> {
+    if dev.is_cpu() {
+        eprintln!("  fast decode: a GPU path; nothing to check on the CPU");
+        return Ok(());
+    }
+    let cfg = model_cfg(quick);
+    let m = model_on(&cfg, DType::BF16, dev)?;
+    let mut e = arbor_engine::Engine::new(
+        &m,
+        None,
+        arbor_engine::EngineConfig {
+            max_seqs: 64,
+            kv_memory_mib: 512,
+            ..Default::default()
+        },
+    )?;
+    push_tol(
+        out,
+        "model",
+        "fast decode: the engine runs the fused step",
+        DType::BF16,
+        if e.fast_decode_active() {
+            0.0
+        } else {
+            f64::NAN
+        },
+        0.0,
+    );
+    let vocab = cfg.vocab_size as u32;
+    let mut jobs = Vec::new();
+    for (i, (len, new)) in [(17usize, 48usize), (24, 40), (31, 30), (40, 12), (9, 45)]
+        .into_iter()
+        .enumerate()
+    {
+        let prompt: Vec<u32> = (0..len as u32)
+            .map(|j| (i as u32 * 131 + j * 7919 + 13) % vocab)
+            .collect();
+        let p = if i == 4 {
+            arbor_engine::SamplingParams {
+                temperature: 1.0,
+                max_tokens: new,
+                seed: 5,
+                ..Default::default()
+            }
+        } else {
+            arbor_engine::SamplingParams::greedy(new)
+        };
+        let id = e.submit(prompt.clone(), vec![p])?[0];
+        jobs.push((id, prompt, i != 4));
+    }
+    let done = e.run(|_| {})?;
+    drop(e);
+    let reference = Transformer::load(
+        &cfg,
+        &ParamLoader::frozen(ParamSource::Random { seed: MODEL_SEED }, DType::F32, dev)
+            .rounded_through(DType::BF16),
+    )?;
+    let (mut lp_err, mut gap) = (0f64, 0f64);
+    for (id, prompt, greedy) in jobs {
+        let c = done.iter().find(|c| c.id == id).or_msg("a completion")?;
+        if let Some(err) = &c.error {
+            bail!("fast decode: sequence {id} failed: {err}");
+        }
+        let ids: Vec<u32> = prompt.iter().chain(&c.tokens).copied().collect();
+        let n = ids.len();
+        let x = Tensor::from_vec(ids, (1, n), dev)?;
+        let logits = reference
+            .logits(&reference.forward_hidden(&x)?)?
+            .squeeze(0)?;
+        let lsm = candle_nn::ops::log_softmax(&logits.to_dtype(DType::F32)?, 1)?;
+        let lsm = lsm
+            .narrow(0, prompt.len() - 1, c.tokens.len())?
+            .to_vec2::<f32>()?;
+        for ((row, &tok), &lp) in lsm.iter().zip(&c.tokens).zip(&c.logprobs) {
+            let want = row[tok as usize];
+            lp_err = lp_err.max((lp - want).abs() as f64);
+            if greedy {
+                let best = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                gap = gap.max((best - want) as f64);
+            }
+        }
+    }
+    push_tol(
+        out,
+        "model",
+        "fast decode: logprobs vs f32 model",
+        DType::BF16,
+        lp_err,
+        2e-2,
+    );
+    push_tol(
+        out,
+        "model",
+        "fast decode: greedy pick below f32 argmax",
+        DType::BF16,
+        gap,
+        2e-2,
+    );
+    Ok(())
+}

@@ -28,6 +28,7 @@
 //!   policy version and stale blocks are never reused.
 
 mod engine;
+pub mod fast;
 pub mod paged;
 pub mod sampling;
 

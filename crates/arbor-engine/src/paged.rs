@@ -335,6 +335,12 @@ impl DeviceKvCache {
         self.num_blocks
     }
 
+    /// Layer `i`'s K and V storage, `[slots, n_kv, head_dim]` each (written
+    /// in place by the engine's steps).
+    pub fn layer(&self, i: usize) -> (&Tensor, &Tensor) {
+        (&self.k[i], &self.v[i])
+    }
+
     /// Copy the first `len` slots of one block into another, in every layer
     /// (copy-on-write of a shared partial block).
     pub fn copy(&self, op: &CopyOp) -> arbor_model::Result<()> {

@@ -40,6 +40,10 @@ pub const MODULES: &[(&str, &[u8])] = &[
         "sample",
         include_bytes!(concat!(env!("OUT_DIR"), "/sample.fatbin")),
     ),
+    (
+        "decode",
+        include_bytes!(concat!(env!("OUT_DIR"), "/decode.fatbin")),
+    ),
 ];
 
 /// Loaded modules, by device and module name.
@@ -84,7 +88,13 @@ impl Kernel {
         })
     }
 
-    /// A launch on the device's stream.
+    /// The same function, launched on `stream` instead (a stream of the
+    /// same context).
+    pub fn on(self, stream: Arc<CudaStream>) -> Kernel {
+        Kernel { stream, ..self }
+    }
+
+    /// A launch on the kernel's stream.
     pub fn builder(&self) -> LaunchArgs<'_> {
         self.stream.launch_builder(&self.func)
     }

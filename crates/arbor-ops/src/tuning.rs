@@ -16,7 +16,12 @@
 //!   rows to sample) go up in one copy, RoPE is gathered from a table on
 //!   the device;
 //! - `sampling`: tokens are sampled on the device; only ids and logprobs
-//!   come back, never the `[B, vocab]` logits.
+//!   come back, never the `[B, vocab]` logits;
+//! - `fused`: decode-only steps of a bf16 Qwen-family model run the
+//!   engine's dedicated decode step (fixed kernels per layer over buffers
+//!   allocated once) instead of the candle forward;
+//! - `graphs`: that step is captured as a CUDA graph per batch bucket and
+//!   replayed (needs `events`: candle's events cannot be captured).
 //!
 //! The CPU path is unaffected by all of them but `detach`.
 
@@ -31,16 +36,20 @@ pub enum GpuCut {
     Sync,
     Upload,
     Sampling,
+    Fused,
+    Graphs,
 }
 
 impl GpuCut {
-    pub const ALL: [GpuCut; 6] = [
+    pub const ALL: [GpuCut; 8] = [
         GpuCut::Events,
         GpuCut::Pool,
         GpuCut::Detach,
         GpuCut::Sync,
         GpuCut::Upload,
         GpuCut::Sampling,
+        GpuCut::Fused,
+        GpuCut::Graphs,
     ];
 
     pub fn name(self) -> &'static str {
@@ -51,6 +60,8 @@ impl GpuCut {
             GpuCut::Sync => "sync",
             GpuCut::Upload => "upload",
             GpuCut::Sampling => "sampling",
+            GpuCut::Fused => "fused",
+            GpuCut::Graphs => "graphs",
         }
     }
 
@@ -109,7 +120,7 @@ mod tests {
             [GpuCut::Pool, GpuCut::Sampling]
         );
         assert_eq!(parse_cuts("all").unwrap(), GpuCut::ALL);
-        let e = parse_cuts("events,graphs").unwrap_err();
-        assert!(e.contains("`graphs`") && e.contains("upload"), "{e}");
+        let e = parse_cuts("events,kernels").unwrap_err();
+        assert!(e.contains("`kernels`") && e.contains("graphs"), "{e}");
     }
 }

@@ -4,6 +4,8 @@
 //! [`sample`] (sampling, fan-out, stops); sizing is [`config`].
 
 mod config;
+#[cfg(feature = "cuda")]
+mod fast_step;
 mod forward;
 mod sample;
 mod schedule;
@@ -141,6 +143,9 @@ pub struct Engine {
     finished: Vec<Completion>,
     next_id: SeqId,
     stats: EngineStats,
+    /// The dedicated decode step (a bf16 Qwen-family model on a GPU).
+    #[cfg(feature = "cuda")]
+    fast: Option<crate::fast::FastDecoder>,
     /// Tests: make the next step's forward fail.
     #[cfg(test)]
     fail_next_forward: bool,
@@ -239,27 +244,41 @@ impl Engine {
                 own.back_weights_with_huge_pages(),
             );
         }
+        let cache = if on_device {
+            KvStore::Device(DeviceKvCache::new(
+                &model.cfg,
+                num_blocks,
+                cfg.block_size,
+                model.dtype(),
+                model.device(),
+            )?)
+        } else {
+            KvStore::Host(PagedKvCache::with_dtype(
+                &model.cfg,
+                num_blocks,
+                cfg.block_size,
+                host_dtype,
+            )?)
+        };
+        #[cfg(feature = "cuda")]
+        let fast = match &cache {
+            KvStore::Device(c) if !cpu && arbor_ops::GpuCut::Fused.on() => {
+                match crate::fast::FastDecoder::new(&own, c, cfg.max_seqs, max_context) {
+                    Ok(f) => Some(f),
+                    Err(why) => {
+                        tracing::info!("dedicated decode step off: {why}");
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
         Ok(Engine {
             model: own,
             tokenizer,
             max_context,
             kv: KvManager::new(num_blocks, cfg.block_size),
-            cache: if on_device {
-                KvStore::Device(DeviceKvCache::new(
-                    &model.cfg,
-                    num_blocks,
-                    cfg.block_size,
-                    model.dtype(),
-                    model.device(),
-                )?)
-            } else {
-                KvStore::Host(PagedKvCache::with_dtype(
-                    &model.cfg,
-                    num_blocks,
-                    cfg.block_size,
-                    host_dtype,
-                )?)
-            },
+            cache,
             cfg,
             seqs: HashMap::new(),
             waiting: VecDeque::new(),
@@ -267,6 +286,8 @@ impl Engine {
             finished: Vec::new(),
             next_id: 0,
             stats: EngineStats::default(),
+            #[cfg(feature = "cuda")]
+            fast,
             #[cfg(test)]
             fail_next_forward: false,
             #[cfg(test)]
@@ -298,6 +319,15 @@ impl Engine {
             KvStore::Host(c) => c.bytes(),
             KvStore::Device(c) => c.bytes(),
         }
+    }
+
+    /// Whether decode-only steps run on the dedicated decode step
+    /// ([`crate::fast`]: a bf16 Qwen-family model on a GPU).
+    pub fn fast_decode_active(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.fast.is_some();
+        #[cfg(not(feature = "cuda"))]
+        false
     }
 
     /// Bytes of KV one token slot holds (K and V of every layer).
@@ -684,6 +714,10 @@ impl Engine {
         let n_tokens = batch.len();
         let in_use = self.kv.stats().in_use as u64;
         self.stats.peak_blocks_in_use = self.stats.peak_blocks_in_use.max(in_use);
+        #[cfg(feature = "cuda")]
+        if self.fast_step(&batch, &ids, &scheduled)? {
+            return Ok(n_tokens);
+        }
         let logits = self.forward_logits(&batch, ids, scheduled.len())?;
         self.stats.steps += 1;
         self.stats.kv_rows_read += batch.positions.iter().map(|&p| p as u64 + 1).sum::<u64>();

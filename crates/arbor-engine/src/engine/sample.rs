@@ -83,7 +83,10 @@ impl Engine {
     /// prompt out into its samples. Returns the sequences to sample, each
     /// with its row of the step's logits (the samples of a fan-out share
     /// their parent's).
-    fn record(&mut self, scheduled: Vec<SeqId>) -> Result<Vec<(SeqId, usize)>, EngineError> {
+    pub(super) fn record(
+        &mut self,
+        scheduled: Vec<SeqId>,
+    ) -> Result<Vec<(SeqId, usize)>, EngineError> {
         let mut todo = Vec::new();
         for (row, id) in scheduled.into_iter().enumerate() {
             let s = self.seqs.get_mut(&id).expect("scheduled seq exists");
@@ -133,7 +136,7 @@ impl Engine {
 
     /// The sequences to sample, taken out of the table (with their rows)
     /// so they can be sampled in parallel.
-    fn take_seqs(&mut self, todo: &[(SeqId, usize)]) -> Vec<(SeqId, Seq, usize)> {
+    pub(super) fn take_seqs(&mut self, todo: &[(SeqId, usize)]) -> Vec<(SeqId, Seq, usize)> {
         todo.iter()
             .map(|&(id, row)| (id, self.seqs.remove(&id).expect("seq exists"), row))
             .collect()
@@ -142,7 +145,11 @@ impl Engine {
     /// Put the sampled sequences back with their new token (`None`: the
     /// logits held no distribution, NaN or infinite values) and stop those
     /// that are done.
-    fn apply_samples(&mut self, work: Vec<(SeqId, Seq, usize)>, sampled: Vec<Option<(u32, f32)>>) {
+    pub(super) fn apply_samples(
+        &mut self,
+        work: Vec<(SeqId, Seq, usize)>,
+        sampled: Vec<Option<(u32, f32)>>,
+    ) {
         let mut done = Vec::new();
         let mut failed = Vec::new();
         for ((id, mut s, _), got) in work.into_iter().zip(sampled) {

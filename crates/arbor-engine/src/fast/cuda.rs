@@ -1,0 +1,576 @@
+//! The dedicated decode step on CUDA: a fixed sequence of kernels per layer
+//! over buffers allocated once (an arena sized for the largest bucket), the
+//! model's own bf16 weight buffers (an in-place update from the trainer
+//! reaches the step with no copy, and captured graphs stay valid), the
+//! engine's paged KV cache, and sampling on the device; captured as one
+//! CUDA graph per (batch bucket, table width) and replayed. A step uploads
+//! one buffer ([`InputLayout`]) and downloads the sampled tokens.
+#![allow(unsafe_code)]
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use arbor_model::Transformer;
+use arbor_ops::cuda::{Kernel, PushKernelArg, WrapErr};
+use arbor_ops::Sampled;
+use candle_core::cuda_backend::cudarc::cublas::{sys as cb, CudaBlas};
+use candle_core::cuda_backend::cudarc::driver::{
+    sys, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+};
+use candle_core::{DType, Storage, Tensor};
+
+use super::plan::{bucket, table_width, ArenaPlan, DecodeRow, Dims, GraphKey, InputLayout};
+use crate::paged::DeviceKvCache;
+
+type Result<T> = candle_core::Result<T>;
+
+/// Launch `kernel` with `cfg` and the arguments, in order.
+macro_rules! launch {
+    ($kernel:expr, $cfg:expr, $($arg:expr),+ $(,)?) => {{
+        let mut l = $kernel.builder();
+        $( l.arg($arg); )+
+        // SAFETY: every call site passes the arguments of the kernel's
+        // signature (kernels/decode.cu, paged_attention.cu, sample.cu) in
+        // order; each pointer is a device buffer of the size the arena
+        // plan, the input layout or the model's shapes give for the
+        // bucket's rows, alive as long as the decoder.
+        unsafe { l.launch($cfg) }.w()
+    }};
+}
+
+/// Device addresses of one layer's weights and KV cache (0: absent).
+#[derive(Debug, Clone, Copy)]
+struct LayerPtrs {
+    in_norm: u64,
+    q: u64,
+    k: u64,
+    v: u64,
+    q_bias: u64,
+    k_bias: u64,
+    v_bias: u64,
+    q_norm: u64,
+    k_norm: u64,
+    o: u64,
+    post_norm: u64,
+    gate: u64,
+    up: u64,
+    down: u64,
+    k_cache: u64,
+    v_cache: u64,
+}
+
+#[derive(Debug)]
+struct Kernels {
+    embed: Kernel,
+    norm: Kernel,
+    rope: Kernel,
+    silu: Kernel,
+    attn: Kernel,
+    sample: Kernel,
+}
+
+/// A captured step.
+struct Graph(CudaGraph);
+
+// SAFETY: a CUDA graph may be launched from any thread as long as calls on
+// it are serialised; the decoder is only reached through `&mut` (its
+// engine's step), so they are.
+unsafe impl Send for Graph {}
+
+/// The dedicated decode step of one engine (see the module docs).
+pub struct FastDecoder {
+    stream: Arc<CudaStream>,
+    /// candle's stream, where prefills write the KV this step reads.
+    candle_stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    _workspace: CudaSlice<u8>,
+    arena: CudaSlice<u8>,
+    plan: ArenaPlan,
+    input: CudaSlice<u32>,
+    /// Widest block table a step may have (the engine's context).
+    max_table: usize,
+    inv_freq: CudaSlice<f32>,
+    layers: Vec<LayerPtrs>,
+    embed: u64,
+    final_norm: u64,
+    lm_head: u64,
+    dims: Dims,
+    eps: f32,
+    n_slots: u32,
+    block_size: u32,
+    kernels: Kernels,
+    graphs: HashMap<GraphKey, Graph>,
+    use_graphs: bool,
+    /// The tensors whose buffers the step reads: kept alive here.
+    _keep: Vec<Tensor>,
+}
+
+impl std::fmt::Debug for FastDecoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FastDecoder")
+            .field("dims", &self.dims)
+            .field("graphs", &self.graphs.len())
+            .field("use_graphs", &self.use_graphs)
+            .finish()
+    }
+}
+
+/// The device address of contiguous bf16 tensor `t`'s first element.
+fn addr(t: &Tensor, stream: &CudaStream) -> Result<u64> {
+    if t.dtype() != DType::BF16 {
+        candle_core::bail!(
+            "fast decode: a {:?} tensor where bf16 was expected",
+            t.dtype()
+        );
+    }
+    let (s, l) = t.storage_and_layout();
+    let Storage::Cuda(s) = &*s else {
+        candle_core::bail!("fast decode: a tensor is not on the CUDA device");
+    };
+    let (start, _) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("fast decode: a tensor is not contiguous".into()))?;
+    let slice = s.as_cuda_slice::<half::bf16>()?;
+    let (p, _sync) = slice.device_ptr(stream);
+    Ok(p + 2 * start as u64)
+}
+
+impl FastDecoder {
+    /// The step for `model` over `cache`, or why it cannot run: it needs a
+    /// bf16 Qwen-family model (no LoRA adapters) on CUDA with its KV cache
+    /// there, head_dim even and <= 256.
+    pub fn new(
+        model: &Transformer,
+        cache: &DeviceKvCache,
+        max_seqs: usize,
+        max_context: usize,
+    ) -> std::result::Result<Self, String> {
+        Self::build(model, cache, max_seqs, max_context).map_err(|e| e.to_string())
+    }
+
+    fn build(
+        model: &Transformer,
+        cache: &DeviceKvCache,
+        max_seqs: usize,
+        max_context: usize,
+    ) -> Result<Self> {
+        let cfg = &model.cfg;
+        let candle_core::Device::Cuda(dev) = model.device() else {
+            candle_core::bail!("the model is not on a CUDA device");
+        };
+        if model.dtype() != DType::BF16 {
+            candle_core::bail!("the model computes in {:?}, not bf16", model.dtype());
+        }
+        if !cfg.head_dim.is_multiple_of(2) || cfg.head_dim > 256 {
+            candle_core::bail!("head_dim {} (needs even, <= 256)", cfg.head_dim);
+        }
+        if model.layers.iter().any(|l| {
+            let a = &l.attn;
+            [&a.q, &a.k, &a.v, &a.o, &l.mlp.gate, &l.mlp.up, &l.mlp.down]
+                .iter()
+                .any(|x| x.lora.is_some())
+        }) {
+            candle_core::bail!("LoRA adapters are not supported by the fused step");
+        }
+        if model.layers.iter().any(|l| l.attn.o.bias.is_some()) {
+            candle_core::bail!("an o_proj bias is not supported by the fused step");
+        }
+        let candle_stream = dev.cuda_stream();
+        let ctx = candle_stream.context().clone();
+        let stream = ctx.new_stream().w()?;
+        let mut keep = Vec::new();
+        let mut at = |t: &Tensor| -> Result<u64> {
+            keep.push(t.clone());
+            addr(t, &stream)
+        };
+        let opt = |t: Option<&Tensor>, at: &mut dyn FnMut(&Tensor) -> Result<u64>| -> Result<u64> {
+            t.map_or(Ok(0), at)
+        };
+        let mut layers = Vec::with_capacity(model.layers.len());
+        for (i, l) in model.layers.iter().enumerate() {
+            let a = &l.attn;
+            let (kc, vc) = cache.layer(i);
+            layers.push(LayerPtrs {
+                in_norm: at(&l.input_norm.weight)?,
+                q: at(&a.q.weight)?,
+                k: at(&a.k.weight)?,
+                v: at(&a.v.weight)?,
+                q_bias: opt(a.q.bias.as_ref(), &mut at)?,
+                k_bias: opt(a.k.bias.as_ref(), &mut at)?,
+                v_bias: opt(a.v.bias.as_ref(), &mut at)?,
+                q_norm: opt(a.q_norm.as_ref().map(|n| &n.weight), &mut at)?,
+                k_norm: opt(a.k_norm.as_ref().map(|n| &n.weight), &mut at)?,
+                o: at(&a.o.weight)?,
+                post_norm: at(&l.post_norm.weight)?,
+                gate: at(&l.mlp.gate.weight)?,
+                up: at(&l.mlp.up.weight)?,
+                down: at(&l.mlp.down.weight)?,
+                k_cache: at(kc)?,
+                v_cache: at(vc)?,
+            });
+        }
+        let embed = at(&model.embed)?;
+        let final_norm = at(&model.norm.weight)?;
+        let lm_head = at(&model.lm_head)?;
+        let dims = Dims {
+            hidden: cfg.hidden_size,
+            intermediate: cfg.intermediate_size,
+            heads: cfg.num_attention_heads,
+            kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+            vocab: cfg.vocab_size,
+        };
+        let rows = bucket(max_seqs.min(super::plan::BUCKETS[8])).unwrap_or(256);
+        let plan = ArenaPlan::new(&dims, rows);
+        let arena = stream.alloc_zeros::<u8>(plan.bytes).w()?;
+        let max_table = table_width(max_context.div_ceil(cache.block_size()));
+        let words = InputLayout::new(GraphKey {
+            bucket: rows,
+            table_width: max_table,
+        })
+        .words;
+        let input = stream.alloc_zeros::<u32>(words).w()?;
+        let inv_freq = stream.clone_htod(model.rope.inv_freq()).w()?;
+        let blas = CudaBlas::new(stream.clone()).w()?;
+        // cuBLAS gets its own workspace, so it allocates nothing while a
+        // step is captured.
+        let workspace = stream.alloc_zeros::<u8>(32 << 20).w()?;
+        {
+            let (p, _sync) = workspace.device_ptr(&stream);
+            // SAFETY: the workspace lives as long as the handle (both are
+            // fields of this decoder); its size is what is passed.
+            unsafe { cb::cublasSetWorkspace_v2(*blas.handle(), p as *mut c_void, 32 << 20) }
+                .result()
+                .w()?;
+        }
+        let kernel = |module: &'static str, name: &str| -> Result<Kernel> {
+            Ok(Kernel::get(dev, module, name)?.on(stream.clone()))
+        };
+        let kernels = Kernels {
+            embed: kernel("decode", "fd_embed")?,
+            norm: kernel("decode", "fd_add_rmsnorm")?,
+            rope: kernel("decode", "fd_qk_rope_write")?,
+            silu: kernel("decode", "fd_silu_mul")?,
+            attn: kernel("paged_attention", "paged_attention_bf16")?,
+            sample: kernel("sample", "sample_rows")?,
+        };
+        // Captured launches must not record events (candle's tracking).
+        let use_graphs = arbor_ops::GpuCut::Graphs.on() && !dev.is_event_tracking();
+        Ok(FastDecoder {
+            stream,
+            candle_stream,
+            blas,
+            _workspace: workspace,
+            arena,
+            plan,
+            input,
+            max_table,
+            inv_freq,
+            layers,
+            embed,
+            final_norm,
+            lm_head,
+            dims,
+            eps: cfg.rms_norm_eps as f32,
+            n_slots: (cache.num_blocks() * cache.block_size()) as u32,
+            block_size: cache.block_size() as u32,
+            kernels,
+            graphs: HashMap::new(),
+            use_graphs,
+            _keep: keep,
+        })
+    }
+
+    /// Sequences one step can take (the arena's rows).
+    pub fn max_rows(&self) -> usize {
+        self.plan.rows
+    }
+
+    /// Run one decode step over `rows` (one token each): writes their KV,
+    /// samples each row's next token on the device. Returns one result per
+    /// row (`None`: the logits held no distribution).
+    pub fn step(&mut self, rows: &[DecodeRow<'_>]) -> Result<Vec<Option<Sampled>>> {
+        let n = rows.len();
+        let b = bucket(n)
+            .filter(|&b| b <= self.plan.rows)
+            .ok_or_else(|| candle_core::Error::Msg(format!("fast decode: {n} rows")))?;
+        let widest = rows.iter().map(|r| r.table.len()).max().unwrap_or(1);
+        let w = table_width(widest);
+        if w > self.max_table {
+            candle_core::bail!(
+                "fast decode: a table of {widest} blocks (at most {})",
+                self.max_table
+            );
+        }
+        let key = GraphKey {
+            bucket: b,
+            table_width: w,
+        };
+        let layout = InputLayout::new(key);
+        let buf = layout
+            .pack(rows, u32::MAX)
+            .map_err(candle_core::Error::Msg)?;
+        // Prefills and block copies on candle's stream come first.
+        self.stream.join(&self.candle_stream).w()?;
+        self.stream
+            .memcpy_htod(&buf, &mut self.input.slice_mut(0..buf.len()))
+            .w()?;
+        if !self.use_graphs {
+            self.launch(&layout)?;
+        } else if let Some(g) = self.graphs.get(&key) {
+            g.0.launch().w()?;
+        } else {
+            // The first step of a key runs eagerly (loads, cuBLAS's
+            // heuristics), then the same launches are captured for replay.
+            self.launch(&layout)?;
+            match self.capture(&layout) {
+                Ok(Some(g)) => {
+                    self.graphs.insert(key, Graph(g));
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    // This step's results are in (the eager run); later
+                    // steps run eagerly too.
+                    tracing::warn!("CUDA graph capture failed, decoding without graphs: {e}");
+                    self.use_graphs = false;
+                }
+            }
+        }
+        let at = self.plan.sampled;
+        let bytes = self
+            .stream
+            .clone_dtoh(&self.arena.slice(at..at + 12 * n))
+            .w()?;
+        // The candle stream's next work (a prefill) waits for this step's
+        // KV writes.
+        self.candle_stream.join(&self.stream).w()?;
+        Ok(bytes
+            .chunks_exact(12)
+            .map(|c| {
+                let w = |i: usize| u32::from_le_bytes([c[i], c[i + 1], c[i + 2], c[i + 3]]);
+                (w(0) != u32::MAX).then(|| Sampled {
+                    token: w(0),
+                    logprob: f32::from_bits(w(4)),
+                    entropy: f32::from_bits(w(8)),
+                })
+            })
+            .collect())
+    }
+
+    /// The launches of one step for `layout`, captured as a graph (not
+    /// run).
+    fn capture(&self, layout: &InputLayout) -> Result<Option<CudaGraph>> {
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .w()?;
+        let recorded = self.launch(layout);
+        // Capture ends whatever happened, so the stream is usable again.
+        let graph = self
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .w();
+        recorded?;
+        graph
+    }
+
+    /// `y[m, n] = x[m, k] w[n, k]^T`: bf16 inputs, f32 accumulation, `y`
+    /// bf16 (or f32 when `f32_out`).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        m: usize,
+        n: usize,
+        k: usize,
+        x: u64,
+        w: u64,
+        y: u64,
+        f32_out: bool,
+    ) -> Result<()> {
+        let (alpha, beta) = (1f32, 0f32);
+        let out = if f32_out {
+            cb::cudaDataType::CUDA_R_32F
+        } else {
+            cb::cudaDataType::CUDA_R_16BF
+        };
+        // Row-major y = x w^T is column-major y^T = w^T' x^T': op(A) = w^T
+        // (w is column-major k x n), op(B) = x (column-major k x m).
+        // SAFETY: x, w and y are device buffers of at least m*k, n*k and
+        // m*n elements (the arena plan and the model's shapes), on the
+        // handle's stream; alpha and beta are host f32s (the default
+        // pointer mode).
+        unsafe {
+            cb::cublasGemmEx(
+                *self.blas.handle(),
+                cb::cublasOperation_t::CUBLAS_OP_T,
+                cb::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                m as i32,
+                k as i32,
+                &alpha as *const f32 as *const c_void,
+                w as *const c_void,
+                cb::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                x as *const c_void,
+                cb::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                &beta as *const f32 as *const c_void,
+                y as *mut c_void,
+                out,
+                n as i32,
+                cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .result()
+        .w()
+    }
+
+    /// Every launch of one step for `layout`'s bucket, on the decoder's
+    /// stream (run eagerly, or recorded into a graph).
+    fn launch(&self, layout: &InputLayout) -> Result<()> {
+        let d = self.dims;
+        let b = layout.bucket;
+        let (arena, _s1) = self.arena.device_ptr(&self.stream);
+        let (input, _s2) = self.input.device_ptr(&self.stream);
+        let (inv_freq, _s3) = self.inv_freq.device_ptr(&self.stream);
+        let a = self.plan;
+        let buf = |off: usize| arena + off as u64;
+        let (resid, normed, q, kk, vv) =
+            (buf(a.resid), buf(a.normed), buf(a.q), buf(a.k), buf(a.v));
+        let (q_rope, attn, delta_buf) = (buf(a.q_rope), buf(a.attn), buf(a.delta));
+        let (gate, up, act, logits, sampled) = (
+            buf(a.gate),
+            buf(a.up),
+            buf(a.act),
+            buf(a.logits),
+            buf(a.sampled),
+        );
+        let word = |w: usize| input + 4 * w as u64;
+        let (ids, pos, slots, seq, tables, params) = (
+            word(layout.ids),
+            word(layout.positions),
+            word(layout.slots),
+            word(layout.seq),
+            word(layout.tables),
+            word(layout.params),
+        );
+        let (h, i) = (d.hidden as i32, d.intermediate as i32);
+        let (nh, nkv, hd) = (d.heads as i32, d.kv_heads as i32, d.head_dim as i32);
+        let rows = |threads: u32| LaunchConfig {
+            grid_dim: (b as u32, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let eps = self.eps;
+        let (null, add, first) = (0u64, 1i32, 0i32);
+        let k = &self.kernels;
+        let grid2 = |y: usize, threads: usize, shared: usize| LaunchConfig {
+            grid_dim: (b as u32, y as u32, 1),
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: shared as u32,
+        };
+        launch!(k.embed, rows(256), &self.embed, &ids, &resid, &h)?;
+        let (qw, kvw) = (d.heads * d.head_dim, d.kv_heads * d.head_dim);
+        let (bs, maxb) = (self.block_size as i32, layout.table_width as i32);
+        let scale = 1.0f32 / (d.head_dim as f32).sqrt();
+        let n = b as i32 * i;
+        let silu_grid = LaunchConfig {
+            grid_dim: ((n as u32).div_ceil(256).min(4096), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        for (li, w) in self.layers.iter().enumerate() {
+            let (delta, add_now) = if li == 0 {
+                (null, first)
+            } else {
+                (delta_buf, add)
+            };
+            launch!(
+                k.norm,
+                rows(256),
+                &resid,
+                &delta,
+                &w.in_norm,
+                &normed,
+                &h,
+                &eps,
+                &add_now
+            )?;
+            self.gemm(b, qw, d.hidden, normed, w.q, q, false)?;
+            self.gemm(b, kvw, d.hidden, normed, w.k, kk, false)?;
+            self.gemm(b, kvw, d.hidden, normed, w.v, vv, false)?;
+            launch!(
+                k.rope,
+                grid2(d.heads + d.kv_heads, d.head_dim, 0),
+                &q,
+                &kk,
+                &vv,
+                &w.q_bias,
+                &w.k_bias,
+                &w.v_bias,
+                &w.q_norm,
+                &w.k_norm,
+                &eps,
+                &inv_freq,
+                &pos,
+                &slots,
+                &self.n_slots,
+                &q_rope,
+                &w.k_cache,
+                &w.v_cache,
+                &nh,
+                &nkv,
+                &hd
+            )?;
+            launch!(
+                k.attn,
+                grid2(d.heads, 128, 4 * d.head_dim * 4),
+                &q_rope,
+                &w.k_cache,
+                &w.v_cache,
+                &pos,
+                &seq,
+                &tables,
+                &attn,
+                &nh,
+                &nkv,
+                &hd,
+                &bs,
+                &maxb,
+                &scale
+            )?;
+            self.gemm(b, d.hidden, qw, attn, w.o, delta_buf, false)?;
+            launch!(
+                k.norm,
+                rows(256),
+                &resid,
+                &delta_buf,
+                &w.post_norm,
+                &normed,
+                &h,
+                &eps,
+                &add
+            )?;
+            self.gemm(b, d.intermediate, d.hidden, normed, w.gate, gate, false)?;
+            self.gemm(b, d.intermediate, d.hidden, normed, w.up, up, false)?;
+            launch!(k.silu, silu_grid, &gate, &up, &act, &n)?;
+            self.gemm(b, d.hidden, d.intermediate, act, w.down, delta_buf, false)?;
+        }
+        launch!(
+            k.norm,
+            rows(256),
+            &resid,
+            &delta_buf,
+            &self.final_norm,
+            &normed,
+            &h,
+            &eps,
+            &add
+        )?;
+        self.gemm(b, d.vocab, d.hidden, normed, self.lm_head, logits, true)?;
+        let v = d.vocab as i32;
+        launch!(k.sample, rows(1024), &logits, &params, &v, &sampled)?;
+        Ok(())
+    }
+}
