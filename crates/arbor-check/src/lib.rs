@@ -174,13 +174,14 @@ pub fn run(cfg: &CheckConfig) -> Result<Report> {
     // the rest still run. The JSON is rewritten after every section, so a
     // run cut short by a time limit keeps what it measured.
     type Section = fn(&Device, bool, &mut Rng, &mut Vec<Check>) -> Result<()>;
-    let sections: [(&str, Section); 9] = [
+    let sections: [(&str, Section); 10] = [
         ("logprob", ops::logprob_checks),
         ("fused", ops::fused_checks),
         ("losses", ops::loss_checks),
         ("segment", ops::segment_checks),
         ("attention", ops::attention_checks),
         ("sampling", ops::sampling_checks),
+        ("decode kernels", ops::decode_kernel_checks),
         ("model", |d, q, _, o| model::model_checks(d, q, o)),
         ("fast decode", model::fast_decode_checks),
         ("train", model::train_check),

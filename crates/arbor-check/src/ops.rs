@@ -538,3 +538,222 @@ pub fn sampling_checks(
     );
     Ok(())
 }
+
+/// The dedicated decode step's fused kernels (`arbor_ops::decode`), each
+/// against its host reference on the same bf16 inputs: add + RMSNorm (the
+/// residual and the normed rows), q/k-norm + bias + RoPE + KV write (the
+/// queries, the K and V rows at their slots, and nothing written for a
+/// padding row's out-of-cache slot), SiLU x up. GPU kernels: on the CPU
+/// only their references run (in `cargo test`).
+pub fn decode_kernel_checks(
+    dev: &Device,
+    quick: bool,
+    rng: &mut Rng,
+    out: &mut Vec<Check>,
+) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if !dev.is_cpu() {
+        return decode_kernels_cuda(dev, quick, rng, out);
+    }
+    let _ = (dev, quick, rng, out);
+    eprintln!("  decode kernels: GPU kernels; their host references are tested by cargo test");
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn decode_kernels_cuda(
+    dev: &Device,
+    quick: bool,
+    rng: &mut Rng,
+    out: &mut Vec<Check>,
+) -> Result<()> {
+    use arbor_ops::decode::{self as dk, cuda::RopeWrite};
+    use half::bf16;
+    let (b, h, nh, nkv, d, inter) = if quick {
+        (5, 64, 4, 2, 16, 128)
+    } else {
+        (5, 1024, 16, 8, 128, 3072)
+    };
+    let bf = |v: Vec<f64>| -> Vec<bf16> { v.into_iter().map(bf16::from_f64).collect() };
+    let up = |v: &[bf16], shape: &[usize]| -> Result<Tensor> {
+        Ok(Tensor::from_slice(v, shape, &Device::Cpu)?.to_device(dev)?)
+    };
+    let bt = DType::BF16;
+    // add + RMSNorm.
+    let resid: Vec<f32> = rng
+        .uniform(b * h, -2.0, 2.0)
+        .iter()
+        .map(|&x| x as f32)
+        .collect();
+    let delta = bf(rng.uniform(b * h, -1.0, 1.0));
+    let w = bf(rng.uniform(h, 0.5, 1.5));
+    let rd = Tensor::from_slice(&resid, (b, h), &Device::Cpu)?.to_device(dev)?;
+    let normed = dk::cuda::add_rms_norm(&rd, Some(&up(&delta, &[b, h])?), &up(&w, &[h])?, 1e-6)?;
+    let (mut want_r, mut want_n) = (resid.clone(), Vec::new());
+    for (r, dl) in want_r.chunks_mut(h).zip(delta.chunks(h)) {
+        want_n.extend(dk::add_rms_norm_row(r, Some(dl), &w, 1e-6));
+    }
+    let want_n = Tensor::from_slice(&want_n, (b, h), &Device::Cpu)?;
+    push(
+        out,
+        "kernel",
+        "decode: add + rmsnorm (normed)",
+        bt,
+        rel_err(&normed, &want_n)?,
+    );
+    let want_r = Tensor::from_slice(&want_r, (b, h), &Device::Cpu)?;
+    crate::util::push_tol(
+        out,
+        "kernel",
+        "decode: add + rmsnorm (residual)",
+        DType::F32,
+        rel_err(&rd, &want_r)?,
+        1e-6,
+    );
+    // q/k-norm + bias + RoPE + KV write; row 4 is padding (slot past the cache).
+    let (qw, kvw) = (nh * d, nkv * d);
+    let q = bf(rng.uniform(b * qw, -1.0, 1.0));
+    let k = bf(rng.uniform(b * kvw, -1.0, 1.0));
+    let v = bf(rng.uniform(b * kvw, -1.0, 1.0));
+    let (qb, kb, vb) = (
+        bf(rng.uniform(qw, -0.2, 0.2)),
+        bf(rng.uniform(kvw, -0.2, 0.2)),
+        bf(rng.uniform(kvw, -0.2, 0.2)),
+    );
+    let (qn, kn) = (bf(rng.uniform(d, 0.5, 1.5)), bf(rng.uniform(d, 0.5, 1.5)));
+    let inv_freq: Vec<f32> = (0..d / 2)
+        .map(|i| 1.0 / 1e6f32.powf(2.0 * i as f32 / d as f32))
+        .collect();
+    let pos: Vec<u32> = rng.below(b, 4000);
+    let n_slots = 64usize;
+    let slots: Vec<u32> = vec![3, 17, 40, 63, u32::MAX];
+    let cache = || Tensor::zeros((n_slots, nkv, d), bt, dev);
+    let (kc, vc) = (cache()?, cache()?);
+    let (qt, kt, vt) = (up(&q, &[b, qw])?, up(&k, &[b, kvw])?, up(&v, &[b, kvw])?);
+    let (qbt, kbt, vbt, qnt, knt) = (
+        up(&qb, &[qw])?,
+        up(&kb, &[kvw])?,
+        up(&vb, &[kvw])?,
+        up(&qn, &[d])?,
+        up(&kn, &[d])?,
+    );
+    let ft = Tensor::from_slice(&inv_freq, d / 2, &Device::Cpu)?.to_device(dev)?;
+    let pt = Tensor::from_slice(&pos, b, &Device::Cpu)?.to_device(dev)?;
+    let st = Tensor::from_slice(&slots, b, &Device::Cpu)?.to_device(dev)?;
+    let q_out = dk::cuda::qk_rope_write(&RopeWrite {
+        q: &qt,
+        k: &kt,
+        v: &vt,
+        q_bias: Some(&qbt),
+        k_bias: Some(&kbt),
+        v_bias: Some(&vbt),
+        q_norm: Some(&qnt),
+        k_norm: Some(&knt),
+        eps: 1e-6,
+        inv_freq: &ft,
+        pos: &pt,
+        slots: &st,
+        k_cache: &kc,
+        v_cache: &vc,
+        heads: nh,
+        kv_heads: nkv,
+        head_dim: d,
+    })?;
+    let (mut wq, mut wk, mut wv) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut gk, mut gv) = (Vec::new(), Vec::new());
+    let kc_host = kc
+        .to_dtype(DType::F32)?
+        .to_device(&Device::Cpu)?
+        .to_vec3::<f32>()?;
+    let vc_host = vc
+        .to_dtype(DType::F32)?
+        .to_device(&Device::Cpu)?
+        .to_vec3::<f32>()?;
+    for row in 0..b {
+        for hh in 0..nh {
+            let x = &q[row * qw + hh * d..][..d];
+            wq.extend(dk::qk_rope_head(
+                x,
+                Some(&qb[hh * d..][..d]),
+                Some(&qn),
+                1e-6,
+                &inv_freq,
+                pos[row],
+            ));
+        }
+        if slots[row] as usize >= n_slots {
+            continue;
+        }
+        for hh in 0..nkv {
+            let x = &k[row * kvw + hh * d..][..d];
+            wk.extend(dk::qk_rope_head(
+                x,
+                Some(&kb[hh * d..][..d]),
+                Some(&kn),
+                1e-6,
+                &inv_freq,
+                pos[row],
+            ));
+            wv.extend((0..d).map(|e| {
+                bf16::from_f32(v[row * kvw + hh * d + e].to_f32() + vb[hh * d + e].to_f32())
+                    .to_f32()
+            }));
+            gk.extend_from_slice(&kc_host[slots[row] as usize][hh]);
+            gv.extend_from_slice(&vc_host[slots[row] as usize][hh]);
+        }
+    }
+    let t = |v: Vec<f32>| Tensor::from_vec(v.clone(), v.len(), &Device::Cpu);
+    push(
+        out,
+        "kernel",
+        "decode: q norm + rope",
+        bt,
+        rel_err(&q_out.flatten_all()?, &t(wq)?)?,
+    );
+    push(
+        out,
+        "kernel",
+        "decode: k norm + rope -> cache",
+        bt,
+        rel_err(&t(gk)?, &t(wk)?)?,
+    );
+    push(
+        out,
+        "kernel",
+        "decode: v -> cache",
+        bt,
+        rel_err(&t(gv)?, &t(wv)?)?,
+    );
+    let written: std::collections::BTreeSet<usize> = slots.iter().map(|&s| s as usize).collect();
+    let stray = kc_host
+        .iter()
+        .chain(&vc_host)
+        .enumerate()
+        .filter(|(i, rows)| {
+            !written.contains(&(i % n_slots)) && rows.iter().flatten().any(|&x| x != 0.0)
+        })
+        .count();
+    crate::util::push_tol(
+        out,
+        "kernel",
+        "decode: rows written outside the slots",
+        bt,
+        stray as f64,
+        0.0,
+    );
+    // SiLU x up.
+    let (g, u) = (
+        bf(rng.uniform(b * inter, -4.0, 4.0)),
+        bf(rng.uniform(b * inter, -2.0, 2.0)),
+    );
+    let got = dk::cuda::silu_mul(&up(&g, &[b, inter])?, &up(&u, &[b, inter])?)?;
+    let want = Tensor::from_vec(dk::silu_mul(&g, &u), (b, inter), &Device::Cpu)?;
+    push(
+        out,
+        "kernel",
+        "decode: silu x up",
+        bt,
+        rel_err(&got, &want)?,
+    );
+    Ok(())
+}

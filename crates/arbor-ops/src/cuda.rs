@@ -269,3 +269,29 @@ pub fn peak_bandwidth(dev: &CudaDevice) -> Option<f64> {
         .ok()?;
     (clock_khz > 0 && bus_bits > 0).then(|| 2.0 * clock_khz as f64 * 1e3 * bus_bits as f64 / 8.0)
 }
+
+/// The device address of contiguous tensor `t`'s first element (any
+/// dtype), for kernels that take raw pointers. The tensor must outlive
+/// every launch that uses the address.
+pub fn tensor_ptr(t: &candle_core::Tensor, stream: &CudaStream) -> Result<u64> {
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+    use candle_core::cuda_backend::CudaStorageSlice as S;
+    let (s, l) = t.storage_and_layout();
+    let candle_core::Storage::Cuda(s) = &*s else {
+        candle_core::bail!("a tensor is not on a CUDA device");
+    };
+    let (start, _) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("a tensor is not contiguous".into()))?;
+    let (p, size) = match &s.slice {
+        S::U8(x) => (x.device_ptr(stream).0, 1),
+        S::U32(x) => (x.device_ptr(stream).0, 4),
+        S::I64(x) => (x.device_ptr(stream).0, 8),
+        S::BF16(x) => (x.device_ptr(stream).0, 2),
+        S::F16(x) => (x.device_ptr(stream).0, 2),
+        S::F32(x) => (x.device_ptr(stream).0, 4),
+        S::F64(x) => (x.device_ptr(stream).0, 8),
+        _ => candle_core::bail!("tensor_ptr: unsupported dtype {:?}", t.dtype()),
+    };
+    Ok(p + (size * start) as u64)
+}

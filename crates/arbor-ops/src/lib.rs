@@ -22,6 +22,9 @@
 //! - [`sample_rows`]: greedy and tempered sampling with the chosen token's
 //!   logprob and the entropy, where the logits are (one launch on a GPU;
 //!   only the results come back);
+//! - [`decode`]: the fused kernels of the engine's dedicated GPU decode
+//!   step (add + RMSNorm, q/k-norm + RoPE + KV write, SiLU x up) and their
+//!   host references;
 //! - [`cpu::rows`]: fused row-wise f32 kernels of the generation forward
 //!   (RMSNorm, head split + q/k-norm + RoPE, `silu(g) * u`);
 //! - [`matmul_nt_op`]: the CPU `x w^T` of every `Linear` (f32 or bf16
@@ -37,6 +40,7 @@ pub mod adamw;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod decode;
 pub mod fused;
 pub mod linear;
 pub mod logprob;

@@ -18,7 +18,7 @@ use candle_core::cuda_backend::cudarc::cublas::{sys as cb, CudaBlas};
 use candle_core::cuda_backend::cudarc::driver::{
     sys, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
 };
-use candle_core::{DType, Storage, Tensor};
+use candle_core::{DType, Tensor};
 
 use super::plan::{bucket, table_width, ArenaPlan, DecodeRow, Dims, GraphKey, InputLayout};
 use crate::paged::DeviceKvCache;
@@ -124,16 +124,7 @@ fn addr(t: &Tensor, stream: &CudaStream) -> Result<u64> {
             t.dtype()
         );
     }
-    let (s, l) = t.storage_and_layout();
-    let Storage::Cuda(s) = &*s else {
-        candle_core::bail!("fast decode: a tensor is not on the CUDA device");
-    };
-    let (start, _) = l
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg("fast decode: a tensor is not contiguous".into()))?;
-    let slice = s.as_cuda_slice::<half::bf16>()?;
-    let (p, _sync) = slice.device_ptr(stream);
-    Ok(p + 2 * start as u64)
+    arbor_ops::cuda::tensor_ptr(t, stream)
 }
 
 impl FastDecoder {
