@@ -100,3 +100,12 @@ extern "C" __global__ void fd_silu_mul(const bf16* __restrict__ gate, const bf16
     out[i] = __float2bfloat16(g / (1.f + __expf(-g)) * __bfloat162float(up[i]));
   }
 }
+
+// dst[r, :] = src[idx[r], :] (bf16 rows of width H): the last token of each
+// sequence, the rows the LM head reads. Grid R, any block size.
+extern "C" __global__ void fd_gather_rows(const bf16* __restrict__ src, const uint32_t* __restrict__ idx,
+                                          bf16* __restrict__ dst, int H) {
+  const int r = blockIdx.x;
+  const bf16* s = src + (size_t)idx[r] * H;
+  for (int e = threadIdx.x; e < H; e += blockDim.x) dst[(size_t)r * H + e] = s[e];
+}

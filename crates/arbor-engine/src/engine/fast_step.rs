@@ -1,19 +1,62 @@
-//! Steps that only decode, on the dedicated decode step
-//! ([`crate::fast::FastDecoder`]) when the engine has one.
+//! Steps on the dedicated decode step ([`crate::fast::FastDecoder`]) when
+//! the engine has one: decode steps replay a captured graph, prefills and
+//! fan-outs run the same fused kernels directly.
 
-use rand::Rng;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use arbor_ops::Sampled;
 
 use super::Engine;
-use crate::fast::plan::DecodeRow;
+use crate::fast::plan::{SampleIn, StepIn};
 use crate::paged::PagedBatch;
+use crate::sampling::SamplingParams;
 use crate::{EngineError, SeqId};
 
+/// A sequence's sample: `1 / T` (0 greedy) and its uniform draw from `rng`,
+/// the draw the host sampler would take.
+fn draw(p: &SamplingParams, rng: &mut StdRng) -> (f32, f64) {
+    if p.temperature == 0.0 {
+        (0.0, 0.0)
+    } else {
+        (1.0 / p.temperature, rng.random::<f64>())
+    }
+}
+
+/// What computes a fused step: its KV written, its samples drawn.
+trait StepRunner {
+    /// Whether `step` fits the runner's buffers.
+    fn fits(&self, step: &StepIn<'_>) -> bool;
+    fn run(
+        &mut self,
+        engine: &mut Engine,
+        step: &StepIn<'_>,
+    ) -> Result<Vec<Option<Sampled>>, EngineError>;
+}
+
+#[cfg(feature = "cuda")]
+impl StepRunner for crate::fast::FastDecoder {
+    fn fits(&self, step: &StepIn<'_>) -> bool {
+        crate::fast::FastDecoder::fits(self, step)
+    }
+
+    fn run(
+        &mut self,
+        _: &mut Engine,
+        step: &StepIn<'_>,
+    ) -> Result<Vec<Option<Sampled>>, EngineError> {
+        Ok(self.step(step)?)
+    }
+}
+
 impl Engine {
-    /// Runs this step on the dedicated decode step when it only decodes
-    /// (one new token for each sequence, no fan-out, no top-k / top-p /
-    /// min-p cuts) and fits it: writes the KV, samples on the device,
-    /// records and stops as [`Engine::record_and_sample`] does. Returns
-    /// whether it ran; a failed step leaves every sequence's RNG as it was.
+    /// Runs this step on the dedicated decode step when no sequence it
+    /// samples has top-k / top-p / min-p cuts and it fits the step's
+    /// buffers: writes the KV, samples on the device (a fan-out's samples
+    /// each from their own seed), then records and stops as
+    /// [`Engine::record_and_sample`] does. Returns whether it ran; a failed
+    /// step leaves every sequence's RNG as it was.
+    #[cfg(feature = "cuda")]
     pub(super) fn fast_step(
         &mut self,
         batch: &PagedBatch,
@@ -23,71 +66,164 @@ impl Engine {
         let Some(mut fast) = self.fast.take() else {
             return Ok(false);
         };
-        let r = self.fast_step_with(&mut fast, batch, ids, scheduled);
+        let r = self.fused_step(batch, ids, scheduled, &mut fast);
         self.fast = Some(fast);
         r
     }
 
-    fn fast_step_with(
+    /// [`Engine::fast_step`]'s logic around a step runner.
+    fn fused_step(
         &mut self,
-        fast: &mut crate::fast::FastDecoder,
         batch: &PagedBatch,
         ids: &[u32],
         scheduled: &[SeqId],
+        runner: &mut dyn StepRunner,
     ) -> Result<bool, EngineError> {
-        let n = scheduled.len();
-        let one_each = batch.len() == n && batch.token_seq.iter().enumerate().all(|(i, &s)| s == i);
-        if !one_each || n > fast.max_rows() {
-            return Ok(false);
-        }
-        if scheduled.iter().any(|id| {
-            let s = &self.seqs[id];
-            !s.fan_out.is_empty() || s.params.has_cuts()
-        }) {
-            return Ok(false);
-        }
-        // Each sequence's draw, as the host sampler would take it.
-        let mut saved = Vec::with_capacity(n);
-        let mut draws = Vec::with_capacity(n);
+        // Every sample, in the order `record` lists them: a sequence's own,
+        // or its fan-out's children's.
+        let mut cut = false;
         for id in scheduled {
-            let s = self.seqs.get_mut(id).expect("scheduled seq exists");
-            saved.push(s.rng.clone());
-            draws.push(if s.params.temperature == 0.0 {
-                (0.0, 0.0)
-            } else {
-                (1.0 / s.params.temperature, s.rng.random::<f64>())
-            });
+            let s = &self.seqs[id];
+            cut |= s.fan_out.is_empty() && s.params.has_cuts()
+                || s.fan_out.iter().any(|(_, p)| p.has_cuts());
         }
-        let rows: Vec<DecodeRow<'_>> = (0..n)
-            .map(|i| DecodeRow {
-                token: ids[i],
-                position: batch.positions[i],
-                slot: batch.slots[i] as u32,
-                table: &batch.tables[i],
-                inv_temperature: draws[i].0,
-                u: draws[i].1,
-            })
-            .collect();
-        let sampled = match fast.step(&rows) {
+        if cut {
+            return Ok(false);
+        }
+        let n = batch.len();
+        let mut last = vec![0u32; scheduled.len()];
+        for (i, &q) in batch.token_seq.iter().enumerate() {
+            last[q] = i as u32;
+        }
+        let slots: Vec<u32> = batch.slots.iter().map(|&s| s as u32).collect();
+        let token_seq: Vec<u32> = batch.token_seq.iter().map(|&q| q as u32).collect();
+        let tables: Vec<&[u32]> = batch.tables.iter().map(Vec::as_slice).collect();
+        let samples_len: usize = scheduled
+            .iter()
+            .map(|id| self.seqs[id].fan_out.len().max(1))
+            .sum();
+        let mut shape = StepIn {
+            tokens: ids,
+            positions: &batch.positions,
+            slots: &slots,
+            token_seq: &token_seq,
+            tables: &tables,
+            last: &last,
+            samples: &[],
+        };
+        let placeholder = vec![
+            SampleIn {
+                row: 0,
+                inv_temperature: 0.0,
+                u: 0.0
+            };
+            samples_len
+        ];
+        shape.samples = &placeholder;
+        if n != ids.len() || !runner.fits(&shape) {
+            return Ok(false);
+        }
+        let mut saved = Vec::new();
+        let mut samples = Vec::with_capacity(samples_len);
+        for (row, id) in scheduled.iter().enumerate() {
+            let s = self.seqs.get_mut(id).expect("scheduled seq exists");
+            let mut push = |(inv_temperature, u): (f32, f64)| {
+                samples.push(SampleIn {
+                    row: row as u32,
+                    inv_temperature,
+                    u,
+                });
+            };
+            if s.fan_out.is_empty() {
+                saved.push((*id, s.rng.clone()));
+                push(draw(&s.params, &mut s.rng));
+            } else {
+                // A child's RNG starts from its seed when it is spawned
+                // (in `record`), and then takes this same first draw.
+                for (_, p) in &s.fan_out {
+                    push(draw(p, &mut StdRng::seed_from_u64(p.seed)));
+                }
+            }
+        }
+        let step = StepIn {
+            samples: &samples,
+            ..shape
+        };
+        let sampled = match runner.run(self, &step) {
             Ok(s) => s,
             Err(e) => {
-                for (id, rng) in scheduled.iter().zip(saved) {
-                    if let Some(s) = self.seqs.get_mut(id) {
+                for (id, rng) in saved {
+                    if let Some(s) = self.seqs.get_mut(&id) {
                         s.rng = rng;
                     }
                 }
-                return Err(e.into());
+                return Err(e);
             }
         };
         self.stats.steps += 1;
         self.stats.kv_rows_read += batch.positions.iter().map(|&p| p as u64 + 1).sum::<u64>();
         let todo = self.record(scheduled.to_vec())?;
+        // Spawned children take the draw their sample used.
+        let spawned: std::collections::HashSet<SeqId> = saved.iter().map(|(id, _)| *id).collect();
+        for (id, _) in &todo {
+            if !spawned.contains(id) {
+                if let Some(c) = self.seqs.get_mut(id) {
+                    let _ = draw(&c.params.clone(), &mut c.rng);
+                }
+            }
+        }
         let work = self.take_seqs(&todo);
-        let sampled = todo
-            .iter()
-            .map(|&(_, row)| sampled[row].map(|s| (s.token, s.logprob)))
+        let sampled = sampled
+            .into_iter()
+            .map(|s| s.map(|s| (s.token, s.logprob)))
             .collect();
         self.apply_samples(work, sampled);
         Ok(true)
+    }
+}
+
+/// The candle forward and `arbor_ops::sample_rows` as a fused step's
+/// runner: the dedicated step's engine logic, checked on the CPU.
+#[cfg(test)]
+struct CpuRunner<'a> {
+    batch: &'a PagedBatch,
+    ids: &'a [u32],
+}
+
+#[cfg(test)]
+impl StepRunner for CpuRunner<'_> {
+    fn fits(&self, _: &StepIn<'_>) -> bool {
+        true
+    }
+
+    fn run(
+        &mut self,
+        engine: &mut Engine,
+        step: &StepIn<'_>,
+    ) -> Result<Vec<Option<Sampled>>, EngineError> {
+        let logits = engine.forward_logits(self.batch, self.ids.to_vec(), step.tables.len())?;
+        let reqs: Vec<arbor_ops::SampleRequest> = step
+            .samples
+            .iter()
+            .map(|s| arbor_ops::SampleRequest {
+                row: s.row,
+                inv_temperature: s.inv_temperature,
+                u: s.u,
+            })
+            .collect();
+        Ok(arbor_ops::sample_rows(&logits, &reqs)?)
+    }
+}
+
+#[cfg(test)]
+impl Engine {
+    /// [`Engine::fused_step`] with [`CpuRunner`].
+    pub(super) fn fused_step_on_cpu(
+        &mut self,
+        batch: &PagedBatch,
+        ids: &[u32],
+        scheduled: &[SeqId],
+    ) -> Result<bool, EngineError> {
+        self.fused_step(batch, ids, scheduled, &mut CpuRunner { batch, ids })
     }
 }

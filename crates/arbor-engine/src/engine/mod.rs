@@ -4,7 +4,7 @@
 //! [`sample`] (sampling, fan-out, stops); sizing is [`config`].
 
 mod config;
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", test))]
 mod fast_step;
 mod forward;
 mod sample;
@@ -152,6 +152,10 @@ pub struct Engine {
     /// Tests: build step inputs and sample as on a GPU, on the CPU.
     #[cfg(test)]
     device_path_on_cpu: bool,
+    /// Tests: run steps through the dedicated step's engine logic with the
+    /// candle forward as its runner.
+    #[cfg(test)]
+    fused_on_cpu: bool,
 }
 
 impl Engine {
@@ -263,7 +267,13 @@ impl Engine {
         #[cfg(feature = "cuda")]
         let fast = match &cache {
             KvStore::Device(c) if !cpu && arbor_ops::GpuCut::Fused.on() => {
-                match crate::fast::FastDecoder::new(&own, c, cfg.max_seqs, max_context) {
+                match crate::fast::FastDecoder::new(
+                    &own,
+                    c,
+                    cfg.max_seqs,
+                    cfg.max_batch_tokens,
+                    max_context,
+                ) {
                     Ok(f) => Some(f),
                     Err(why) => {
                         tracing::info!("dedicated decode step off: {why}");
@@ -292,6 +302,8 @@ impl Engine {
             fail_next_forward: false,
             #[cfg(test)]
             device_path_on_cpu: false,
+            #[cfg(test)]
+            fused_on_cpu: false,
         })
     }
 
@@ -718,6 +730,10 @@ impl Engine {
         if self.fast_step(&batch, &ids, &scheduled)? {
             return Ok(n_tokens);
         }
+        #[cfg(test)]
+        if self.fused_on_cpu && self.fused_step_on_cpu(&batch, &ids, &scheduled)? {
+            return Ok(n_tokens);
+        }
         let logits = self.forward_logits(&batch, ids, scheduled.len())?;
         self.stats.steps += 1;
         self.stats.kv_rows_read += batch.positions.iter().map(|&p| p as u64 + 1).sum::<u64>();
@@ -866,6 +882,66 @@ mod tests {
         let (host, dev) = (run(false), run(true));
         assert_eq!(host.len(), 5);
         for (a, b) in host.iter().zip(&dev) {
+            assert_eq!(a.tokens, b.tokens, "sequence {}", a.id);
+            for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
+                assert!((x - y).abs() < 1e-4, "sequence {}: {x} vs {y}", a.id);
+            }
+        }
+    }
+
+    /// The dedicated step's engine logic (samples in `record`'s order, a
+    /// fan-out's children drawing from their own seeds, the last token of
+    /// each prefill sampled, RNGs advanced as the host sampler advances
+    /// them) with the CPU forward as its runner gives exactly the CPU
+    /// engine's completions: prefills, fan-outs, greedy and tempered
+    /// samples, forks, preemption by a small pool; a top-p request takes
+    /// the host path.
+    #[test]
+    fn the_fused_step_logic_matches_the_cpu_engine() {
+        let m = fixture();
+        let run = |fused: bool| {
+            let mut e = Engine::new(
+                &m,
+                None,
+                EngineConfig {
+                    block_size: 4,
+                    num_blocks: 24,
+                    max_batch_tokens: 32,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            e.fused_on_cpu = fused;
+            let t = |seed, temperature, top_p| SamplingParams {
+                temperature,
+                top_p,
+                max_tokens: 10,
+                seed,
+                ..Default::default()
+            };
+            e.submit(
+                (1..10).collect(),
+                vec![t(1, 1.0, 1.0), t(2, 0.7, 1.0), t(3, 0.0, 1.0)],
+            )
+            .unwrap();
+            let g = e
+                .submit((20..27).collect(), vec![SamplingParams::greedy(12)])
+                .unwrap()[0];
+            e.submit((30..41).collect(), vec![t(4, 1.3, 1.0)]).unwrap();
+            e.submit((50..60).collect(), vec![t(5, 1.0, 0.8)]).unwrap();
+            for _ in 0..3 {
+                e.step().unwrap();
+            }
+            let _ = e.fork(g, vec![t(6, 1.0, 1.0), t(7, 0.0, 1.0)]);
+            let mut out = e.run(|_| {}).unwrap();
+            out.sort_by_key(|c| c.id);
+            (out, e.stats().clone())
+        };
+        let ((host, hs), (fused, fs)) = (run(false), run(true));
+        assert!(host.len() >= 6);
+        assert!(hs.preemptions > 0 && hs.prefill_forked > 0, "{hs:?}");
+        assert_eq!(hs.preemptions, fs.preemptions);
+        for (a, b) in host.iter().zip(&fused) {
             assert_eq!(a.tokens, b.tokens, "sequence {}", a.id);
             for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
                 assert!((x - y).abs() < 1e-4, "sequence {}: {x} vs {y}", a.id);

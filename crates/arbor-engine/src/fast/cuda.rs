@@ -20,7 +20,9 @@ use candle_core::cuda_backend::cudarc::driver::{
 };
 use candle_core::{DType, Tensor};
 
-use super::plan::{bucket, table_width, ArenaPlan, DecodeRow, Dims, GraphKey, InputLayout};
+use super::plan::{
+    bucket, table_width, ArenaPlan, Dims, GraphKey, InputLayout, StepIn, StepShape, BUCKETS,
+};
 use crate::paged::DeviceKvCache;
 
 type Result<T> = candle_core::Result<T>;
@@ -62,6 +64,7 @@ struct LayerPtrs {
 
 #[derive(Debug)]
 struct Kernels {
+    gather: Kernel,
     embed: Kernel,
     norm: Kernel,
     rope: Kernel,
@@ -135,15 +138,18 @@ impl FastDecoder {
         model: &Transformer,
         cache: &DeviceKvCache,
         max_seqs: usize,
+        max_batch_tokens: usize,
         max_context: usize,
     ) -> std::result::Result<Self, String> {
-        Self::build(model, cache, max_seqs, max_context).map_err(|e| e.to_string())
+        Self::build(model, cache, max_seqs, max_batch_tokens, max_context)
+            .map_err(|e| e.to_string())
     }
 
     fn build(
         model: &Transformer,
         cache: &DeviceKvCache,
         max_seqs: usize,
+        max_batch_tokens: usize,
         max_context: usize,
     ) -> Result<Self> {
         let cfg = &model.cfg;
@@ -212,12 +218,15 @@ impl FastDecoder {
             head_dim: cfg.head_dim,
             vocab: cfg.vocab_size,
         };
-        let rows = bucket(max_seqs.min(super::plan::BUCKETS[8])).unwrap_or(256);
-        let plan = ArenaPlan::new(&dims, rows);
+        let rows = bucket(max_seqs.min(BUCKETS[BUCKETS.len() - 1])).unwrap_or(1);
+        let tokens = max_batch_tokens.max(rows);
+        let plan = ArenaPlan::new(&dims, tokens, rows);
         let arena = stream.alloc_zeros::<u8>(plan.bytes).w()?;
         let max_table = table_width(max_context.div_ceil(cache.block_size()));
-        let words = InputLayout::new(GraphKey {
-            bucket: rows,
+        let words = InputLayout::new(StepShape {
+            tokens,
+            seqs: rows,
+            samples: rows,
             table_width: max_table,
         })
         .words;
@@ -239,6 +248,7 @@ impl FastDecoder {
             Ok(Kernel::get(dev, module, name)?.on(stream.clone()))
         };
         let kernels = Kernels {
+            gather: kernel("decode", "fd_gather_rows")?,
             embed: kernel("decode", "fd_embed")?,
             norm: kernel("decode", "fd_add_rmsnorm")?,
             rope: kernel("decode", "fd_qk_rope_write")?,
@@ -273,65 +283,74 @@ impl FastDecoder {
         })
     }
 
-    /// Sequences one step can take (the arena's rows).
-    pub fn max_rows(&self) -> usize {
-        self.plan.rows
+    /// Whether `step` fits the buffers (else the engine runs it through
+    /// the candle forward).
+    pub fn fits(&self, step: &StepIn<'_>) -> bool {
+        let sh = StepShape::of(step);
+        sh.tokens <= self.plan.tokens
+            && sh.seqs <= self.plan.rows
+            && sh.samples <= self.plan.rows
+            && sh.table_width <= self.max_table
     }
 
-    /// Run one decode step over `rows` (one token each): writes their KV,
-    /// samples each row's next token on the device. Returns one result per
-    /// row (`None`: the logits held no distribution).
-    pub fn step(&mut self, rows: &[DecodeRow<'_>]) -> Result<Vec<Option<Sampled>>> {
-        let n = rows.len();
-        let b = bucket(n)
-            .filter(|&b| b <= self.plan.rows)
-            .ok_or_else(|| candle_core::Error::Msg(format!("fast decode: {n} rows")))?;
-        let widest = rows.iter().map(|r| r.table.len()).max().unwrap_or(1);
-        let w = table_width(widest);
-        if w > self.max_table {
-            candle_core::bail!(
-                "fast decode: a table of {widest} blocks (at most {})",
-                self.max_table
-            );
+    /// Run one step: write the new tokens' KV, sample each of
+    /// `step.samples` on the device. A decode step (one token a sequence)
+    /// replays its bucket's captured graph (capturing it the first time);
+    /// any other step (prefills, fan-outs) runs its launches directly.
+    /// Returns one result per sample (`None`: the logits held no
+    /// distribution).
+    pub fn step(&mut self, step: &StepIn<'_>) -> Result<Vec<Option<Sampled>>> {
+        if !self.fits(step) {
+            candle_core::bail!("fast decode: a step larger than its buffers");
         }
-        let key = GraphKey {
-            bucket: b,
-            table_width: w,
-        };
-        let layout = InputLayout::new(key);
+        step.check(self.block_size as usize)
+            .map_err(|e| candle_core::Error::Msg(format!("fast decode: {e}")))?;
+        let n = step.tokens.len();
+        let key = bucket(n)
+            .filter(|&b| step.is_decode() && b <= self.plan.rows)
+            .map(|b| GraphKey {
+                bucket: b,
+                table_width: StepShape::of(step).table_width,
+            });
+        let layout = InputLayout::new(key.map_or_else(|| StepShape::of(step), StepShape::decode));
         let buf = layout
-            .pack(rows, u32::MAX)
+            .pack(step, u32::MAX)
             .map_err(candle_core::Error::Msg)?;
         // Prefills and block copies on candle's stream come first.
         self.stream.join(&self.candle_stream).w()?;
         self.stream
             .memcpy_htod(&buf, &mut self.input.slice_mut(0..buf.len()))
             .w()?;
-        if !self.use_graphs {
-            self.launch(&layout)?;
-        } else if let Some(g) = self.graphs.get(&key) {
-            g.0.launch().w()?;
-        } else {
-            // The first step of a key runs eagerly (loads, cuBLAS's
-            // heuristics), then the same launches are captured for replay.
-            self.launch(&layout)?;
-            match self.capture(&layout) {
-                Ok(Some(g)) => {
-                    self.graphs.insert(key, Graph(g));
-                }
-                Ok(None) => {}
-                Err(e) => {
-                    // This step's results are in (the eager run); later
-                    // steps run eagerly too.
-                    tracing::warn!("CUDA graph capture failed, decoding without graphs: {e}");
-                    self.use_graphs = false;
+        match key.filter(|_| self.use_graphs) {
+            None => self.launch(&layout)?,
+            Some(key) => {
+                if let Some(g) = self.graphs.get(&key) {
+                    g.0.launch().w()?;
+                } else {
+                    // The first step of a key runs eagerly (loads, cuBLAS's
+                    // heuristics), then the same launches are captured.
+                    self.launch(&layout)?;
+                    match self.capture(&layout) {
+                        Ok(Some(g)) => {
+                            self.graphs.insert(key, Graph(g));
+                        }
+                        Ok(None) => {}
+                        Err(e) => {
+                            // This step's results are in (the eager run);
+                            // later steps run eagerly too.
+                            tracing::warn!(
+                                "CUDA graph capture failed, decoding without graphs: {e}"
+                            );
+                            self.use_graphs = false;
+                        }
+                    }
                 }
             }
         }
-        let at = self.plan.sampled;
+        let (at, r) = (self.plan.sampled, step.samples.len());
         let bytes = self
             .stream
-            .clone_dtoh(&self.arena.slice(at..at + 12 * n))
+            .clone_dtoh(&self.arena.slice(at..at + 12 * r))
             .w()?;
         // The candle stream's next work (a prefill) waits for this step's
         // KV writes.
@@ -421,7 +440,10 @@ impl FastDecoder {
     /// stream (run eagerly, or recorded into a graph).
     fn launch(&self, layout: &InputLayout) -> Result<()> {
         let d = self.dims;
-        let b = layout.bucket;
+        let sh = layout.shape;
+        // Token kernels run over the new tokens, the LM head over the
+        // sequences, sampling over the samples.
+        let (b, s_rows, r_rows) = (sh.tokens, sh.seqs, sh.samples);
         let (arena, _s1) = self.arena.device_ptr(&self.stream);
         let (input, _s2) = self.input.device_ptr(&self.stream);
         let (inv_freq, _s3) = self.inv_freq.device_ptr(&self.stream);
@@ -430,29 +452,32 @@ impl FastDecoder {
         let (resid, normed, q, kk, vv) =
             (buf(a.resid), buf(a.normed), buf(a.q), buf(a.k), buf(a.v));
         let (q_rope, attn, delta_buf) = (buf(a.q_rope), buf(a.attn), buf(a.delta));
-        let (gate, up, act, logits, sampled) = (
+        let (gate, up, act, last_rows, logits, sampled) = (
             buf(a.gate),
             buf(a.up),
             buf(a.act),
+            buf(a.last),
             buf(a.logits),
             buf(a.sampled),
         );
         let word = |w: usize| input + 4 * w as u64;
-        let (ids, pos, slots, seq, tables, params) = (
+        let (ids, pos, slots, seq, tables, last, params) = (
             word(layout.ids),
             word(layout.positions),
             word(layout.slots),
             word(layout.seq),
             word(layout.tables),
+            word(layout.last),
             word(layout.params),
         );
         let (h, i) = (d.hidden as i32, d.intermediate as i32);
         let (nh, nkv, hd) = (d.heads as i32, d.kv_heads as i32, d.head_dim as i32);
-        let rows = |threads: u32| LaunchConfig {
-            grid_dim: (b as u32, 1, 1),
+        let grid = |n: usize, threads: u32| LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
+        let rows = |threads: u32| grid(b, threads);
         let eps = self.eps;
         let (null, add, first) = (0u64, 1i32, 0i32);
         let k = &self.kernels;
@@ -463,7 +488,7 @@ impl FastDecoder {
         };
         launch!(k.embed, rows(256), &self.embed, &ids, &resid, &h)?;
         let (qw, kvw) = (d.heads * d.head_dim, d.kv_heads * d.head_dim);
-        let (bs, maxb) = (self.block_size as i32, layout.table_width as i32);
+        let (bs, maxb) = (self.block_size as i32, sh.table_width as i32);
         let scale = 1.0f32 / (d.head_dim as f32).sqrt();
         let n = b as i32 * i;
         let silu_grid = LaunchConfig {
@@ -559,9 +584,18 @@ impl FastDecoder {
             &eps,
             &add
         )?;
-        self.gemm(b, d.vocab, d.hidden, normed, self.lm_head, logits, true)?;
+        launch!(k.gather, grid(s_rows, 256), &normed, &last, &last_rows, &h)?;
+        self.gemm(
+            s_rows,
+            d.vocab,
+            d.hidden,
+            last_rows,
+            self.lm_head,
+            logits,
+            true,
+        )?;
         let v = d.vocab as i32;
-        launch!(k.sample, rows(1024), &logits, &params, &v, &sampled)?;
+        launch!(k.sample, grid(r_rows, 1024), &logits, &params, &v, &sampled)?;
         Ok(())
     }
 }
