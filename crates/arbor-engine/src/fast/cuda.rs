@@ -102,6 +102,8 @@ pub struct FastDecoder {
     eps: f32,
     n_slots: u32,
     block_size: u32,
+    /// Streaming multiprocessors of the device.
+    sms: usize,
     kernels: Kernels,
     graphs: HashMap<GraphKey, Graph>,
     use_graphs: bool,
@@ -256,6 +258,10 @@ impl FastDecoder {
             attn: kernel("paged_attention", "paged_attention_bf16")?,
             sample: kernel("sample", "sample_rows")?,
         };
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .w()?
+            .max(1) as usize;
         // Captured launches must not record events (candle's tracking).
         let use_graphs = arbor_ops::GpuCut::Graphs.on() && !dev.is_event_tracking();
         Ok(FastDecoder {
@@ -276,6 +282,7 @@ impl FastDecoder {
             eps: cfg.rms_norm_eps as f32,
             n_slots: (cache.num_blocks() * cache.block_size()) as u32,
             block_size: cache.block_size() as u32,
+            sms,
             kernels,
             graphs: HashMap::new(),
             use_graphs,
@@ -490,6 +497,17 @@ impl FastDecoder {
         let (qw, kvw) = (d.heads * d.head_dim, d.kv_heads * d.head_dim);
         let (bs, maxb) = (self.block_size as i32, sh.table_width as i32);
         let scale = 1.0f32 / (d.head_dim as f32).sqrt();
+        // Paged attention runs one block per (token, head), its warps
+        // splitting the keys: few blocks (small batches) get more warps, so
+        // the GPU's SMs stay busy.
+        let blocks = b * d.heads;
+        let warps = if blocks < 2 * self.sms {
+            16
+        } else if blocks < 8 * self.sms {
+            8
+        } else {
+            4
+        };
         let n = b as i32 * i;
         let silu_grid = LaunchConfig {
             grid_dim: ((n as u32).div_ceil(256).min(4096), 1, 1),
@@ -541,7 +559,7 @@ impl FastDecoder {
             )?;
             launch!(
                 k.attn,
-                grid2(d.heads, 128, 4 * d.head_dim * 4),
+                grid2(d.heads, 32 * warps, warps * d.head_dim * 4),
                 &q_rope,
                 &w.k_cache,
                 &w.v_cache,
