@@ -36,7 +36,7 @@ build)
   eval "$(scripts/cuda-toolchain.sh)"
   cargo build --release --features cuda
   mkdir -p dist
-  strip -o dist/arbor-cuda target/release/arbor
+  strip -o dist/arbor-cuda "${CARGO_TARGET_DIR:-target}/release/arbor"
   # Only the .xz stays: the stripped binary alone is about 64 MiB, the
   # compressed one a fraction of that to copy.
   xz -T0 -6 -f dist/arbor-cuda
