@@ -109,3 +109,11 @@ extern "C" __global__ void fd_gather_rows(const bf16* __restrict__ src, const ui
   const bf16* s = src + (size_t)idx[r] * H;
   for (int e = threadIdx.x; e < H; e += blockDim.x) dst[(size_t)r * H + e] = s[e];
 }
+
+// dst = bf16(src) over n elements: an f32 policy's weights into the fused
+// step's bf16 copy (the same buffers each time, so captured graphs stay
+// valid).
+extern "C" __global__ void fd_cast_bf16(const float* __restrict__ src, bf16* __restrict__ dst, size_t n) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    dst[i] = __float2bfloat16(src[i]);
+}

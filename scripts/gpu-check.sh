@@ -112,6 +112,11 @@ run)
   done
   timeout 120 $gen --preset qwen3-4b --max-tokens 256 --batch 64,64 --json 2>> "$OUT/generate.err" \
     | tail -1 > "$OUT/generate-qwen3-4b.jsonl"
+  # An f32 policy rolled out through the bf16 step, as training does with
+  # bf16_rollouts: its weight copy's refresh is weight_refresh_ms.
+  timeout 60 "$bin" bench generate --device cuda --dtype f32 --bf16-rollouts --preset qwen3-0.6b \
+    --prompt-len 128 --max-tokens 64 --batch 64 --json > "$OUT/generate-f32-bf16-rollouts.json" \
+    2>> "$OUT/generate.err"
   timeout 60 "$bin" bench fork --device cuda --dtype bf16 --preset qwen3-0.6b --n 16 \
     --prompt-len 1024 --max-tokens 256 --json > "$OUT/fork-qwen3-0.6b.json" 2>> "$OUT/generate.err"
   peer=""

@@ -46,20 +46,22 @@ def main():
              for p in out.glob("generate-peer.jsonl") for r in objects(p)}
     if runs:
         lines += ["| model | batch | prompt + new | ms/step | decode tok/s | all tok/s | "
-                  "% roofline (GB/s) | first decode step ms | HF ms/step (cache) | Arbor / HF |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "% roofline (GB/s) | first decode step ms | weight refresh ms | "
+                  "HF ms/step (cache) | Arbor / HF |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in runs:
             peer = peers.get((r["model"], r["sequences"]))
             ratio = (peer["ms_per_step"] / r["ms_per_step"]
                      if peer and r.get("ms_per_step") else None)
             roof = r.get("roofline_fraction")
-            lines.append("| {} | {} | {} + {} | {} | {} | {} | {} | {}{} | {} | {} |".format(
+            lines.append("| {} | {} | {} + {} | {} | {} | {} | {} | {}{} | {} | {} | {} |".format(
                 r["model"], r["sequences"], r["prompt_len"], r["new_tokens"],
                 fmt(r.get("ms_per_step"), ".2f"), fmt(r.get("decode_tokens_per_s"), ",.0f"),
                 fmt(r.get("generated_tokens_per_s"), ",.0f"),
                 "" if roof is None else f"{100 * roof:.1f}% ({r.get('bandwidth_gb_s', 0):.0f})",
                 fmt(r.get("first_decode_step_ms"), ".2f"),
                 " (fresh)" if r.get("fresh_process") else "",
+                fmt(r.get("weight_refresh_ms"), ".2f"),
                 "" if not peer else f"{peer['ms_per_step']:.2f} ({peer['cache']}"
                 + (", compiled" if peer.get("compiled") else "") + ")",
                 fmt(ratio, ".2f") + ("x" if ratio else "")))
@@ -86,6 +88,14 @@ def main():
                 fmt(r.get("ms_per_step"), ".2f"), fmt(r.get("generated_tokens_per_s"), ",.0f"),
                 r.get("prefill_forked")))
         lines.append("")
+    for p in out.glob("generate-f32-bf16-rollouts.json"):
+        for r in objects(p):
+            lines += ["| f32 model, bf16 rollouts | fused step | ms/step | weight refresh ms |",
+                      "|---|---|---|---|",
+                      "| {} x {} | {} | {} | {} |".format(
+                          r["model"], r["sequences"], "yes" if r.get("fused_decode") else "no",
+                          fmt(r.get("ms_per_step"), ".2f"), fmt(r.get("weight_refresh_ms"), ".2f")),
+                      ""]
     for r in peers.values():
         if r.get("fallback"):
             lines.append(f"HF peer fell back to the dynamic cache: {r['fallback']}")

@@ -74,6 +74,10 @@ pub struct BenchModel {
     /// GPU's attributes; none on the CPU unless given).
     #[arg(long, value_name = "GB_PER_S")]
     pub peak_gbs: Option<f64>,
+    /// On a GPU, an f32 model generates through the dedicated bf16 step
+    /// from a bf16 copy of its weights (`EngineConfig::bf16_rollouts`).
+    #[arg(long)]
+    pub bf16_rollouts: bool,
 }
 
 /// The device a benchmark's `--device` names.
@@ -187,6 +191,11 @@ struct GenBenchResult {
     gpu_cuts_off: Vec<&'static str>,
     /// Whether decode-only steps ran on the engine's dedicated decode step.
     fused_decode: bool,
+    /// `--bf16-rollouts`: an f32 model run from a bf16 weight copy.
+    bf16_rollouts: bool,
+    /// `Engine::invalidate` after the run, as after a learner's update: the
+    /// time until new weights are what the engine reads.
+    weight_refresh_ms: f64,
 }
 
 fn load_for_bench(m: &BenchModel) -> Result<(arbor_model::Transformer, String)> {
@@ -263,6 +272,7 @@ fn bench_prompt(len: usize, salt: u64, vocab: usize) -> Vec<u32> {
 
 /// How a bench run is printed and which it is.
 struct RunOpts {
+    bf16_rollouts: bool,
     json: bool,
     /// One compact JSON line (several runs in one process).
     json_line: bool,
@@ -299,6 +309,7 @@ fn run_engine_bench(
     let cfg = arbor_engine::EngineConfig {
         max_seqs: 512,
         max_batch_tokens: 4096,
+        bf16_rollouts: opts.bf16_rollouts,
         ..Default::default()
     };
     let dev = model.device().clone();
@@ -346,6 +357,12 @@ fn run_engine_bench(
     }
     dev.synchronize()?;
     let seconds = start.elapsed().as_secs_f64();
+    // What a learner's update costs the engine afterwards (the bf16 weight
+    // copy's refresh, the CPU's repack; the KV policy version).
+    let t = Instant::now();
+    engine.invalidate();
+    dev.synchronize()?;
+    let weight_refresh_ms = t.elapsed().as_secs_f64() * 1e3;
     let peak_device_mib = meter
         .device_peak(device_base)?
         .map(|b| b as f64 / (1 << 20) as f64);
@@ -418,6 +435,8 @@ fn run_engine_bench(
             .map(arbor_ops::GpuCut::name)
             .collect(),
         fused_decode: engine.fast_decode_active(),
+        bf16_rollouts: opts.bf16_rollouts,
+        weight_refresh_ms,
     };
     if opts.json_line {
         println!("{}", serde_json::to_string(&r)?);
@@ -476,8 +495,16 @@ fn run_engine_bench(
             println!("peak device memory     {m:.0} MiB (CUDA pool, KV pool included)");
         }
         if r.fused_decode {
-            println!("decode path            dedicated fused step");
+            println!(
+                "decode path            dedicated fused step{}",
+                if r.bf16_rollouts {
+                    " (bf16 weight copy)"
+                } else {
+                    ""
+                }
+            );
         }
+        println!("weight refresh         {:.2} ms", r.weight_refresh_ms);
         if !r.gpu_cuts_off.is_empty() {
             println!("GPU cuts off           {}", r.gpu_cuts_off.join(", "));
         }
@@ -524,6 +551,7 @@ fn generate_bench(a: GenBenchArgs) -> Result<()> {
             Some(a.shared_prefix),
             jobs,
             &RunOpts {
+                bf16_rollouts: a.m.bf16_rollouts,
                 json: a.m.json,
                 json_line: a.m.json && a.batch.len() > 1,
                 fresh_process: k == 0,
@@ -560,6 +588,7 @@ fn fork_bench(a: ForkBenchArgs) -> Result<()> {
         None,
         vec![(bench_prompt(a.prompt_len, 1, vocab), samples)],
         &RunOpts {
+            bf16_rollouts: a.m.bf16_rollouts,
             json: a.m.json,
             json_line: false,
             fresh_process: true,

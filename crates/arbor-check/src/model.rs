@@ -349,5 +349,96 @@ pub fn fast_decode_checks(
         gap,
         2e-2,
     );
+    bf16_rollout_checks(&cfg, dev, &done, out)
+}
+
+/// An f32 model with bf16-representable weights, rolled out through the
+/// fused step's bf16 copy (`bf16_rollouts`), generates exactly what the
+/// bf16 model did (`reference`: the completions of [`fast_decode_checks`],
+/// the greedy ones re-run); after an in-place update of its variables and
+/// `invalidate`, exactly what a fresh engine over the updated model
+/// generates.
+fn bf16_rollout_checks(
+    cfg: &ModelConfig,
+    dev: &Device,
+    reference: &[arbor_engine::Completion],
+    out: &mut Vec<Check>,
+) -> Result<()> {
+    let vars = candle_nn::VarMap::new();
+    let m = Transformer::load(
+        cfg,
+        &ParamLoader::trainable(
+            ParamSource::Random { seed: MODEL_SEED },
+            DType::F32,
+            dev,
+            vars.clone(),
+        )
+        .rounded_through(DType::BF16),
+    )?;
+    let ecfg = arbor_engine::EngineConfig {
+        max_seqs: 64,
+        kv_memory_mib: 512,
+        bf16_rollouts: true,
+        ..Default::default()
+    };
+    // The greedy completions (the sampled one is the last prompt's).
+    let mut reference: Vec<&arbor_engine::Completion> = reference.iter().collect();
+    reference.sort_by_key(|c| c.id);
+    reference.truncate(4);
+    let run = |e: &mut arbor_engine::Engine| -> Result<Vec<arbor_engine::Completion>> {
+        for c in &reference {
+            let p = arbor_engine::SamplingParams::greedy(c.tokens.len().max(1));
+            e.submit(c.prompt.clone(), vec![p])?;
+        }
+        let mut done = e.run(|_| {})?;
+        done.sort_by_key(|c| c.id);
+        Ok(done)
+    };
+    let differ = |a: &[arbor_engine::Completion], b: &[&arbor_engine::Completion]| -> f64 {
+        let mut worst = 0f64;
+        for (x, y) in a.iter().zip(b) {
+            if x.tokens != y.tokens {
+                return f64::NAN;
+            }
+            for (p, q) in x.logprobs.iter().zip(&y.logprobs) {
+                worst = worst.max((p - q).abs() as f64);
+            }
+        }
+        worst
+    };
+    let mut e = arbor_engine::Engine::new(&m, None, ecfg.clone())?;
+    let active = e.fast_decode_active();
+    let first = run(&mut e)?;
+    let err = if active {
+        differ(&first, &reference)
+    } else {
+        f64::NAN
+    };
+    push_tol(
+        out,
+        "model",
+        "bf16 rollouts of an f32 model = the bf16 model",
+        DType::BF16,
+        err,
+        1e-6,
+    );
+    // An in-place update (as AdamW's), then the engine's refresh.
+    for v in vars.all_vars() {
+        let t = v.as_tensor();
+        v.set(&((t * 0.9)? + t.randn_like(0.0, 0.01)?)?)?;
+    }
+    e.invalidate();
+    let updated = run(&mut e)?;
+    let fresh = run(&mut arbor_engine::Engine::new(&m, None, ecfg)?)?;
+    let fresh: Vec<&arbor_engine::Completion> = fresh.iter().collect();
+    let err = differ(&updated, &fresh);
+    push_tol(
+        out,
+        "model",
+        "bf16 rollouts after an update = a fresh engine",
+        DType::BF16,
+        err,
+        1e-6,
+    );
     Ok(())
 }

@@ -335,6 +335,11 @@ impl DeviceKvCache {
         self.num_blocks
     }
 
+    /// The element type held.
+    pub fn dtype(&self) -> DType {
+        self.k.first().map_or(DType::F32, Tensor::dtype)
+    }
+
     /// Layer `i`'s K and V storage, `[slots, n_kv, head_dim]` each (written
     /// in place by the engine's steps).
     pub fn layer(&self, i: usize) -> (&Tensor, &Tensor) {

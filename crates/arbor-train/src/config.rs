@@ -492,6 +492,12 @@ pub struct TrainConfig {
     pub keep_last: usize,
     /// KV-cache memory of the rollout engine, MiB.
     pub kv_memory_mib: usize,
+    /// On a GPU, roll out an f32 policy through the engine's dedicated
+    /// bf16 step (a bf16 copy of the weights refreshed in place after each
+    /// update, a bf16 KV cache): `arbor_engine::EngineConfig::bf16_rollouts`.
+    /// The learner still computes in f32.
+    #[serde(default)]
+    pub bf16_rollouts: bool,
     /// Where the policy, critic, optimizer state and rollout KV live:
     /// `cpu` (default), `cuda` or `cuda:N` (needs a `--features cuda`
     /// build). Resume is bit-exact on the CPU.
@@ -525,6 +531,7 @@ impl Default for TrainConfig {
             checkpoint_every: 10,
             keep_last: 2,
             kv_memory_mib: 256,
+            bf16_rollouts: false,
             device: "cpu".into(),
         }
     }

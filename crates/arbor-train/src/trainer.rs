@@ -163,6 +163,7 @@ impl Trainer {
             kv_memory_mib: cfg.kv_memory_mib,
             max_seqs: 1024,
             max_batch_tokens: 8192,
+            bf16_rollouts: cfg.bf16_rollouts,
             ..Default::default()
         };
         if writer {

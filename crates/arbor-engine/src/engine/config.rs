@@ -39,6 +39,14 @@ pub struct EngineConfig {
     /// 2-core Zen 2). Best effort; Linux with glibc only.
     #[serde(default = "yes")]
     pub huge_pages: bool,
+    /// On a GPU, generate from an f32 model through the dedicated bf16 step
+    /// ([`crate::fast`]): the step keeps a bf16 copy of the weights, which
+    /// [`Engine::invalidate`] refreshes in place (so captured graphs stay
+    /// valid), and the KV cache holds bf16. Behaviour logprobs are then
+    /// those of the bf16 model, as with any bf16 inference engine feeding
+    /// an f32 learner. A bf16 model takes the dedicated step regardless.
+    #[serde(default)]
+    pub bf16_rollouts: bool,
     /// Keep the engine's f32 CPU weight matrices repacked for the
     /// outer-product matmul ([`Transformer::pack_weights`]; a copy of
     /// each, refreshed by [`Engine::invalidate`]). Off, the same bits come
@@ -75,6 +83,7 @@ impl Default for EngineConfig {
             max_batch_tokens: 2048,
             max_context: 0,
             kv_on_device: None,
+            bf16_rollouts: false,
             huge_pages: true,
             pack_weights: true,
         }

@@ -176,7 +176,13 @@ impl Engine {
             DType::BF16 => DType::BF16,
             _ => DType::F32,
         };
-        let kv_dtype = if on_device { model.dtype() } else { host_dtype };
+        // bf16 rollouts of an f32 model on a GPU keep a bf16 cache.
+        let bf16_kv = on_device && cfg.bf16_rollouts && !model.device().is_cpu();
+        let kv_dtype = match (on_device, bf16_kv) {
+            (true, true) => DType::BF16,
+            (true, false) => model.dtype(),
+            (false, _) => host_dtype,
+        };
         let per_block = PagedKvCache::bytes_per_token_in(&model.cfg, kv_dtype)
             .checked_mul(cfg.block_size)
             .ok_or_else(|| {
@@ -253,7 +259,7 @@ impl Engine {
                 &model.cfg,
                 num_blocks,
                 cfg.block_size,
-                model.dtype(),
+                kv_dtype,
                 model.device(),
             )?)
         } else {
@@ -267,13 +273,13 @@ impl Engine {
         #[cfg(feature = "cuda")]
         let fast = match &cache {
             KvStore::Device(c) if !cpu && arbor_ops::GpuCut::Fused.on() => {
-                match crate::fast::FastDecoder::new(
-                    &own,
-                    c,
-                    cfg.max_seqs,
-                    cfg.max_batch_tokens,
+                let sizes = crate::fast::Sizes {
+                    max_seqs: cfg.max_seqs,
+                    max_batch_tokens: cfg.max_batch_tokens,
                     max_context,
-                ) {
+                    bf16_copy: cfg.bf16_rollouts,
+                };
+                match crate::fast::FastDecoder::new(&own, c, sizes) {
                     Ok(f) => Some(f),
                     Err(why) => {
                         tracing::info!("dedicated decode step off: {why}");
@@ -358,6 +364,13 @@ impl Engine {
     pub fn invalidate(&mut self) -> u64 {
         if self.cfg.pack_weights && self.model.device().is_cpu() {
             self.model.pack_weights();
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(f) = &mut self.fast {
+            if let Err(e) = f.refresh() {
+                tracing::warn!("dedicated decode step off: its weight copy failed: {e}");
+                self.fast = None;
+            }
         }
         self.forget_cached_kv()
     }

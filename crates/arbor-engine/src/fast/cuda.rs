@@ -62,8 +62,30 @@ struct LayerPtrs {
     v_cache: u64,
 }
 
+/// The bf16 copy of an f32 model's weights: one buffer, and each source
+/// tensor with its element offset in it.
+struct WeightCopy {
+    buf: CudaSlice<half::bf16>,
+    copies: Vec<(Tensor, usize)>,
+}
+
+/// Sizes of a [`FastDecoder`]'s buffers, and whether it may copy an f32
+/// model's weights to bf16.
+#[derive(Debug, Clone, Copy)]
+pub struct Sizes {
+    /// Most sequences in a step (rounded up to a bucket, at most 256).
+    pub max_seqs: usize,
+    /// Most new tokens in a step.
+    pub max_batch_tokens: usize,
+    /// Longest sequence (sets the widest block table).
+    pub max_context: usize,
+    /// Run an f32 model from a bf16 copy of its weights.
+    pub bf16_copy: bool,
+}
+
 #[derive(Debug)]
 struct Kernels {
+    cast: Kernel,
     gather: Kernel,
     embed: Kernel,
     norm: Kernel,
@@ -109,6 +131,8 @@ pub struct FastDecoder {
     use_graphs: bool,
     /// The tensors whose buffers the step reads: kept alive here.
     _keep: Vec<Tensor>,
+    /// An f32 model's bf16 weight copy.
+    copy: Option<WeightCopy>,
 }
 
 impl std::fmt::Debug for FastDecoder {
@@ -139,27 +163,31 @@ impl FastDecoder {
     pub fn new(
         model: &Transformer,
         cache: &DeviceKvCache,
-        max_seqs: usize,
-        max_batch_tokens: usize,
-        max_context: usize,
+        sizes: Sizes,
     ) -> std::result::Result<Self, String> {
-        Self::build(model, cache, max_seqs, max_batch_tokens, max_context)
-            .map_err(|e| e.to_string())
+        Self::build(model, cache, sizes).map_err(|e| e.to_string())
     }
 
-    fn build(
-        model: &Transformer,
-        cache: &DeviceKvCache,
-        max_seqs: usize,
-        max_batch_tokens: usize,
-        max_context: usize,
-    ) -> Result<Self> {
+    fn build(model: &Transformer, cache: &DeviceKvCache, sizes: Sizes) -> Result<Self> {
+        let Sizes {
+            max_seqs,
+            max_batch_tokens,
+            max_context,
+            bf16_copy,
+        } = sizes;
         let cfg = &model.cfg;
         let candle_core::Device::Cuda(dev) = model.device() else {
             candle_core::bail!("the model is not on a CUDA device");
         };
-        if model.dtype() != DType::BF16 {
-            candle_core::bail!("the model computes in {:?}, not bf16", model.dtype());
+        let copy = match model.dtype() {
+            DType::BF16 => false,
+            DType::F32 if bf16_copy => true,
+            dt => candle_core::bail!(
+                "the model computes in {dt:?}, not bf16 (an f32 model needs bf16_rollouts)"
+            ),
+        };
+        if cache.dtype() != DType::BF16 {
+            candle_core::bail!("the KV cache holds {:?}, not bf16", cache.dtype());
         }
         if !cfg.head_dim.is_multiple_of(2) || cfg.head_dim > 256 {
             candle_core::bail!("head_dim {} (needs even, <= 256)", cfg.head_dim);
@@ -178,14 +206,65 @@ impl FastDecoder {
         let candle_stream = dev.cuda_stream();
         let ctx = candle_stream.context().clone();
         let stream = ctx.new_stream().w()?;
-        let mut keep = Vec::new();
-        let mut at = |t: &Tensor| -> Result<u64> {
-            keep.push(t.clone());
-            addr(t, &stream)
+        // The weights the step reads, in order (the tied LM head is the
+        // embedding: one entry).
+        let mut weights: Vec<Tensor> = Vec::new();
+        let mut add = |t: &Tensor| {
+            if !weights.iter().any(|w| w.id() == t.id()) {
+                weights.push(t.clone());
+            }
         };
-        let opt = |t: Option<&Tensor>, at: &mut dyn FnMut(&Tensor) -> Result<u64>| -> Result<u64> {
-            t.map_or(Ok(0), at)
+        for l in &model.layers {
+            let a = &l.attn;
+            for t in [
+                &l.input_norm.weight,
+                &a.q.weight,
+                &a.k.weight,
+                &a.v.weight,
+                &a.o.weight,
+            ]
+            .into_iter()
+            .chain([&l.post_norm.weight, &l.mlp.gate.weight, &l.mlp.up.weight])
+            .chain([&l.mlp.down.weight])
+            .chain([&a.q.bias, &a.k.bias, &a.v.bias].into_iter().flatten())
+            .chain(
+                [&a.q_norm, &a.k_norm]
+                    .into_iter()
+                    .flatten()
+                    .map(|n| &n.weight),
+            ) {
+                add(t);
+            }
+        }
+        for t in [&model.embed, &model.norm.weight, &model.lm_head] {
+            add(t);
+        }
+        // An f32 model's weights get a bf16 copy, one buffer, each tensor
+        // at its element offset.
+        let mut offsets = HashMap::new();
+        let mut total = 0usize;
+        if copy {
+            for w in &weights {
+                offsets.insert(w.id(), total);
+                total += w.elem_count().next_multiple_of(128);
+            }
+        }
+        let copy_buf = if copy {
+            Some(stream.alloc_zeros::<half::bf16>(total).w()?)
+        } else {
+            None
         };
+        let base = match &copy_buf {
+            Some(b) => b.device_ptr(&stream).0,
+            None => 0,
+        };
+        let at = |t: &Tensor| -> Result<u64> {
+            match offsets.get(&t.id()) {
+                Some(&off) => Ok(base + 2 * off as u64),
+                None => addr(t, &stream),
+            }
+        };
+        let opt = |t: Option<&Tensor>| -> Result<u64> { t.map_or(Ok(0), at) };
         let mut layers = Vec::with_capacity(model.layers.len());
         for (i, l) in model.layers.iter().enumerate() {
             let a = &l.attn;
@@ -195,23 +274,32 @@ impl FastDecoder {
                 q: at(&a.q.weight)?,
                 k: at(&a.k.weight)?,
                 v: at(&a.v.weight)?,
-                q_bias: opt(a.q.bias.as_ref(), &mut at)?,
-                k_bias: opt(a.k.bias.as_ref(), &mut at)?,
-                v_bias: opt(a.v.bias.as_ref(), &mut at)?,
-                q_norm: opt(a.q_norm.as_ref().map(|n| &n.weight), &mut at)?,
-                k_norm: opt(a.k_norm.as_ref().map(|n| &n.weight), &mut at)?,
+                q_bias: opt(a.q.bias.as_ref())?,
+                k_bias: opt(a.k.bias.as_ref())?,
+                v_bias: opt(a.v.bias.as_ref())?,
+                q_norm: opt(a.q_norm.as_ref().map(|n| &n.weight))?,
+                k_norm: opt(a.k_norm.as_ref().map(|n| &n.weight))?,
                 o: at(&a.o.weight)?,
                 post_norm: at(&l.post_norm.weight)?,
                 gate: at(&l.mlp.gate.weight)?,
                 up: at(&l.mlp.up.weight)?,
                 down: at(&l.mlp.down.weight)?,
-                k_cache: at(kc)?,
-                v_cache: at(vc)?,
+                k_cache: addr(kc, &stream)?,
+                v_cache: addr(vc, &stream)?,
             });
         }
         let embed = at(&model.embed)?;
         let final_norm = at(&model.norm.weight)?;
         let lm_head = at(&model.lm_head)?;
+        let mut keep = weights;
+        keep.extend((0..model.layers.len()).flat_map(|i| {
+            let (k, v) = cache.layer(i);
+            [k.clone(), v.clone()]
+        }));
+        let copies: Vec<(Tensor, usize)> = keep
+            .iter()
+            .filter_map(|t| offsets.get(&t.id()).map(|&o| (t.clone(), o)))
+            .collect();
         let dims = Dims {
             hidden: cfg.hidden_size,
             intermediate: cfg.intermediate_size,
@@ -255,6 +343,7 @@ impl FastDecoder {
             norm: kernel("decode", "fd_add_rmsnorm")?,
             rope: kernel("decode", "fd_qk_rope_write")?,
             silu: kernel("decode", "fd_silu_mul")?,
+            cast: kernel("decode", "fd_cast_bf16")?,
             attn: kernel("paged_attention", "paged_attention_bf16")?,
             sample: kernel("sample", "sample_rows")?,
         };
@@ -264,7 +353,7 @@ impl FastDecoder {
             .max(1) as usize;
         // Captured launches must not record events (candle's tracking).
         let use_graphs = arbor_ops::GpuCut::Graphs.on() && !dev.is_event_tracking();
-        Ok(FastDecoder {
+        let mut this = FastDecoder {
             stream,
             candle_stream,
             blas,
@@ -287,7 +376,36 @@ impl FastDecoder {
             graphs: HashMap::new(),
             use_graphs,
             _keep: keep,
-        })
+            copy: copy_buf.map(|buf| WeightCopy { buf, copies }),
+        };
+        this.refresh()?;
+        Ok(this)
+    }
+
+    /// Refills the bf16 copy of an f32 model's weights in place (the same
+    /// buffer, so captured graphs stay valid): after each weight update.
+    /// Nothing to do for a bf16 model, whose own buffers the step reads.
+    /// Returns after the copy is done.
+    pub fn refresh(&mut self) -> Result<()> {
+        let Some(c) = &self.copy else {
+            return Ok(());
+        };
+        // The update ran on candle's stream.
+        self.stream.join(&self.candle_stream).w()?;
+        let (base, _sync) = c.buf.device_ptr(&self.stream);
+        for (t, off) in &c.copies {
+            let src = arbor_ops::cuda::tensor_ptr(t, &self.stream)?;
+            let dst = base + 2 * *off as u64;
+            let n = t.elem_count();
+            launch!(
+                self.kernels.cast,
+                arbor_ops::cuda::grid1d(n, 256),
+                &src,
+                &dst,
+                &n
+            )?;
+        }
+        self.stream.synchronize().w()
     }
 
     /// Whether `step` fits the buffers (else the engine runs it through

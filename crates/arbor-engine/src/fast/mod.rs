@@ -18,4 +18,4 @@ pub mod plan;
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
-pub use cuda::FastDecoder;
+pub use cuda::{FastDecoder, Sizes};
