@@ -43,8 +43,8 @@ extern "C" __global__ void fd_add_rmsnorm(float* __restrict__ resid, const bf16*
   }
 }
 
-// Per token b and head h (grid (B, nh + nkv), block d threads, d even and
-// <= 1024): the projection's bias (when given), the head's RMSNorm (Qwen3's
+// Per token b and head h (grid (B, nh + nkv), block d rounded up to a
+// multiple of 32 threads, d even and <= 1024): the projection's bias (when given), the head's RMSNorm (Qwen3's
 // q_norm / k_norm, when given), RoPE at the token's position (HF's
 // rotate_half: [x1 c - x2 s | x2 c + x1 s], angle = pos * inv_freq[i]),
 // then query heads to q_out [B, nh, d] and key heads, with their value
@@ -66,14 +66,17 @@ extern "C" __global__ void fd_qk_rope_write(
   const bf16* src = (is_q ? q : k) + (size_t)b * width + (size_t)head * d;
   const bf16* bias = is_q ? q_bias : k_bias;
   const bf16* norm = is_q ? q_norm : k_norm;
-  float val = __bfloat162float(src[e]);
-  if (bias) val = __bfloat162float(__float2bfloat16(val + __bfloat162float(bias[head * d + e])));
+  // Threads past the head (a partial last warp) take part in the sum with 0.
+  const bool in_head = e < d;
+  float val = in_head ? __bfloat162float(src[e]) : 0.f;
+  if (bias && in_head) val = __bfloat162float(__float2bfloat16(val + __bfloat162float(bias[head * d + e])));
   if (norm) {
     const float inv = rsqrtf(block_sum(val * val, scratch) / (float)d + eps);
-    val = __bfloat162float(__float2bfloat16(val * inv)) * __bfloat162float(norm[e]);
+    if (in_head) val = __bfloat162float(__float2bfloat16(val * inv)) * __bfloat162float(norm[e]);
   }
-  x[e] = val;
+  if (in_head) x[e] = val;
   __syncthreads();
+  if (!in_head) return;
   const int half = d / 2;
   const int i = e < half ? e : e - half;
   const float angle = (float)pos[b] * inv_freq[i];

@@ -20,9 +20,12 @@
 // out[3r] = token, out[3r+1] = logprob bits, out[3r+2] = entropy bits.
 //
 // Each thread owns one contiguous chunk of the row; an exclusive scan of
-// the chunk sums over the block gives each chunk its start, and the one
-// thread with start <= u Z < the next chunk's start walks its chunk (the
-// starts tile [0, Z) exactly, whatever the scan's rounding).
+// the chunk sums over the block gives each chunk its start, and the thread
+// with start <= u Z < the next chunk's start walks its chunk. Should the
+// scan's rounding let two chunks claim the draw, the lower token wins;
+// should the walk fall short, the chunk's last token with weight is taken
+// (the host reference takes the row's; the two differ only within
+// rounding of the chunk's end).
 #include "common.cuh"
 
 #define SAMPLE_THREADS 1024
@@ -154,9 +157,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
   s_excl[tid] = excl;
   __syncthreads();
   const double next = tid + 1 < (int)blockDim.x ? s_excl[tid + 1] : total;
-  if (excl <= target && target < next) {
+  if (excl <= target && target < next && last >= 0) {
     double acc = excl;
-    uint32_t pick = (uint32_t)max(last, 0);
+    uint32_t pick = (uint32_t)last;
     for (int i = lo; i < hi; ++i) {
       acc += (double)__expf((l[i] - m) * inv_t);
       if (acc > target) {
@@ -164,7 +167,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         break;
       }
     }
-    s_tok = pick;
+    atomicMin(&s_tok, pick);
   }
   __syncthreads();
   if (tid == 0) {

@@ -282,7 +282,7 @@ struct RunOpts {
 
 /// The roofline's bandwidth: `--peak-gbs`, else the GPU's attributes.
 fn roofline_bandwidth(dev: &Device, peak_gbs: Option<f64>) -> (Option<f64>, Option<&'static str>) {
-    if let Some(g) = peak_gbs {
+    if let Some(g) = peak_gbs.filter(|&g| g > 0.0) {
         return (Some(g * 1e9), Some("--peak-gbs"));
     }
     match dev {
@@ -319,10 +319,23 @@ fn run_engine_bench(
     let sequences: usize = jobs.iter().map(|j| j.1.len()).sum();
     let prompt_len = jobs[0].0.len();
     let new_tokens = jobs[0].1[0].max_tokens;
+    // Every weight a decode step reads once, at the width the step reads
+    // it (the bf16 copy under --bf16-rollouts); an untied embedding table
+    // is only gathered from.
+    let fused_decode = engine.fast_decode_active();
+    let width = |t: &Tensor| {
+        if fused_decode {
+            2
+        } else {
+            t.dtype().size_in_bytes()
+        }
+    };
+    let tied = model.cfg.tie_word_embeddings;
     let weight_bytes: u64 = model
         .named_tensors()?
         .iter()
-        .map(|(_, t)| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
+        .filter(|(name, _)| tied || name != "model.embed_tokens.weight")
+        .map(|(_, t)| (t.elem_count() * width(t)) as u64)
         .sum();
     let kv_bytes_per_token = engine.kv_bytes_per_token() as u64;
     let start = Instant::now();
@@ -434,7 +447,7 @@ fn run_engine_bench(
             .into_iter()
             .map(arbor_ops::GpuCut::name)
             .collect(),
-        fused_decode: engine.fast_decode_active(),
+        fused_decode,
         bf16_rollouts: opts.bf16_rollouts,
         weight_refresh_ms,
     };
@@ -512,7 +525,16 @@ fn run_engine_bench(
     Ok(())
 }
 
+/// `--peak-gbs` must be a bandwidth.
+fn check_peak(m: &BenchModel) -> Result<()> {
+    match m.peak_gbs {
+        Some(g) if !(g > 0.0 && g.is_finite()) => bail!("--peak-gbs {g} must be > 0"),
+        _ => Ok(()),
+    }
+}
+
 fn generate_bench(a: GenBenchArgs) -> Result<()> {
+    check_peak(&a.m)?;
     if a.batch.is_empty() || a.batch.contains(&0) || a.prompt_len == 0 || a.max_tokens == 0 {
         bail!("--batch, --prompt-len and --max-tokens must be >= 1");
     }
@@ -563,6 +585,7 @@ fn generate_bench(a: GenBenchArgs) -> Result<()> {
 }
 
 fn fork_bench(a: ForkBenchArgs) -> Result<()> {
+    check_peak(&a.m)?;
     if a.n == 0 || a.prompt_len == 0 || a.max_tokens == 0 {
         bail!("--n, --prompt-len and --max-tokens must be >= 1");
     }

@@ -190,6 +190,16 @@ pub struct PagedBatch {
 }
 
 impl PagedBatch {
+    /// The index of each sequence's last new token (`n_seqs` sequences;
+    /// tokens are laid out sequence after sequence).
+    pub fn last_tokens(&self, n_seqs: usize) -> Vec<u32> {
+        let mut rows = vec![0u32; n_seqs];
+        for (i, &k) in self.token_seq.iter().enumerate() {
+            rows[k] = i as u32;
+        }
+        rows
+    }
+
     pub fn len(&self) -> usize {
         self.slots.len()
     }
@@ -340,6 +350,18 @@ impl DeviceKvCache {
         self.k.first().map_or(DType::F32, Tensor::dtype)
     }
 
+    /// Errors when a slot is outside the cache (the CUDA write would skip
+    /// it rather than fail).
+    fn check_slots(&self, slots: &[usize]) -> arbor_model::Result<()> {
+        let n_slots = self.num_blocks * self.block_size;
+        match slots.iter().find(|&&s| s >= n_slots) {
+            Some(&s) => Err(ModelError::Input(format!(
+                "paged attention: slot {s} outside the cache ({n_slots} slots)"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// Layer `i`'s K and V storage, `[slots, n_kv, head_dim]` each (written
     /// in place by the engine's steps).
     pub fn layer(&self, i: usize) -> (&Tensor, &Tensor) {
@@ -406,12 +428,7 @@ impl<'a> DevicePagedAttention<'a> {
             cache.block_size,
             &dev,
         )?;
-        let n_slots = cache.num_blocks * cache.block_size;
-        if let Some(&s) = batch.slots.iter().find(|&&s| s >= n_slots) {
-            return Err(ModelError::Input(format!(
-                "paged attention: slot {s} outside the cache ({n_slots} slots)"
-            )));
-        }
+        cache.check_slots(&batch.slots)?;
         // Table entries are checked by `paged_attention_op` against the cache.
         let slots: Vec<u32> = batch.slots.iter().map(|&s| s as u32).collect();
         let n = slots.len();
@@ -433,12 +450,7 @@ impl<'a> DevicePagedAttention<'a> {
         meta: arbor_ops::PagedMeta,
         slots: Tensor,
     ) -> arbor_model::Result<Self> {
-        let n_slots = cache.num_blocks * cache.block_size;
-        if let Some(&s) = batch.slots.iter().find(|&&s| s >= n_slots) {
-            return Err(ModelError::Input(format!(
-                "paged attention: slot {s} outside the cache ({n_slots} slots)"
-            )));
-        }
+        cache.check_slots(&batch.slots)?;
         if slots.dims1()? != batch.len() {
             return Err(ModelError::Input(format!(
                 "paged attention: {} slots for a batch of {} tokens",

@@ -845,6 +845,13 @@ fn in_place_weight_updates_reach_the_engine() {
         vars.clone(),
     );
     let m = Transformer::load(&cfg, &p).unwrap();
+    // Every parameter the engine reads is detached (a parameter the
+    // detaching misses would still record a backward graph).
+    let named = m.detached().named_tensors().unwrap();
+    assert!(named.len() > 10);
+    for (name, t) in named {
+        assert!(!t.is_variable(), "{name} is still a variable");
+    }
     let cfg = EngineConfig {
         block_size: 4,
         num_blocks: 32,

@@ -80,10 +80,27 @@ pub struct Kernel {
 }
 
 impl Kernel {
-    /// Function `name` of module `module` (a `kernels/<module>.cu`).
+    /// Function `name` of module `module` (a `kernels/<module>.cu`),
+    /// looked up once per device.
     pub fn get(dev: &CudaDevice, module_name: &'static str, name: &str) -> Result<Kernel> {
+        type Functions = Mutex<HashMap<(DeviceId, &'static str, String), CudaFunction>>;
+        static FUNCTIONS: OnceLock<Functions> = OnceLock::new();
+        let functions = FUNCTIONS.get_or_init(Default::default);
+        let key = (dev.id(), module_name, name.to_string());
+        let cached = functions.lock().expect("function cache").get(&key).cloned();
+        let func = match cached {
+            Some(f) => f,
+            None => {
+                let f = module(dev, module_name)?.load_function(name).w()?;
+                functions
+                    .lock()
+                    .expect("function cache")
+                    .insert(key, f.clone());
+                f
+            }
+        };
         Ok(Kernel {
-            func: module(dev, module_name)?.load_function(name).w()?,
+            func,
             stream: dev.cuda_stream(),
         })
     }
@@ -233,9 +250,12 @@ pub fn tune_device(dev: &CudaDevice) -> Result<()> {
         cuMemPoolSetAttribute, CUmemPool_attribute as A,
     };
     if crate::GpuCut::Events.on() {
-        // SAFETY: Arbor drives each device from one thread on candle's one
-        // stream per device, so no tensor is used on another stream than
-        // the one it was made on, which is what the events guard against.
+        // SAFETY: Arbor drives each device from one thread, on candle's
+        // stream; the one other stream, the engine's dedicated GPU step,
+        // orders itself against candle's with explicit joins (an event
+        // each way) at the start and end of each of its steps, so no tensor
+        // is read before it is written or freed while in use, which is
+        // what the events guard against.
         unsafe { dev.disable_event_tracking() };
     }
     if crate::GpuCut::Pool.on() {

@@ -190,7 +190,7 @@ pub mod cuda {
         l.arg(&nhi).arg(&nkvi).arg(&di);
         let cfg = LaunchConfig {
             grid_dim: (b as u32, (nh + nkv) as u32, 1),
-            block_dim: (d as u32, 1, 1),
+            block_dim: (d.next_multiple_of(32) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: matches `fd_qk_rope_write`; the shapes are the ones the

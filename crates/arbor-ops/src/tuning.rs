@@ -1,7 +1,7 @@
 //! The GPU generation path's overhead cuts, each on by default. Setting
 //! `ARBOR_GPU_OFF` to a comma-separated list of their names turns those
-//! off again (the behaviour before them), so `arbor bench generate` can
-//! measure what each one is worth:
+//! off (the plain candle path for that part), so `arbor bench generate`
+//! can measure what each one is worth:
 //!
 //! - `events`: no per-tensor CUDA event tracking (candle records two events
 //!   per op and makes each op wait on its inputs' events; Arbor runs each
@@ -17,11 +17,17 @@
 //!   the device;
 //! - `sampling`: tokens are sampled on the device; only ids and logprobs
 //!   come back, never the `[B, vocab]` logits;
-//! - `fused`: decode-only steps of a bf16 Qwen-family model run the
-//!   engine's dedicated decode step (fixed kernels per layer over buffers
-//!   allocated once) instead of the candle forward;
-//! - `graphs`: that step is captured as a CUDA graph per batch bucket and
-//!   replayed (needs `events`: candle's events cannot be captured).
+//! - `fused`: the steps of a Qwen-family model (bf16, or f32 with
+//!   `bf16_rollouts`) run the engine's dedicated GPU step (fixed kernels
+//!   per layer over buffers allocated once) instead of the candle forward;
+//! - `graphs`: that step's decode steps are captured as a CUDA graph per
+//!   batch bucket and replayed (needs `events`: candle's events cannot be
+//!   captured).
+//!
+//! They are not all independent: `upload` includes `sync` (its step reads
+//! nothing back either), and the dedicated step (`fused`) always uploads
+//! once and samples on the device, whatever `upload`, `sync` and
+//! `sampling` say; those three matter for the candle forward.
 //!
 //! The CPU path is unaffected by all of them but `detach`.
 

@@ -44,7 +44,11 @@ pub struct EngineConfig {
     /// [`Engine::invalidate`] refreshes in place (so captured graphs stay
     /// valid), and the KV cache holds bf16. Behaviour logprobs are then
     /// those of the bf16 model, as with any bf16 inference engine feeding
-    /// an f32 learner. A bf16 model takes the dedicated step regardless.
+    /// an f32 learner. Steps the dedicated step does not take (a sequence
+    /// with top-k / top-p / min-p cuts, a step larger than its buffers, or
+    /// a model it cannot run, which is warned about) run the f32 weights
+    /// over the bf16 KV cache. A bf16 model takes the dedicated step
+    /// regardless.
     #[serde(default)]
     pub bf16_rollouts: bool,
     /// Keep the engine's f32 CPU weight matrices repacked for the

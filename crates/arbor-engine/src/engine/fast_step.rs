@@ -1,27 +1,17 @@
-//! Steps on the dedicated decode step ([`crate::fast::FastDecoder`]) when
-//! the engine has one: decode steps replay a captured graph, prefills and
+//! Steps on the dedicated GPU step ([`crate::fast::FastDecoder`]) when the
+//! engine has one: decode steps replay a captured graph, prefills and
 //! fan-outs run the same fused kernels directly.
 
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 
 use arbor_ops::Sampled;
 
+use super::sample::device_draw as draw;
 use super::Engine;
 use crate::fast::plan::{SampleIn, StepIn};
 use crate::paged::PagedBatch;
-use crate::sampling::SamplingParams;
 use crate::{EngineError, SeqId};
-
-/// A sequence's sample: `1 / T` (0 greedy) and its uniform draw from `rng`,
-/// the draw the host sampler would take.
-fn draw(p: &SamplingParams, rng: &mut StdRng) -> (f32, f64) {
-    if p.temperature == 0.0 {
-        (0.0, 0.0)
-    } else {
-        (1.0 / p.temperature, rng.random::<f64>())
-    }
-}
 
 /// What computes a fused step: its KV written, its samples drawn.
 trait StepRunner {
@@ -91,10 +81,7 @@ impl Engine {
             return Ok(false);
         }
         let n = batch.len();
-        let mut last = vec![0u32; scheduled.len()];
-        for (i, &q) in batch.token_seq.iter().enumerate() {
-            last[q] = i as u32;
-        }
+        let last = batch.last_tokens(scheduled.len());
         let slots: Vec<u32> = batch.slots.iter().map(|&s| s as u32).collect();
         let token_seq: Vec<u32> = batch.token_seq.iter().map(|&q| q as u32).collect();
         let tables: Vec<&[u32]> = batch.tables.iter().map(Vec::as_slice).collect();
@@ -160,9 +147,8 @@ impl Engine {
                 return Err(e);
             }
         };
-        self.stats.steps += 1;
-        self.stats.kv_rows_read += batch.positions.iter().map(|&p| p as u64 + 1).sum::<u64>();
         let todo = self.record(scheduled.to_vec())?;
+        self.count_step(batch);
         // Spawned children take the draw their sample used.
         let spawned: std::collections::HashSet<SeqId> = saved.iter().map(|(id, _)| *id).collect();
         for (id, _) in &todo {

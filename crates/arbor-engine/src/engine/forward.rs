@@ -33,13 +33,13 @@ impl Engine {
         }
         let n_tokens = batch.len();
         let dev = self.model.device().clone();
-        // Last new token of each scheduled sequence (tokens are laid out
-        // sequence after sequence).
-        let mut rows = vec![0u32; n_seqs];
-        for (i, &k) in batch.token_seq.iter().enumerate() {
-            rows[k] = i as u32;
-        }
-        let device_inputs = self.device_inputs(&dev);
+        let rows = batch.last_tokens(n_seqs);
+        // RoPE from the device table needs every position inside it.
+        let in_table = batch
+            .positions
+            .iter()
+            .all(|&p| (p as usize) < self.model.cfg.max_position_embeddings);
+        let device_inputs = self.device_inputs(&dev) && in_table;
         let h = match &mut self.cache {
             KvStore::Host(cache) => {
                 let input = Tensor::from_vec(ids, (1, n_tokens), &dev)?;

@@ -24,7 +24,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
-use crate::paged::{DeviceKvCache, PagedKvCache};
+use crate::paged::{DeviceKvCache, PagedBatch, PagedKvCache};
 use crate::sampling::SamplingParams;
 use crate::{EngineError, SeqId};
 
@@ -143,7 +143,8 @@ pub struct Engine {
     finished: Vec<Completion>,
     next_id: SeqId,
     stats: EngineStats,
-    /// The dedicated decode step (a bf16 Qwen-family model on a GPU).
+    /// The dedicated GPU step (a Qwen-family model on a GPU, bf16 or with
+    /// `bf16_rollouts`).
     #[cfg(feature = "cuda")]
     fast: Option<crate::fast::FastDecoder>,
     /// Tests: make the next step's forward fail.
@@ -281,8 +282,15 @@ impl Engine {
                 };
                 match crate::fast::FastDecoder::new(&own, c, sizes) {
                     Ok(f) => Some(f),
+                    Err(why) if cfg.bf16_rollouts => {
+                        tracing::warn!(
+                            "bf16_rollouts: the dedicated GPU step is off ({why}); rollouts run \
+                             the candle forward over a bf16 KV cache"
+                        );
+                        None
+                    }
                     Err(why) => {
-                        tracing::info!("dedicated decode step off: {why}");
+                        tracing::info!("dedicated GPU step off: {why}");
                         None
                     }
                 }
@@ -339,8 +347,8 @@ impl Engine {
         }
     }
 
-    /// Whether decode-only steps run on the dedicated decode step
-    /// ([`crate::fast`]: a bf16 Qwen-family model on a GPU).
+    /// Whether steps run on the dedicated GPU step ([`crate::fast`]: a
+    /// Qwen-family model on a GPU, bf16 or with `bf16_rollouts`).
     pub fn fast_decode_active(&self) -> bool {
         #[cfg(feature = "cuda")]
         return self.fast.is_some();
@@ -748,8 +756,7 @@ impl Engine {
             return Ok(n_tokens);
         }
         let logits = self.forward_logits(&batch, ids, scheduled.len())?;
-        self.stats.steps += 1;
-        self.stats.kv_rows_read += batch.positions.iter().map(|&p| p as u64 + 1).sum::<u64>();
+        self.count_step(&batch);
         let on_device = self.device_inputs(logits.device()) && arbor_ops::GpuCut::Sampling.on();
         if on_device {
             // A device's logits stay there: tokens are sampled on it.
@@ -760,6 +767,12 @@ impl Engine {
             self.record_and_sample(scheduled, &logits.flatten_all()?.to_vec1::<f32>()?)?;
         }
         Ok(n_tokens)
+    }
+
+    /// Counts a computed step and the KV rows its attention read.
+    fn count_step(&mut self, batch: &PagedBatch) {
+        self.stats.steps += 1;
+        self.stats.kv_rows_read += batch.positions.iter().map(|&p| p as u64 + 1).sum::<u64>();
     }
 
     /// Step until every queued sequence has finished; returns the completions
@@ -893,7 +906,7 @@ mod tests {
             e.run(|_| {}).unwrap()
         };
         let (host, dev) = (run(false), run(true));
-        assert_eq!(host.len(), 5);
+        assert_eq!((host.len(), dev.len()), (5, 5));
         for (a, b) in host.iter().zip(&dev) {
             assert_eq!(a.tokens, b.tokens, "sequence {}", a.id);
             for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
@@ -945,13 +958,17 @@ mod tests {
             for _ in 0..3 {
                 e.step().unwrap();
             }
-            let _ = e.fork(g, vec![t(6, 1.0, 1.0), t(7, 0.0, 1.0)]);
+            e.fork(g, vec![t(6, 1.0, 1.0), t(7, 0.0, 1.0)]).unwrap();
             let mut out = e.run(|_| {}).unwrap();
             out.sort_by_key(|c| c.id);
             (out, e.stats().clone())
         };
         let ((host, hs), (fused, fs)) = (run(false), run(true));
-        assert!(host.len() >= 6);
+        assert_eq!(host.len(), 8);
+        assert_eq!(
+            host.iter().map(|c| c.id).collect::<Vec<_>>(),
+            fused.iter().map(|c| c.id).collect::<Vec<_>>()
+        );
         assert!(hs.preemptions > 0 && hs.prefill_forked > 0, "{hs:?}");
         assert_eq!(hs.preemptions, fs.preemptions);
         for (a, b) in host.iter().zip(&fused) {
@@ -987,8 +1004,10 @@ mod tests {
     #[test]
     fn a_failed_step_reserves_nothing_and_the_engine_goes_on() {
         let m = fixture();
-        let run = |fail_before: &[usize]| {
+        let run = |fail_before: &[usize], fused: bool| {
             let mut e = engine(&m);
+            // The dedicated step's logic too: its RNG rollback.
+            e.fused_on_cpu = fused;
             for (i, p) in [(1..10).collect::<Vec<u32>>(), (20..27).collect()]
                 .into_iter()
                 .enumerate()
@@ -1018,13 +1037,21 @@ mod tests {
             out.sort_by_key(|c| c.id);
             out
         };
-        let clean = run(&[]);
+        let clean = run(&[], false);
         assert_eq!(clean.len(), 4);
-        for fail in [&[0][..], &[1], &[3, 4]] {
-            let got = run(fail);
-            for (a, b) in clean.iter().zip(&got) {
-                assert_eq!(a.tokens, b.tokens, "failing before steps {fail:?}");
-                assert_eq!(a.logprobs, b.logprobs);
+        for fused in [false, true] {
+            for fail in [&[0][..], &[1], &[3, 4]] {
+                let got = run(fail, fused);
+                assert_eq!(got.len(), 4);
+                for (a, b) in clean.iter().zip(&got) {
+                    assert_eq!(
+                        a.tokens, b.tokens,
+                        "failing before steps {fail:?}, fused {fused}"
+                    );
+                    if !fused {
+                        assert_eq!(a.logprobs, b.logprobs);
+                    }
+                }
             }
         }
     }

@@ -9,6 +9,64 @@ use super::{Engine, FinishReason, Seq};
 use crate::sampling::sample;
 use crate::{EngineError, SeqId};
 
+/// A sequence's sample on the device: `1 / T` (0 for greedy) and, when
+/// tempered, its uniform draw from `rng`, the draw [`sample`] takes on the
+/// host.
+pub(super) fn device_draw(p: &crate::SamplingParams, rng: &mut rand::rngs::StdRng) -> (f32, f64) {
+    if p.temperature == 0.0 {
+        (0.0, 0.0)
+    } else {
+        (1.0 / p.temperature, rng.random::<f64>())
+    }
+}
+
+/// The samples of `work` (sequence, its logits row) from device `logits`:
+/// rows without cuts by [`arbor_ops::sample_rows`], the others copied to
+/// the host at once and sampled there in parallel.
+fn sample_where(
+    work: &mut [(SeqId, Seq, usize)],
+    logits: &candle_core::Tensor,
+) -> Result<Vec<Option<(u32, f32)>>, EngineError> {
+    let mut sampled = vec![None; work.len()];
+    let (mut reqs, mut at, mut host) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, (_, s, row)) in work.iter_mut().enumerate() {
+        if s.params.has_cuts() {
+            host.push(i);
+            continue;
+        }
+        let (inv_temperature, u) = device_draw(&s.params, &mut s.rng);
+        reqs.push(arbor_ops::SampleRequest {
+            row: *row as u32,
+            inv_temperature,
+            u,
+        });
+        at.push(i);
+    }
+    if !reqs.is_empty() {
+        for (i, r) in at.into_iter().zip(arbor_ops::sample_rows(logits, &reqs)?) {
+            sampled[i] = r.map(|r| (r.token, r.logprob));
+        }
+    }
+    if !host.is_empty() {
+        let rows: Vec<u32> = host.iter().map(|&i| work[i].2 as u32).collect();
+        let rows = candle_core::Tensor::new(rows.as_slice(), logits.device())?;
+        let l = logits.index_select(&rows, 0)?.to_vec2::<f32>()?;
+        let mut row_of: Vec<Option<&[f32]>> = vec![None; work.len()];
+        for (&i, row) in host.iter().zip(&l) {
+            row_of[i] = Some(row);
+        }
+        let got: Vec<(usize, Option<(u32, f32)>)> = work
+            .par_iter_mut()
+            .enumerate()
+            .filter_map(|(i, (_, s, _))| row_of[i].map(|l| (i, sample(l, &s.params, &mut s.rng))))
+            .collect();
+        for (i, g) in got {
+            sampled[i] = g;
+        }
+    }
+    Ok(sampled)
+}
+
 /// Bytes of text decoded before the part searched for stop strings
 /// (`Engine::stop_string_hit`).
 const STOP_WINDOW_MARGIN: usize = 16;
@@ -37,8 +95,9 @@ impl Engine {
     /// top-k / top-p / min-p cuts are sampled there
     /// ([`arbor_ops::sample_rows`], each with a uniform draw from its own
     /// RNG, the one the host sampler would take), so only their ids and
-    /// logprobs come back; a sequence with cuts has its one row copied to
-    /// the host and sampled there.
+    /// logprobs come back; the rows of sequences with cuts are copied to
+    /// the host in one copy and sampled there. Should the device fail, the
+    /// sequences get their RNGs back and wait to be recomputed.
     pub(super) fn record_and_sample_on_device(
         &mut self,
         scheduled: Vec<SeqId>,
@@ -46,37 +105,21 @@ impl Engine {
     ) -> Result<(), EngineError> {
         let todo = self.record(scheduled)?;
         let mut work = self.take_seqs(&todo);
-        let mut sampled = vec![None; work.len()];
-        let (mut reqs, mut at, mut host) = (Vec::new(), Vec::new(), Vec::new());
-        for (i, (_, s, row)) in work.iter_mut().enumerate() {
-            if s.params.has_cuts() {
-                host.push(i);
-                continue;
+        let saved: Vec<_> = work.iter().map(|(_, s, _)| s.rng.clone()).collect();
+        match sample_where(&mut work, logits) {
+            Ok(sampled) => {
+                self.apply_samples(work, sampled);
+                Ok(())
             }
-            let greedy = s.params.temperature == 0.0;
-            reqs.push(arbor_ops::SampleRequest {
-                row: *row as u32,
-                inv_temperature: if greedy {
-                    0.0
-                } else {
-                    1.0 / s.params.temperature
-                },
-                u: if greedy { 0.0 } else { s.rng.random::<f64>() },
-            });
-            at.push(i);
-        }
-        if !reqs.is_empty() {
-            for (i, r) in at.into_iter().zip(arbor_ops::sample_rows(logits, &reqs)?) {
-                sampled[i] = r.map(|r| (r.token, r.logprob));
+            Err(e) => {
+                for ((id, mut s, _), rng) in work.into_iter().zip(saved) {
+                    s.rng = rng;
+                    self.seqs.insert(id, s);
+                    self.requeue(id);
+                }
+                Err(e)
             }
         }
-        for i in host {
-            let (_, s, row) = &mut work[i];
-            let l = logits.get(*row)?.to_vec1::<f32>()?;
-            sampled[i] = sample(&l, &s.params, &mut s.rng);
-        }
-        self.apply_samples(work, sampled);
-        Ok(())
     }
 
     /// Record each scheduled sequence's computed KV, and fan a computed

@@ -430,6 +430,19 @@ impl FastDecoder {
         }
         step.check(self.block_size as usize)
             .map_err(|e| candle_core::Error::Msg(format!("fast decode: {e}")))?;
+        // The kernels index with these: check them here, on the host.
+        if let Some(t) = step.tokens.iter().find(|&&t| t as usize >= self.dims.vocab) {
+            candle_core::bail!("fast decode: token {t} outside the vocabulary");
+        }
+        let n_blocks = self.n_slots / self.block_size;
+        if let Some(b) = step
+            .tables
+            .iter()
+            .flat_map(|t| t.iter())
+            .find(|&&b| b >= n_blocks)
+        {
+            candle_core::bail!("fast decode: block {b} outside the cache of {n_blocks}");
+        }
         let n = step.tokens.len();
         let key = bucket(n)
             .filter(|&b| step.is_decode() && b <= self.plan.rows)
@@ -443,19 +456,46 @@ impl FastDecoder {
             .map_err(candle_core::Error::Msg)?;
         // Prefills and block copies on candle's stream come first.
         self.stream.join(&self.candle_stream).w()?;
+        let r = self.run(key, &layout, &buf, step.samples.len());
+        // The candle stream's next work (a prefill, a block copy) waits for
+        // this step's KV writes, whatever happened.
+        self.candle_stream.join(&self.stream).w()?;
+        let bytes = r?;
+        Ok(bytes
+            .chunks_exact(12)
+            .map(|c| {
+                let w = |i: usize| u32::from_le_bytes([c[i], c[i + 1], c[i + 2], c[i + 3]]);
+                (w(0) != u32::MAX).then(|| Sampled {
+                    token: w(0),
+                    logprob: f32::from_bits(w(4)),
+                    entropy: f32::from_bits(w(8)),
+                })
+            })
+            .collect())
+    }
+
+    /// Uploads `buf`, runs the step (its graph, or its launches), and
+    /// returns the `r` samples' 12 bytes each.
+    fn run(
+        &mut self,
+        key: Option<GraphKey>,
+        layout: &InputLayout,
+        buf: &[u32],
+        r: usize,
+    ) -> Result<Vec<u8>> {
         self.stream
-            .memcpy_htod(&buf, &mut self.input.slice_mut(0..buf.len()))
+            .memcpy_htod(buf, &mut self.input.slice_mut(0..buf.len()))
             .w()?;
         match key.filter(|_| self.use_graphs) {
-            None => self.launch(&layout)?,
+            None => self.launch(layout)?,
             Some(key) => {
                 if let Some(g) = self.graphs.get(&key) {
                     g.0.launch().w()?;
                 } else {
                     // The first step of a key runs eagerly (loads, cuBLAS's
                     // heuristics), then the same launches are captured.
-                    self.launch(&layout)?;
-                    match self.capture(&layout) {
+                    self.launch(layout)?;
+                    match self.capture(layout) {
                         Ok(Some(g)) => {
                             self.graphs.insert(key, Graph(g));
                         }
@@ -472,25 +512,10 @@ impl FastDecoder {
                 }
             }
         }
-        let (at, r) = (self.plan.sampled, step.samples.len());
-        let bytes = self
-            .stream
+        let at = self.plan.sampled;
+        self.stream
             .clone_dtoh(&self.arena.slice(at..at + 12 * r))
-            .w()?;
-        // The candle stream's next work (a prefill) waits for this step's
-        // KV writes.
-        self.candle_stream.join(&self.stream).w()?;
-        Ok(bytes
-            .chunks_exact(12)
-            .map(|c| {
-                let w = |i: usize| u32::from_le_bytes([c[i], c[i + 1], c[i + 2], c[i + 3]]);
-                (w(0) != u32::MAX).then(|| Sampled {
-                    token: w(0),
-                    logprob: f32::from_bits(w(4)),
-                    entropy: f32::from_bits(w(8)),
-                })
-            })
-            .collect())
+            .w()
     }
 
     /// The launches of one step for `layout`, captured as a graph (not
@@ -654,7 +679,7 @@ impl FastDecoder {
             self.gemm(b, kvw, d.hidden, normed, w.v, vv, false)?;
             launch!(
                 k.rope,
-                grid2(d.heads + d.kv_heads, d.head_dim, 0),
+                grid2(d.heads + d.kv_heads, d.head_dim.next_multiple_of(32), 0),
                 &q,
                 &kk,
                 &vv,
