@@ -1,8 +1,9 @@
 // The dedicated decode step's fused kernels (bf16 storage, f32 arithmetic).
 // One decode step of a Qwen-family model over a batch of B tokens runs, per
-// layer: fd_add_rmsnorm -> Q, K, V GEMMs (cuBLAS) -> fd_qk_rope_write ->
-// paged attention (paged_attention.cu) -> O GEMM -> fd_add_rmsnorm -> gate
-// and up GEMMs -> fd_silu_mul -> down GEMM; then the final fd_add_rmsnorm,
+// layer: fd_add_rmsnorm -> one QKV GEMM (cuBLAS, over the concatenated
+// weights) -> fd_qk_rope_write -> paged attention (paged_attention.cu) -> O
+// GEMM -> fd_add_rmsnorm -> one gate|up GEMM -> fd_silu_mul -> down GEMM;
+// then the final fd_add_rmsnorm,
 // the LM head GEMM and sample_rows (sample.cu). The residual stream stays
 // in f32 for the whole step.
 #include "common.cuh"
@@ -44,26 +45,28 @@ extern "C" __global__ void fd_add_rmsnorm(float* __restrict__ resid, const bf16*
 }
 
 // Per token b and head h (grid (B, nh + nkv), block d rounded up to a
-// multiple of 32 threads, d even and <= 1024): the projection's bias (when given), the head's RMSNorm (Qwen3's
-// q_norm / k_norm, when given), RoPE at the token's position (HF's
+// multiple of 32 threads, d even and <= 1024): the projection's bias (when
+// given), the head's RMSNorm (Qwen3's q_norm / k_norm, when given), RoPE at
+// the token's position (HF's
 // rotate_half: [x1 c - x2 s | x2 c + x1 s], angle = pos * inv_freq[i]),
 // then query heads to q_out [B, nh, d] and key heads, with their value
 // heads (bias only), to cache row slots[b] * nkv + kvh. A slot >= n_slots
-// (a padding row) writes nothing to the cache.
+// (a padding row) writes nothing to the cache. Token b's projections start
+// at q + b q_stride, k + b kv_stride and v + b kv_stride (one QKV GEMM's
+// output: q, k and v point into the same rows).
 extern "C" __global__ void fd_qk_rope_write(
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
     const bf16* __restrict__ q_bias, const bf16* __restrict__ k_bias, const bf16* __restrict__ v_bias,
     const bf16* __restrict__ q_norm, const bf16* __restrict__ k_norm, float eps,
     const float* __restrict__ inv_freq, const uint32_t* __restrict__ pos, const uint32_t* __restrict__ slots,
     uint32_t n_slots, bf16* __restrict__ q_out, bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
-    int nh, int nkv, int d) {
+    int nh, int nkv, int d, int q_stride, int kv_stride) {
   __shared__ float x[1024];
   __shared__ float scratch[32];
   const int b = blockIdx.x, h = blockIdx.y, e = threadIdx.x;
   const bool is_q = h < nh;
   const int head = is_q ? h : h - nh;
-  const int width = (is_q ? nh : nkv) * d;
-  const bf16* src = (is_q ? q : k) + (size_t)b * width + (size_t)head * d;
+  const bf16* src = (is_q ? q + (size_t)b * q_stride : k + (size_t)b * kv_stride) + (size_t)head * d;
   const bf16* bias = is_q ? q_bias : k_bias;
   const bf16* norm = is_q ? q_norm : k_norm;
   // Threads past the head (a partial last warp) take part in the sum with 0.
@@ -90,17 +93,20 @@ extern "C" __global__ void fd_qk_rope_write(
   if (slot >= n_slots) return;
   const size_t row = ((size_t)slot * nkv + head) * d + e;
   k_cache[row] = __float2bfloat16(y);
-  float vv = __bfloat162float(v[(size_t)b * nkv * d + (size_t)head * d + e]);
+  float vv = __bfloat162float(v[(size_t)b * kv_stride + (size_t)head * d + e]);
   if (v_bias) vv += __bfloat162float(v_bias[head * d + e]);
   v_cache[row] = __float2bfloat16(vv);
 }
 
-// out = silu(gate) * up over n elements (f32 arithmetic, one rounding).
+// out [rows, inter] = silu(gate) * up (f32 arithmetic, one rounding) over
+// n = rows x inter elements; row r of gate and up starts at r * stride (one
+// gate|up GEMM's output: up = gate + inter, stride 2 inter).
 extern "C" __global__ void fd_silu_mul(const bf16* __restrict__ gate, const bf16* __restrict__ up,
-                                       bf16* __restrict__ out, int n) {
+                                       bf16* __restrict__ out, int n, int inter, int stride) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-    const float g = __bfloat162float(gate[i]);
-    out[i] = __float2bfloat16(g / (1.f + __expf(-g)) * __bfloat162float(up[i]));
+    const size_t at = (size_t)(i / inter) * stride + i % inter;
+    const float g = __bfloat162float(gate[at]);
+    out[i] = __float2bfloat16(g / (1.f + __expf(-g)) * __bfloat162float(up[at]));
   }
 }
 
@@ -119,4 +125,11 @@ extern "C" __global__ void fd_gather_rows(const bf16* __restrict__ src, const ui
 extern "C" __global__ void fd_cast_bf16(const float* __restrict__ src, bf16* __restrict__ dst, size_t n) {
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
     dst[i] = __float2bfloat16(src[i]);
+}
+
+// dst = src over n bf16 elements: a bf16 policy's Q, K, V (and gate, up)
+// weights into the fused step's concatenated copy.
+extern "C" __global__ void fd_copy_bf16(const bf16* __restrict__ src, bf16* __restrict__ dst, size_t n) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    dst[i] = src[i];
 }

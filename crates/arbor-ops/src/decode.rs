@@ -182,12 +182,18 @@ pub mod cuda {
             p(a.v_cache)?,
         );
         let (nhi, nkvi, di) = (nh as i32, nkv as i32, d as i32);
+        // Separate q and k/v tensors: each row is one projection.
+        let (q_stride, kv_stride) = ((nh * d) as i32, (nkv * d) as i32);
         let f = Kernel::get(dev, "decode", "fd_qk_rope_write")?;
         let mut l = f.builder();
         l.arg(&q).arg(&k).arg(&v).arg(&qb).arg(&kb).arg(&vb);
         l.arg(&qn).arg(&kn).arg(&a.eps).arg(&fr).arg(&ps).arg(&sl);
         l.arg(&n_slots).arg(&qo).arg(&kc).arg(&vc);
-        l.arg(&nhi).arg(&nkvi).arg(&di);
+        l.arg(&nhi)
+            .arg(&nkvi)
+            .arg(&di)
+            .arg(&q_stride)
+            .arg(&kv_stride);
         let cfg = LaunchConfig {
             grid_dim: (b as u32, (nh + nkv) as u32, 1),
             block_dim: (d.next_multiple_of(32) as u32, 1, 1),
@@ -214,9 +220,11 @@ pub mod cuda {
             tensor_ptr(&out, &st)?,
             n as i32,
         );
+        // Rows of the last dimension, contiguous.
+        let inter = *gate.dims().last().unwrap_or(&1) as i32;
         let f = Kernel::get(dev, "decode", "fd_silu_mul")?;
         let mut l = f.builder();
-        l.arg(&g).arg(&u).arg(&o).arg(&ni);
+        l.arg(&g).arg(&u).arg(&o).arg(&ni).arg(&inter).arg(&inter);
         // SAFETY: matches `fd_silu_mul`; the three tensors hold n bf16s.
         unsafe { l.launch(crate::cuda::grid1d(n, 256)) }.w()?;
         Ok(out)

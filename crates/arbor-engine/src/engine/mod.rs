@@ -367,8 +367,9 @@ impl Engine {
     }
 
     /// The weights changed: cached KV is stale. Bumps the policy version so
-    /// no block computed before is served to a new request, and repacks the
-    /// weights ([`EngineConfig::pack_weights`]), whose packs are copies.
+    /// no block computed before is served to a new request, repacks the
+    /// weights ([`EngineConfig::pack_weights`]), whose packs are copies,
+    /// and refills the dedicated GPU step's weight copy in place.
     pub fn invalidate(&mut self) -> u64 {
         if self.cfg.pack_weights && self.model.device().is_cpu() {
             self.model.pack_weights();

@@ -1,10 +1,13 @@
-//! The dedicated decode step on CUDA: a fixed sequence of kernels per layer
-//! over buffers allocated once (an arena sized for the largest bucket), the
-//! model's own bf16 weight buffers (an in-place update from the trainer
-//! reaches the step with no copy, and captured graphs stay valid), the
-//! engine's paged KV cache, and sampling on the device; captured as one
-//! CUDA graph per (batch bucket, table width) and replayed. A step uploads
-//! one buffer ([`InputLayout`]) and downloads the sampled tokens.
+//! The dedicated GPU step on CUDA: a fixed sequence of kernels per layer
+//! over buffers allocated once (an arena sized for the largest step), the
+//! engine's paged KV cache, and sampling on the device; decode steps are
+//! captured as one CUDA graph per (batch bucket, table width) and
+//! replayed. The weights: the step keeps its own bf16 copy of the Q, K, V
+//! and gate, up matrices, concatenated (one GEMM each), and of every
+//! weight of an f32 model; it reads a bf16 model's other weights in place.
+//! [`FastDecoder::refresh`] refills the copy in the same buffer after an
+//! update, so graphs stay valid. A step uploads one buffer
+//! ([`InputLayout`]) and downloads the sampled tokens.
 #![allow(unsafe_code)]
 
 use std::collections::HashMap;
@@ -45,9 +48,8 @@ macro_rules! launch {
 #[derive(Debug, Clone, Copy)]
 struct LayerPtrs {
     in_norm: u64,
-    q: u64,
-    k: u64,
-    v: u64,
+    /// The step's copy of `[W_q; W_k; W_v]`.
+    qkv: u64,
     q_bias: u64,
     k_bias: u64,
     v_bias: u64,
@@ -55,15 +57,15 @@ struct LayerPtrs {
     k_norm: u64,
     o: u64,
     post_norm: u64,
-    gate: u64,
-    up: u64,
+    /// The step's copy of `[W_gate; W_up]`.
+    gate_up: u64,
     down: u64,
     k_cache: u64,
     v_cache: u64,
 }
 
-/// The bf16 copy of an f32 model's weights: one buffer, and each source
-/// tensor with its element offset in it.
+/// The step's bf16 weight copy: one buffer, and each source tensor with its
+/// element offset in it.
 struct WeightCopy {
     buf: CudaSlice<half::bf16>,
     copies: Vec<(Tensor, usize)>,
@@ -86,6 +88,7 @@ pub struct Sizes {
 #[derive(Debug)]
 struct Kernels {
     cast: Kernel,
+    copy: Kernel,
     gather: Kernel,
     embed: Kernel,
     norm: Kernel,
@@ -131,8 +134,9 @@ pub struct FastDecoder {
     use_graphs: bool,
     /// The tensors whose buffers the step reads: kept alive here.
     _keep: Vec<Tensor>,
-    /// An f32 model's bf16 weight copy.
-    copy: Option<WeightCopy>,
+    /// The step's bf16 weight copy (concatenated QKV and gate|up; all of
+    /// an f32 model's weights).
+    copy: WeightCopy,
 }
 
 impl std::fmt::Debug for FastDecoder {
@@ -179,7 +183,7 @@ impl FastDecoder {
         let candle_core::Device::Cuda(dev) = model.device() else {
             candle_core::bail!("the model is not on a CUDA device");
         };
-        let copy = match model.dtype() {
+        let cast_all = match model.dtype() {
             DType::BF16 => false,
             DType::F32 if bf16_copy => true,
             dt => candle_core::bail!(
@@ -206,74 +210,70 @@ impl FastDecoder {
         let candle_stream = dev.cuda_stream();
         let ctx = candle_stream.context().clone();
         let stream = ctx.new_stream().w()?;
-        // The weights the step reads, in order (the tied LM head is the
-        // embedding: one entry).
-        let mut weights: Vec<Tensor> = Vec::new();
-        let mut add = |t: &Tensor| {
-            if !weights.iter().any(|w| w.id() == t.id()) {
-                weights.push(t.clone());
+        // The step's own bf16 buffer: per layer the Q, K and V weights back
+        // to back (one [(nh + 2 nkv) d, H] matrix, one GEMM) and the gate
+        // and up weights back to back; for an f32 model every other weight
+        // the step reads too. Each entry: source tensor, element offset.
+        let mut copies: Vec<(Tensor, usize)> = Vec::new();
+        let mut total = 0usize;
+        let mut place = |t: &Tensor, group_start: bool| -> usize {
+            if group_start {
+                total = total.next_multiple_of(128);
             }
+            let at = total;
+            copies.push((t.clone(), at));
+            total += t.elem_count();
+            at
         };
+        let mut fused = Vec::with_capacity(model.layers.len());
         for l in &model.layers {
             let a = &l.attn;
-            for t in [
-                &l.input_norm.weight,
-                &a.q.weight,
-                &a.k.weight,
-                &a.v.weight,
-                &a.o.weight,
-            ]
-            .into_iter()
-            .chain([&l.post_norm.weight, &l.mlp.gate.weight, &l.mlp.up.weight])
-            .chain([&l.mlp.down.weight])
-            .chain([&a.q.bias, &a.k.bias, &a.v.bias].into_iter().flatten())
-            .chain(
-                [&a.q_norm, &a.k_norm]
-                    .into_iter()
-                    .flatten()
-                    .map(|n| &n.weight),
-            ) {
-                add(t);
+            let qkv = place(&a.q.weight, true);
+            place(&a.k.weight, false);
+            place(&a.v.weight, false);
+            let gate_up = place(&l.mlp.gate.weight, true);
+            place(&l.mlp.up.weight, false);
+            fused.push((qkv, gate_up));
+        }
+        // An f32 model's other weights (the tied LM head is the embedding:
+        // one entry).
+        let mut other: HashMap<candle_core::TensorId, usize> = HashMap::new();
+        if cast_all {
+            let mut rest: Vec<&Tensor> = Vec::new();
+            for l in &model.layers {
+                let a = &l.attn;
+                rest.extend([&l.input_norm.weight, &a.o.weight, &l.post_norm.weight]);
+                rest.push(&l.mlp.down.weight);
+                rest.extend([&a.q.bias, &a.k.bias, &a.v.bias].into_iter().flatten());
+                rest.extend(
+                    [&a.q_norm, &a.k_norm]
+                        .into_iter()
+                        .flatten()
+                        .map(|n| &n.weight),
+                );
+            }
+            rest.extend([&model.embed, &model.norm.weight, &model.lm_head]);
+            for t in rest {
+                other.entry(t.id()).or_insert_with(|| place(t, true));
             }
         }
-        for t in [&model.embed, &model.norm.weight, &model.lm_head] {
-            add(t);
-        }
-        // An f32 model's weights get a bf16 copy, one buffer, each tensor
-        // at its element offset.
-        let mut offsets = HashMap::new();
-        let mut total = 0usize;
-        if copy {
-            for w in &weights {
-                offsets.insert(w.id(), total);
-                total += w.elem_count().next_multiple_of(128);
-            }
-        }
-        let copy_buf = if copy {
-            Some(stream.alloc_zeros::<half::bf16>(total).w()?)
-        } else {
-            None
-        };
-        let base = match &copy_buf {
-            Some(b) => b.device_ptr(&stream).0,
-            None => 0,
-        };
+        let copy_buf = stream.alloc_zeros::<half::bf16>(total.max(1)).w()?;
+        let base = copy_buf.device_ptr(&stream).0;
+        let in_copy = |off: usize| base + 2 * off as u64;
         let at = |t: &Tensor| -> Result<u64> {
-            match offsets.get(&t.id()) {
-                Some(&off) => Ok(base + 2 * off as u64),
+            match other.get(&t.id()) {
+                Some(&off) => Ok(in_copy(off)),
                 None => addr(t, &stream),
             }
         };
         let opt = |t: Option<&Tensor>| -> Result<u64> { t.map_or(Ok(0), at) };
         let mut layers = Vec::with_capacity(model.layers.len());
-        for (i, l) in model.layers.iter().enumerate() {
+        for (i, (l, &(qkv, gate_up))) in model.layers.iter().zip(&fused).enumerate() {
             let a = &l.attn;
             let (kc, vc) = cache.layer(i);
             layers.push(LayerPtrs {
                 in_norm: at(&l.input_norm.weight)?,
-                q: at(&a.q.weight)?,
-                k: at(&a.k.weight)?,
-                v: at(&a.v.weight)?,
+                qkv: in_copy(qkv),
                 q_bias: opt(a.q.bias.as_ref())?,
                 k_bias: opt(a.k.bias.as_ref())?,
                 v_bias: opt(a.v.bias.as_ref())?,
@@ -281,8 +281,7 @@ impl FastDecoder {
                 k_norm: opt(a.k_norm.as_ref().map(|n| &n.weight))?,
                 o: at(&a.o.weight)?,
                 post_norm: at(&l.post_norm.weight)?,
-                gate: at(&l.mlp.gate.weight)?,
-                up: at(&l.mlp.up.weight)?,
+                gate_up: in_copy(gate_up),
                 down: at(&l.mlp.down.weight)?,
                 k_cache: addr(kc, &stream)?,
                 v_cache: addr(vc, &stream)?,
@@ -291,15 +290,30 @@ impl FastDecoder {
         let embed = at(&model.embed)?;
         let final_norm = at(&model.norm.weight)?;
         let lm_head = at(&model.lm_head)?;
-        let mut keep = weights;
-        keep.extend((0..model.layers.len()).flat_map(|i| {
+        // The tensors whose buffers the step reads directly.
+        let mut keep: Vec<Tensor> = vec![model.embed.clone(), model.norm.weight.clone()];
+        keep.push(model.lm_head.clone());
+        for (i, l) in model.layers.iter().enumerate() {
+            let a = &l.attn;
+            keep.extend(
+                [&l.input_norm.weight, &a.o.weight, &l.post_norm.weight].map(Tensor::clone),
+            );
+            keep.push(l.mlp.down.weight.clone());
+            keep.extend(
+                [&a.q.bias, &a.k.bias, &a.v.bias]
+                    .into_iter()
+                    .flatten()
+                    .cloned(),
+            );
+            keep.extend(
+                [&a.q_norm, &a.k_norm]
+                    .into_iter()
+                    .flatten()
+                    .map(|n| n.weight.clone()),
+            );
             let (k, v) = cache.layer(i);
-            [k.clone(), v.clone()]
-        }));
-        let copies: Vec<(Tensor, usize)> = keep
-            .iter()
-            .filter_map(|t| offsets.get(&t.id()).map(|&o| (t.clone(), o)))
-            .collect();
+            keep.extend([k.clone(), v.clone()]);
+        }
         let dims = Dims {
             hidden: cfg.hidden_size,
             intermediate: cfg.intermediate_size,
@@ -344,6 +358,7 @@ impl FastDecoder {
             rope: kernel("decode", "fd_qk_rope_write")?,
             silu: kernel("decode", "fd_silu_mul")?,
             cast: kernel("decode", "fd_cast_bf16")?,
+            copy: kernel("decode", "fd_copy_bf16")?,
             attn: kernel("paged_attention", "paged_attention_bf16")?,
             sample: kernel("sample", "sample_rows")?,
         };
@@ -376,34 +391,33 @@ impl FastDecoder {
             graphs: HashMap::new(),
             use_graphs,
             _keep: keep,
-            copy: copy_buf.map(|buf| WeightCopy { buf, copies }),
+            copy: WeightCopy {
+                buf: copy_buf,
+                copies,
+            },
         };
         this.refresh()?;
         Ok(this)
     }
 
-    /// Refills the bf16 copy of an f32 model's weights in place (the same
-    /// buffer, so captured graphs stay valid): after each weight update.
-    /// Nothing to do for a bf16 model, whose own buffers the step reads.
-    /// Returns after the copy is done.
+    /// Refills the step's weight copy in place (the same buffer, so
+    /// captured graphs stay valid): after each weight update. bf16 sources
+    /// are copied, f32 ones rounded. Returns after the copy is done.
     pub fn refresh(&mut self) -> Result<()> {
-        let Some(c) = &self.copy else {
-            return Ok(());
-        };
         // The update ran on candle's stream.
         self.stream.join(&self.candle_stream).w()?;
+        let c = &self.copy;
         let (base, _sync) = c.buf.device_ptr(&self.stream);
         for (t, off) in &c.copies {
             let src = arbor_ops::cuda::tensor_ptr(t, &self.stream)?;
             let dst = base + 2 * *off as u64;
             let n = t.elem_count();
-            launch!(
-                self.kernels.cast,
-                arbor_ops::cuda::grid1d(n, 256),
-                &src,
-                &dst,
-                &n
-            )?;
+            let k = if t.dtype() == DType::F32 {
+                &self.kernels.cast
+            } else {
+                &self.kernels.copy
+            };
+            launch!(k, arbor_ops::cuda::grid1d(n, 256), &src, &dst, &n)?;
         }
         self.stream.synchronize().w()
     }
@@ -599,12 +613,10 @@ impl FastDecoder {
         let (inv_freq, _s3) = self.inv_freq.device_ptr(&self.stream);
         let a = self.plan;
         let buf = |off: usize| arena + off as u64;
-        let (resid, normed, q, kk, vv) =
-            (buf(a.resid), buf(a.normed), buf(a.q), buf(a.k), buf(a.v));
+        let (resid, normed, qkv) = (buf(a.resid), buf(a.normed), buf(a.qkv));
         let (q_rope, attn, delta_buf) = (buf(a.q_rope), buf(a.attn), buf(a.delta));
-        let (gate, up, act, last_rows, logits, sampled) = (
-            buf(a.gate),
-            buf(a.up),
+        let (gate_up, act, last_rows, logits, sampled) = (
+            buf(a.gate_up),
             buf(a.act),
             buf(a.last),
             buf(a.logits),
@@ -638,6 +650,10 @@ impl FastDecoder {
         };
         launch!(k.embed, rows(256), &self.embed, &ids, &resid, &h)?;
         let (qw, kvw) = (d.heads * d.head_dim, d.kv_heads * d.head_dim);
+        let qkv_w = qw + 2 * kvw;
+        let (k_part, v_part) = (qkv + 2 * qw as u64, qkv + 2 * (qw + kvw) as u64);
+        let qkv_stride = qkv_w as i32;
+        let (up_part, gu_stride) = (gate_up + 2 * d.intermediate as u64, 2 * i);
         let (bs, maxb) = (self.block_size as i32, sh.table_width as i32);
         let scale = 1.0f32 / (d.head_dim as f32).sqrt();
         // Paged attention runs one block per (token, head), its warps
@@ -674,15 +690,14 @@ impl FastDecoder {
                 &eps,
                 &add_now
             )?;
-            self.gemm(b, qw, d.hidden, normed, w.q, q, false)?;
-            self.gemm(b, kvw, d.hidden, normed, w.k, kk, false)?;
-            self.gemm(b, kvw, d.hidden, normed, w.v, vv, false)?;
+            // One GEMM: each row of `qkv` is q | k | v.
+            self.gemm(b, qkv_w, d.hidden, normed, w.qkv, qkv, false)?;
             launch!(
                 k.rope,
                 grid2(d.heads + d.kv_heads, d.head_dim.next_multiple_of(32), 0),
-                &q,
-                &kk,
-                &vv,
+                &qkv,
+                &k_part,
+                &v_part,
                 &w.q_bias,
                 &w.k_bias,
                 &w.v_bias,
@@ -698,7 +713,9 @@ impl FastDecoder {
                 &w.v_cache,
                 &nh,
                 &nkv,
-                &hd
+                &hd,
+                &qkv_stride,
+                &qkv_stride
             )?;
             launch!(
                 k.attn,
@@ -729,9 +746,17 @@ impl FastDecoder {
                 &eps,
                 &add
             )?;
-            self.gemm(b, d.intermediate, d.hidden, normed, w.gate, gate, false)?;
-            self.gemm(b, d.intermediate, d.hidden, normed, w.up, up, false)?;
-            launch!(k.silu, silu_grid, &gate, &up, &act, &n)?;
+            // One GEMM: each row of `gate_up` is gate | up.
+            self.gemm(
+                b,
+                2 * d.intermediate,
+                d.hidden,
+                normed,
+                w.gate_up,
+                gate_up,
+                false,
+            )?;
+            launch!(k.silu, silu_grid, &gate_up, &up_part, &act, &n, &i, &gu_stride)?;
             self.gemm(b, d.hidden, d.intermediate, act, w.down, delta_buf, false)?;
         }
         launch!(

@@ -1,8 +1,9 @@
 //! The dedicated GPU step for Qwen-family models (bf16 weights, or a bf16
 //! copy of an f32 model's with `bf16_rollouts`; f32 accumulation): per
-//! layer, add + RMSNorm, the Q/K/V GEMMs, q/k-norm + RoPE + KV-cache write
-//! in one kernel, paged attention over the engine's block tables, the O
-//! GEMM, add + RMSNorm, the gate and up GEMMs, SiLU x up, the down GEMM;
+//! layer, add + RMSNorm, one GEMM over the concatenated Q, K, V weights,
+//! q/k-norm + RoPE + KV-cache write in one kernel, paged attention over the
+//! engine's block tables, the O GEMM, add + RMSNorm, one GEMM over the
+//! concatenated gate and up weights, SiLU x up, the down GEMM;
 //! then the final norm, each sequence's last token, the LM head and
 //! sampling on the device. Buffers come from one arena allocated once.
 //!

@@ -258,10 +258,9 @@ pub struct ArenaPlan {
     pub resid: usize,
     /// bf16 `[tokens, hidden]`: a norm's output.
     pub normed: usize,
-    /// bf16 `[tokens, heads * head_dim]`, `[tokens, kv_heads * head_dim]` x 2.
-    pub q: usize,
-    pub k: usize,
-    pub v: usize,
+    /// bf16 `[tokens, (heads + 2 kv_heads) * head_dim]`: the QKV GEMM's
+    /// output, each row q | k | v.
+    pub qkv: usize,
     /// bf16 `[tokens, heads, head_dim]`: RoPE'd queries.
     pub q_rope: usize,
     /// bf16 `[tokens, heads * head_dim]`: attention output.
@@ -269,9 +268,10 @@ pub struct ArenaPlan {
     /// bf16 `[tokens, hidden]`: the O or down projection (added to the
     /// residual by the next norm).
     pub delta: usize,
-    /// bf16 `[tokens, intermediate]` x 3: gate, up, silu(gate) * up.
-    pub gate: usize,
-    pub up: usize,
+    /// bf16 `[tokens, 2 intermediate]`: the gate|up GEMM's output, each
+    /// row gate | up.
+    pub gate_up: usize,
+    /// bf16 `[tokens, intermediate]`: silu(gate) * up.
     pub act: usize,
     /// bf16 `[rows, hidden]`: the final norm of each sequence's last token.
     pub last: usize,
@@ -302,14 +302,11 @@ impl ArenaPlan {
             rows,
             resid: take(t * h * 4),
             normed: take(t * h * 2),
-            q: take(t * q * 2),
-            k: take(t * kv * 2),
-            v: take(t * kv * 2),
+            qkv: take(t * (q + 2 * kv) * 2),
             q_rope: take(t * q * 2),
             attn: take(t * q * 2),
             delta: take(t * h * 2),
-            gate: take(t * i * 2),
-            up: take(t * i * 2),
+            gate_up: take(t * 2 * i * 2),
             act: take(t * i * 2),
             last: take(rows * h * 2),
             logits: take(rows * d.vocab * 4),
@@ -491,14 +488,11 @@ mod tests {
         let mut parts = [
             (a.resid, t * 1024 * 4),
             (a.normed, t * 1024 * 2),
-            (a.q, t * 2048 * 2),
-            (a.k, t * 1024 * 2),
-            (a.v, t * 1024 * 2),
+            (a.qkv, t * 4096 * 2),
             (a.q_rope, t * 2048 * 2),
             (a.attn, t * 2048 * 2),
             (a.delta, t * 1024 * 2),
-            (a.gate, t * 3072 * 2),
-            (a.up, t * 3072 * 2),
+            (a.gate_up, t * 6144 * 2),
             (a.act, t * 3072 * 2),
             (a.last, 256 * 1024 * 2),
             (a.logits, 256 * 151_936 * 4),
