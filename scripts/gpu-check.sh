@@ -107,10 +107,10 @@ run)
     if [ "$cut" != none ]; then
       off="$(printf '%s' "$off" | tr ',' '\n' | grep -vx "$cut" | paste -sd, -)"
     fi
-    ARBOR_GPU_OFF="$off" timeout 60 $gen --preset qwen3-0.6b --max-tokens 64 --batch 64,64 --json \
+    ARBOR_GPU_OFF="$off" timeout 45 $gen --preset qwen3-0.6b --max-tokens 32 --batch 64,64 --json \
       2>> "$OUT/generate.err" | tail -1 >> "$OUT/generate-cuts.jsonl"
   done
-  timeout 120 $gen --preset qwen3-4b --max-tokens 256 --batch 64,64 --json 2>> "$OUT/generate.err" \
+  timeout 120 $gen --preset qwen3-4b --max-tokens 128 --batch 64,64 --json 2>> "$OUT/generate.err" \
     | tail -1 > "$OUT/generate-qwen3-4b.jsonl"
   # An f32 policy rolled out through the bf16 step, as training does with
   # bf16_rollouts: its weight copy's refresh is weight_refresh_ms.
@@ -124,8 +124,8 @@ run)
     if command -v "$py" >/dev/null 2>&1 && "$py" -c 'import torch, transformers' 2>/dev/null; then peer="$py"; break; fi
   done
   if [ -n "$peer" ]; then
-    timeout 200 "$peer" scripts/bench_hf_generate.py generate --device cuda --preset qwen3-0.6b \
-      --dtype bf16 --batch 1,64 --prompt-len 128 --max-tokens 256 --json-lines \
+    timeout 180 "$peer" scripts/bench_hf_generate.py generate --device cuda --preset qwen3-0.6b \
+      --dtype bf16 --batch 64,1 --prompt-len 128 --max-tokens 256 --json-lines \
       > "$OUT/generate-peer.jsonl" 2> "$OUT/generate-peer.err"
     echo "gpu-check: transformers generate peer exit $?"
   fi
