@@ -641,6 +641,7 @@ fn decode_kernels_cuda(
     let pt = Tensor::from_slice(&pos, b, &Device::Cpu)?.to_device(dev)?;
     let st = Tensor::from_slice(&slots, b, &Device::Cpu)?.to_device(dev)?;
     let q_out = dk::cuda::qk_rope_write(&RopeWrite {
+        fused: None,
         q: &qt,
         k: &kt,
         v: &vt,
@@ -724,6 +725,41 @@ fn decode_kernels_cuda(
         bt,
         rel_err(&t(gv)?, &t(wv)?)?,
     );
+    // The same through one fused row per token (q | k | v), as the step's
+    // one QKV GEMM writes them: identical results.
+    let fused = Tensor::cat(&[&qt, &kt, &vt], 1)?;
+    let (kc2, vc2) = (cache()?, cache()?);
+    let q_fused = dk::cuda::qk_rope_write(&RopeWrite {
+        fused: Some(&fused),
+        q: &qt,
+        k: &kt,
+        v: &vt,
+        q_bias: Some(&qbt),
+        k_bias: Some(&kbt),
+        v_bias: Some(&vbt),
+        q_norm: Some(&qnt),
+        k_norm: Some(&knt),
+        eps: 1e-6,
+        inv_freq: &ft,
+        pos: &pt,
+        slots: &st,
+        k_cache: &kc2,
+        v_cache: &vc2,
+        heads: nh,
+        kv_heads: nkv,
+        head_dim: d,
+    })?;
+    let same = rel_err(&q_fused, &q_out)?
+        .max(rel_err(&kc2, &kc)?)
+        .max(rel_err(&vc2, &vc)?);
+    crate::util::push_tol(
+        out,
+        "kernel",
+        "decode: q/k/v from one fused row",
+        bt,
+        same,
+        0.0,
+    );
     let written: std::collections::BTreeSet<usize> = slots.iter().map(|&s| s as usize).collect();
     let stray = kc_host
         .iter()
@@ -754,6 +790,17 @@ fn decode_kernels_cuda(
         "decode: silu x up",
         bt,
         rel_err(&got, &want)?,
+    );
+    // Gate and up from one fused row per token, as the gate|up GEMM writes.
+    let gu = Tensor::cat(&[&up(&g, &[b, inter])?, &up(&u, &[b, inter])?], 1)?;
+    let fused = dk::cuda::silu_mul_rows(&gu)?;
+    crate::util::push_tol(
+        out,
+        "kernel",
+        "decode: silu x up from fused rows",
+        bt,
+        rel_err(&fused, &got)?,
+        0.0,
     );
     Ok(())
 }

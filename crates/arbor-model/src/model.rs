@@ -873,7 +873,12 @@ impl Transformer {
             }
         };
         m.embed = m.embed.detach();
-        m.lm_head = m.lm_head.detach();
+        // A tied head stays the embedding itself (one tensor, one id).
+        m.lm_head = if self.cfg.tie_word_embeddings {
+            m.embed.clone()
+        } else {
+            m.lm_head.detach()
+        };
         m.norm.weight = m.norm.weight.detach();
         for layer in &mut m.layers {
             let a = &mut layer.attn;

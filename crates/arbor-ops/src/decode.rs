@@ -134,9 +134,12 @@ pub mod cuda {
     /// Inputs of one `fd_qk_rope_write` launch: projections `q: [B, nh*d]`,
     /// `k, v: [B, nkv*d]`, optional biases and q/k norm weights (bf16),
     /// `inv_freq: [d/2]` (f32), `pos, slots: [B]` (u32), caches
-    /// `[slots, nkv, d]` (bf16, written in place).
+    /// `[slots, nkv, d]` (bf16, written in place). With `fused`, the
+    /// projections come from its rows instead, each `q | k | v` (one QKV
+    /// GEMM's output, `[B, (nh + 2 nkv) d]`), and `q`, `k`, `v` are unread.
     #[derive(Debug)]
     pub struct RopeWrite<'a> {
+        pub fused: Option<&'a Tensor>,
         pub q: &'a Tensor,
         pub k: &'a Tensor,
         pub v: &'a Tensor,
@@ -166,7 +169,18 @@ pub mod cuda {
         let p = |t: &Tensor| tensor_ptr(t, &st);
         let o = |t: Option<&Tensor>| t.map_or(Ok(0), |t| tensor_ptr(t, &st));
         let n_slots = a.k_cache.dim(0)? as u32;
-        let (q, k, v, qo) = (p(a.q)?, p(a.k)?, p(a.v)?, p(&out)?);
+        let (q, k, v, qo) = match a.fused {
+            Some(t) => {
+                let base = p(t)?;
+                (
+                    base,
+                    base + 2 * (nh * d) as u64,
+                    base + 2 * ((nh + nkv) * d) as u64,
+                    p(&out)?,
+                )
+            }
+            None => (p(a.q)?, p(a.k)?, p(a.v)?, p(&out)?),
+        };
         let (qb, kb, vb, qn, kn) = (
             o(a.q_bias)?,
             o(a.k_bias)?,
@@ -182,8 +196,12 @@ pub mod cuda {
             p(a.v_cache)?,
         );
         let (nhi, nkvi, di) = (nh as i32, nkv as i32, d as i32);
-        // Separate q and k/v tensors: each row is one projection.
-        let (q_stride, kv_stride) = ((nh * d) as i32, (nkv * d) as i32);
+        // Separate q and k/v tensors: each row is one projection; fused
+        // rows hold all three.
+        let (q_stride, kv_stride) = match a.fused {
+            Some(_) => (((nh + 2 * nkv) * d) as i32, ((nh + 2 * nkv) * d) as i32),
+            None => ((nh * d) as i32, (nkv * d) as i32),
+        };
         let f = Kernel::get(dev, "decode", "fd_qk_rope_write")?;
         let mut l = f.builder();
         l.arg(&q).arg(&k).arg(&v).arg(&qb).arg(&kb).arg(&vb);
@@ -202,6 +220,26 @@ pub mod cuda {
         // SAFETY: matches `fd_qk_rope_write`; the shapes are the ones the
         // struct documents, and slots past the cache are skipped.
         unsafe { l.launch(cfg) }.w()?;
+        Ok(out)
+    }
+
+    /// `fd_silu_mul` over the rows of `gate_up: [B, 2 I]` (bf16), each
+    /// `gate | up` (one gate|up GEMM's output). Returns `[B, I]`.
+    pub fn silu_mul_rows(gate_up: &Tensor) -> Result<Tensor> {
+        let dev = device(gate_up)?;
+        let (b, two_i) = gate_up.dims2()?;
+        let inter = two_i / 2;
+        let out = Tensor::zeros((b, inter), DType::BF16, gate_up.device())?;
+        let st = dev.cuda_stream();
+        let g = tensor_ptr(gate_up, &st)?;
+        let (u, o) = (g + 2 * inter as u64, tensor_ptr(&out, &st)?);
+        let (ni, ii, stride) = ((b * inter) as i32, inter as i32, two_i as i32);
+        let f = Kernel::get(dev, "decode", "fd_silu_mul")?;
+        let mut l = f.builder();
+        l.arg(&g).arg(&u).arg(&o).arg(&ni).arg(&ii).arg(&stride);
+        // SAFETY: matches `fd_silu_mul`; gate_up holds B rows of 2 I bf16s,
+        // out B x I.
+        unsafe { l.launch(crate::cuda::grid1d(b * inter, 256)) }.w()?;
         Ok(out)
     }
 

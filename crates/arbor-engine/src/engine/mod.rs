@@ -290,7 +290,7 @@ impl Engine {
                         None
                     }
                     Err(why) => {
-                        tracing::info!("dedicated GPU step off: {why}");
+                        tracing::warn!("dedicated GPU step off, the candle forward runs: {why}");
                         None
                     }
                 }
@@ -386,7 +386,8 @@ impl Engine {
 
     /// Bumps the policy version, as [`Engine::invalidate`] does, without
     /// touching the weights: for starting afresh when they have not changed
-    /// (no repack).
+    /// (no repack, and the GPU step's weight copy is not refilled: after a
+    /// weight change, call [`Engine::invalidate`]).
     pub fn forget_cached_kv(&mut self) -> u64 {
         self.kv.invalidate()
     }

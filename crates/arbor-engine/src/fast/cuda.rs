@@ -207,6 +207,34 @@ impl FastDecoder {
         if model.layers.iter().any(|l| l.attn.o.bias.is_some()) {
             candle_core::bail!("an o_proj bias is not supported by the fused step");
         }
+        // The concatenated matrices: each projection's shape, in the
+        // model's dtype.
+        let (h, qw, kvw) = (
+            cfg.hidden_size,
+            cfg.num_attention_heads * cfg.head_dim,
+            cfg.num_key_value_heads * cfg.head_dim,
+        );
+        for (i, l) in model.layers.iter().enumerate() {
+            let a = &l.attn;
+            let want = [
+                (&a.q.weight, qw),
+                (&a.k.weight, kvw),
+                (&a.v.weight, kvw),
+                (&l.mlp.gate.weight, cfg.intermediate_size),
+                (&l.mlp.up.weight, cfg.intermediate_size),
+            ];
+            for (t, rows) in want {
+                if t.dims() != [rows, h] || t.dtype() != model.dtype() {
+                    candle_core::bail!(
+                        "layer {i}: a projection of shape {:?} ({:?}) where [{rows}, {h}] ({:?}) \
+                         was expected",
+                        t.dims(),
+                        t.dtype(),
+                        model.dtype()
+                    );
+                }
+            }
+        }
         let candle_stream = dev.cuda_stream();
         let ctx = candle_stream.context().clone();
         let stream = ctx.new_stream().w()?;
@@ -257,6 +285,10 @@ impl FastDecoder {
                 other.entry(t.id()).or_insert_with(|| place(t, true));
             }
         }
+        tracing::info!(
+            "dedicated GPU step: a {} MiB bf16 weight copy",
+            (2 * total) >> 20
+        );
         let copy_buf = stream.alloc_zeros::<half::bf16>(total.max(1)).w()?;
         let base = copy_buf.device_ptr(&stream).0;
         let in_copy = |off: usize| base + 2 * off as u64;
