@@ -640,7 +640,7 @@ fn decode_kernels_cuda(
     let ft = Tensor::from_slice(&inv_freq, d / 2, &Device::Cpu)?.to_device(dev)?;
     let pt = Tensor::from_slice(&pos, b, &Device::Cpu)?.to_device(dev)?;
     let st = Tensor::from_slice(&slots, b, &Device::Cpu)?.to_device(dev)?;
-    let q_out = dk::cuda::qk_rope_write(&RopeWrite {
+    let rope = RopeWrite {
         fused: None,
         q: &qt,
         k: &kt,
@@ -659,7 +659,8 @@ fn decode_kernels_cuda(
         heads: nh,
         kv_heads: nkv,
         head_dim: d,
-    })?;
+    };
+    let q_out = dk::cuda::qk_rope_write(&rope)?;
     let (mut wq, mut wk, mut wv) = (Vec::new(), Vec::new(), Vec::new());
     let (mut gk, mut gv) = (Vec::new(), Vec::new());
     let kc_host = kc
@@ -731,23 +732,9 @@ fn decode_kernels_cuda(
     let (kc2, vc2) = (cache()?, cache()?);
     let q_fused = dk::cuda::qk_rope_write(&RopeWrite {
         fused: Some(&fused),
-        q: &qt,
-        k: &kt,
-        v: &vt,
-        q_bias: Some(&qbt),
-        k_bias: Some(&kbt),
-        v_bias: Some(&vbt),
-        q_norm: Some(&qnt),
-        k_norm: Some(&knt),
-        eps: 1e-6,
-        inv_freq: &ft,
-        pos: &pt,
-        slots: &st,
         k_cache: &kc2,
         v_cache: &vc2,
-        heads: nh,
-        kv_heads: nkv,
-        head_dim: d,
+        ..rope
     })?;
     let same = rel_err(&q_fused, &q_out)?
         .max(rel_err(&kc2, &kc)?)
