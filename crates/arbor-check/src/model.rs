@@ -308,6 +308,50 @@ pub fn fast_decode_checks(
         &ParamLoader::frozen(ParamSource::Random { seed: MODEL_SEED }, DType::F32, dev)
             .rounded_through(DType::BF16),
     )?;
+    // The f32 engine (the candle forward) on the same greedy prompts: where
+    // its tokens first differ from the fused step's (a bf16 near-tie, which
+    // the teacher-forced checks below bound).
+    let mut f32_engine = arbor_engine::Engine::new(
+        &reference,
+        None,
+        arbor_engine::EngineConfig {
+            max_seqs: 64,
+            kv_memory_mib: 512,
+            ..Default::default()
+        },
+    )?;
+    let greedy_jobs: Vec<_> = jobs.iter().filter(|j| j.2).collect();
+    for (_, prompt, _) in &greedy_jobs {
+        let n = done
+            .iter()
+            .find(|c| &c.prompt == prompt)
+            .map_or(1, |c| c.tokens.len().max(1));
+        f32_engine.submit(
+            prompt.clone(),
+            vec![arbor_engine::SamplingParams::greedy(n)],
+        )?;
+    }
+    let mut f32_done = f32_engine.run(|_| {})?;
+    f32_done.sort_by_key(|c| c.id);
+    drop(f32_engine);
+    let firsts: Vec<String> = greedy_jobs
+        .iter()
+        .zip(&f32_done)
+        .map(|((id, _, _), r)| {
+            let fused = done
+                .iter()
+                .find(|c| c.id == *id)
+                .map_or(&[][..], |c| &c.tokens[..]);
+            match fused.iter().zip(&r.tokens).position(|(a, b)| a != b) {
+                Some(k) => format!("token {k} of {}", fused.len()),
+                None => format!("none of {}", fused.len()),
+            }
+        })
+        .collect();
+    eprintln!(
+        "  model    fast decode vs the f32 engine, first differing greedy token: {}",
+        firsts.join(", ")
+    );
     let (mut lp_err, mut gap) = (0f64, 0f64);
     for (id, prompt, greedy) in jobs {
         let c = done.iter().find(|c| c.id == id).or_msg("a completion")?;
