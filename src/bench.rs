@@ -270,19 +270,18 @@ fn bench_prompt(len: usize, salt: u64, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-/// How a bench run is printed and which it is.
-struct RunOpts {
-    bf16_rollouts: bool,
-    json: bool,
+/// One bench run: the model flags it was given, and which run of the
+/// process it is.
+struct RunOpts<'a> {
+    m: &'a BenchModel,
     /// One compact JSON line (several runs in one process).
     json_line: bool,
     fresh_process: bool,
-    peak_gbs: Option<f64>,
 }
 
 /// The roofline's bandwidth: `--peak-gbs`, else the GPU's attributes.
 fn roofline_bandwidth(dev: &Device, peak_gbs: Option<f64>) -> (Option<f64>, Option<&'static str>) {
-    if let Some(g) = peak_gbs.filter(|&g| g > 0.0) {
+    if let Some(g) = peak_gbs {
         return (Some(g * 1e9), Some("--peak-gbs"));
     }
     match dev {
@@ -295,21 +294,18 @@ fn roofline_bandwidth(dev: &Device, peak_gbs: Option<f64>) -> (Option<f64>, Opti
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 fn run_engine_bench(
     bench: &'static str,
     model: &arbor_model::Transformer,
     name: String,
-    random_weights: bool,
-    dtype: &str,
     shared_prefix: Option<usize>,
     jobs: Vec<(Vec<u32>, Vec<arbor_engine::SamplingParams>)>,
-    opts: &RunOpts,
+    opts: &RunOpts<'_>,
 ) -> Result<()> {
     let cfg = arbor_engine::EngineConfig {
         max_seqs: 512,
         max_batch_tokens: 4096,
-        bf16_rollouts: opts.bf16_rollouts,
+        bf16_rollouts: opts.m.bf16_rollouts,
         ..Default::default()
     };
     let dev = model.device().clone();
@@ -382,17 +378,17 @@ fn run_engine_bench(
     if let Some(c) = done.iter().find(|c| c.error.is_some()) {
         bail!("sequence {} failed: {:?}", c.id, c.error);
     }
-    let (bandwidth, bandwidth_source) = roofline_bandwidth(&dev, opts.peak_gbs);
+    let (bandwidth, bandwidth_source) = roofline_bandwidth(&dev, opts.m.peak_gbs);
     let st = engine.stats().clone();
     let r = GenBenchResult {
         bench,
         model: name,
-        weights: if random_weights {
+        weights: if opts.m.model.is_none() {
             "random"
         } else {
             "checkpoint"
         },
-        dtype: dtype.to_string(),
+        dtype: opts.m.dtype.clone(),
         device: match dev.location() {
             candle_core::DeviceLocation::Cpu => "cpu".into(),
             candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
@@ -448,12 +444,12 @@ fn run_engine_bench(
             .map(arbor_ops::GpuCut::name)
             .collect(),
         fused_decode,
-        bf16_rollouts: opts.bf16_rollouts,
+        bf16_rollouts: opts.m.bf16_rollouts,
         weight_refresh_ms,
     };
     if opts.json_line {
         println!("{}", serde_json::to_string(&r)?);
-    } else if opts.json {
+    } else if opts.m.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
     } else {
         println!("bench                  {}", r.bench);
@@ -568,16 +564,12 @@ fn generate_bench(a: GenBenchArgs) -> Result<()> {
             "generate",
             &model,
             name.clone(),
-            a.m.model.is_none(),
-            &a.m.dtype,
             Some(a.shared_prefix),
             jobs,
             &RunOpts {
-                bf16_rollouts: a.m.bf16_rollouts,
-                json: a.m.json,
+                m: &a.m,
                 json_line: a.m.json && a.batch.len() > 1,
                 fresh_process: k == 0,
-                peak_gbs: a.m.peak_gbs,
             },
         )?;
     }
@@ -606,16 +598,12 @@ fn fork_bench(a: ForkBenchArgs) -> Result<()> {
         "fork",
         &model,
         name,
-        a.m.model.is_none(),
-        &a.m.dtype,
         None,
         vec![(bench_prompt(a.prompt_len, 1, vocab), samples)],
         &RunOpts {
-            bf16_rollouts: a.m.bf16_rollouts,
-            json: a.m.json,
+            m: &a.m,
             json_line: false,
             fresh_process: true,
-            peak_gbs: a.m.peak_gbs,
         },
     )
 }

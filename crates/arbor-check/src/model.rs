@@ -238,6 +238,15 @@ pub fn train_check(dev: &Device, quick: bool, rng: &mut Rng, out: &mut Vec<Check
     Ok(())
 }
 
+/// The engines of the fast decode checks: a 512 MiB KV pool.
+fn engine_cfg() -> arbor_engine::EngineConfig {
+    arbor_engine::EngineConfig {
+        max_seqs: 64,
+        kv_memory_mib: 512,
+        ..Default::default()
+    }
+}
+
 /// The engine's dedicated decode step (a bf16 model on a GPU) against the
 /// same weights in an f32 model on the device, scored by teacher forcing:
 /// five prompts of different lengths (a bucket of 8 with padding rows,
@@ -258,15 +267,7 @@ pub fn fast_decode_checks(
     }
     let cfg = model_cfg(quick);
     let m = model_on(&cfg, DType::BF16, dev)?;
-    let mut e = arbor_engine::Engine::new(
-        &m,
-        None,
-        arbor_engine::EngineConfig {
-            max_seqs: 64,
-            kv_memory_mib: 512,
-            ..Default::default()
-        },
-    )?;
+    let mut e = arbor_engine::Engine::new(&m, None, engine_cfg())?;
     push_tol(
         out,
         "model",
@@ -311,15 +312,7 @@ pub fn fast_decode_checks(
     // The f32 engine (the candle forward) on the same greedy prompts: where
     // its tokens first differ from the fused step's (a bf16 near-tie, which
     // the teacher-forced checks below bound).
-    let mut f32_engine = arbor_engine::Engine::new(
-        &reference,
-        None,
-        arbor_engine::EngineConfig {
-            max_seqs: 64,
-            kv_memory_mib: 512,
-            ..Default::default()
-        },
-    )?;
+    let mut f32_engine = arbor_engine::Engine::new(&reference, None, engine_cfg())?;
     let greedy_jobs: Vec<_> = jobs.iter().filter(|j| j.2).collect();
     for (_, prompt, _) in &greedy_jobs {
         let n = done
@@ -420,10 +413,8 @@ fn bf16_rollout_checks(
         .rounded_through(DType::BF16),
     )?;
     let ecfg = arbor_engine::EngineConfig {
-        max_seqs: 64,
-        kv_memory_mib: 512,
         bf16_rollouts: true,
-        ..Default::default()
+        ..engine_cfg()
     };
     // The greedy completions (the sampled one is the last prompt's).
     let mut reference: Vec<&arbor_engine::Completion> = reference.iter().collect();

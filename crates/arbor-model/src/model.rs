@@ -815,10 +815,22 @@ impl Transformer {
             return self.norm.forward_rows(&x);
         }
         let (cos, sin) = self.rope.cos_sin(positions, self.dtype(), self.device())?;
+        self.layers_and_norm(self.embed_tokens(ids)?, &cos, &sin, backend)
+    }
+
+    /// Every layer over the embedded tokens `x: [B, T, H]` with RoPE
+    /// tables `cos, sin: [B*T, D/2]`, then the final norm.
+    fn layers_and_norm(
+        &self,
+        mut x: Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        backend: &mut dyn AttentionBackend,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
         let half = self.cfg.head_dim / 2;
         let cos = cos.reshape((b, 1, t, half))?;
         let sin = sin.reshape((b, 1, t, half))?;
-        let mut x = self.embed_tokens(ids)?;
         for (i, layer) in self.layers.iter().enumerate() {
             x = layer.forward(i, &x, &cos, &sin, backend)?;
         }
@@ -845,18 +857,12 @@ impl Transformer {
             )));
         }
         let (cos, sin) = self.rope.cos_sin_gather(positions, self.dtype)?;
-        let half = self.cfg.head_dim / 2;
-        let cos = cos.reshape((1, 1, n, half))?;
-        let sin = sin.reshape((1, 1, n, half))?;
-        let mut x = self
+        let x = self
             .embed
             .index_select(ids, 0)?
             .to_dtype(self.dtype)?
             .reshape((1, n, self.cfg.hidden_size))?;
-        for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(i, &x, &cos, &sin, backend)?;
-        }
-        Ok(self.norm.forward(&x)?)
+        self.layers_and_norm(x, &cos, &sin, backend)
     }
 
     /// The same model with every parameter detached from autograd (the

@@ -73,6 +73,22 @@ pub fn sample_rows(logits: &Tensor, reqs: &[SampleRequest]) -> Result<Vec<Option
     }
 }
 
+/// The `sample_rows` kernel's output, three words a request (token,
+/// logprob bits, entropy bits; token `u32::MAX`: no distribution), as
+/// results.
+pub fn unpack_samples(words: &[u32]) -> Vec<Option<Sampled>> {
+    words
+        .chunks_exact(3)
+        .map(|w| {
+            (w[0] != u32::MAX).then(|| Sampled {
+                token: w[0],
+                logprob: f32::from_bits(w[1]),
+                entropy: f32::from_bits(w[2]),
+            })
+        })
+        .collect()
+}
+
 /// [`sample_rows`] of one row, on the host: the reference the kernel is
 /// checked against.
 pub fn sample_row(l: &[f32], inv_temperature: f32, u: f64) -> Option<Sampled> {
@@ -158,17 +174,7 @@ fn cuda_sample(
     // per request, and the block size is the kernel's SAMPLE_THREADS.
     #[allow(unsafe_code)]
     unsafe { b.launch(cfg) }.w()?;
-    let out = dev.clone_dtoh(&out)?;
-    Ok(out
-        .chunks_exact(3)
-        .map(|w| {
-            (w[0] != u32::MAX).then(|| Sampled {
-                token: w[0],
-                logprob: f32::from_bits(w[1]),
-                entropy: f32::from_bits(w[2]),
-            })
-        })
-        .collect())
+    Ok(unpack_samples(&dev.clone_dtoh(&out)?))
 }
 
 #[cfg(test)]

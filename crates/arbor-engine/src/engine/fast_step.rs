@@ -5,18 +5,18 @@
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use arbor_ops::Sampled;
+use arbor_ops::{SampleRequest, Sampled};
 
 use super::sample::device_draw as draw;
 use super::Engine;
-use crate::fast::plan::{SampleIn, StepIn};
+use crate::fast::plan::{table_width, StepIn, StepShape};
 use crate::paged::PagedBatch;
 use crate::{EngineError, SeqId};
 
 /// What computes a fused step: its KV written, its samples drawn.
 trait StepRunner {
-    /// Whether `step` fits the runner's buffers.
-    fn fits(&self, step: &StepIn<'_>) -> bool;
+    /// Whether a step of this shape fits the runner's buffers.
+    fn fits(&self, shape: &StepShape) -> bool;
     fn run(
         &mut self,
         engine: &mut Engine,
@@ -26,8 +26,8 @@ trait StepRunner {
 
 #[cfg(feature = "cuda")]
 impl StepRunner for crate::fast::FastDecoder {
-    fn fits(&self, step: &StepIn<'_>) -> bool {
-        crate::fast::FastDecoder::fits(self, step)
+    fn fits(&self, shape: &StepShape) -> bool {
+        crate::fast::FastDecoder::fits(self, shape)
     }
 
     fn run(
@@ -69,53 +69,32 @@ impl Engine {
         scheduled: &[SeqId],
         runner: &mut dyn StepRunner,
     ) -> Result<bool, EngineError> {
-        // Every sample, in the order `record` lists them: a sequence's own,
-        // or its fan-out's children's.
-        let mut cut = false;
-        for id in scheduled {
+        let cut = scheduled.iter().any(|id| {
             let s = &self.seqs[id];
-            cut |= s.fan_out.is_empty() && s.params.has_cuts()
-                || s.fan_out.iter().any(|(_, p)| p.has_cuts());
-        }
-        if cut {
-            return Ok(false);
-        }
-        let n = batch.len();
-        let last = batch.last_tokens(scheduled.len());
-        let slots: Vec<u32> = batch.slots.iter().map(|&s| s as u32).collect();
-        let token_seq: Vec<u32> = batch.token_seq.iter().map(|&q| q as u32).collect();
-        let tables: Vec<&[u32]> = batch.tables.iter().map(Vec::as_slice).collect();
+            s.fan_out.is_empty() && s.params.has_cuts()
+                || s.fan_out.iter().any(|(_, p)| p.has_cuts())
+        });
         let samples_len: usize = scheduled
             .iter()
             .map(|id| self.seqs[id].fan_out.len().max(1))
             .sum();
-        let mut shape = StepIn {
-            tokens: ids,
-            positions: &batch.positions,
-            slots: &slots,
-            token_seq: &token_seq,
-            tables: &tables,
-            last: &last,
-            samples: &[],
+        let shape = StepShape {
+            tokens: batch.len(),
+            seqs: scheduled.len(),
+            samples: samples_len,
+            table_width: table_width(batch.tables.iter().map(Vec::len).max().unwrap_or(1)),
         };
-        let placeholder = vec![
-            SampleIn {
-                row: 0,
-                inv_temperature: 0.0,
-                u: 0.0
-            };
-            samples_len
-        ];
-        shape.samples = &placeholder;
-        if n != ids.len() || !runner.fits(&shape) {
+        if cut || !runner.fits(&shape) {
             return Ok(false);
         }
+        // Every sample, in the order `record` lists them: a sequence's own,
+        // or its fan-out's children's.
         let mut saved = Vec::new();
         let mut samples = Vec::with_capacity(samples_len);
         for (row, id) in scheduled.iter().enumerate() {
             let s = self.seqs.get_mut(id).expect("scheduled seq exists");
             let mut push = |(inv_temperature, u): (f32, f64)| {
-                samples.push(SampleIn {
+                samples.push(SampleRequest {
                     row: row as u32,
                     inv_temperature,
                     u,
@@ -132,9 +111,18 @@ impl Engine {
                 }
             }
         }
+        let last = batch.last_tokens(scheduled.len());
+        let slots: Vec<u32> = batch.slots.iter().map(|&s| s as u32).collect();
+        let token_seq: Vec<u32> = batch.token_seq.iter().map(|&q| q as u32).collect();
+        let tables: Vec<&[u32]> = batch.tables.iter().map(Vec::as_slice).collect();
         let step = StepIn {
+            tokens: ids,
+            positions: &batch.positions,
+            slots: &slots,
+            token_seq: &token_seq,
+            tables: &tables,
+            last: &last,
             samples: &samples,
-            ..shape
         };
         let sampled = match runner.run(self, &step) {
             Ok(s) => s,
@@ -149,12 +137,12 @@ impl Engine {
         };
         let todo = self.record(scheduled.to_vec())?;
         self.count_step(batch);
-        // Spawned children take the draw their sample used.
-        let spawned: std::collections::HashSet<SeqId> = saved.iter().map(|(id, _)| *id).collect();
+        // Children spawned by `record` take the draw their sample used.
+        let own: std::collections::HashSet<SeqId> = saved.iter().map(|(id, _)| *id).collect();
         for (id, _) in &todo {
-            if !spawned.contains(id) {
+            if !own.contains(id) {
                 if let Some(c) = self.seqs.get_mut(id) {
-                    let _ = draw(&c.params.clone(), &mut c.rng);
+                    let _ = draw(&c.params, &mut c.rng);
                 }
             }
         }
@@ -178,7 +166,7 @@ struct CpuRunner<'a> {
 
 #[cfg(test)]
 impl StepRunner for CpuRunner<'_> {
-    fn fits(&self, _: &StepIn<'_>) -> bool {
+    fn fits(&self, _: &StepShape) -> bool {
         true
     }
 
@@ -188,16 +176,7 @@ impl StepRunner for CpuRunner<'_> {
         step: &StepIn<'_>,
     ) -> Result<Vec<Option<Sampled>>, EngineError> {
         let logits = engine.forward_logits(self.batch, self.ids.to_vec(), step.tables.len())?;
-        let reqs: Vec<arbor_ops::SampleRequest> = step
-            .samples
-            .iter()
-            .map(|s| arbor_ops::SampleRequest {
-                row: s.row,
-                inv_temperature: s.inv_temperature,
-                u: s.u,
-            })
-            .collect();
-        Ok(arbor_ops::sample_rows(&logits, &reqs)?)
+        Ok(arbor_ops::sample_rows(&logits, step.samples)?)
     }
 }
 

@@ -40,15 +40,16 @@ impl Engine {
             .iter()
             .all(|&p| (p as usize) < self.model.cfg.max_position_embeddings);
         let device_inputs = self.device_inputs(&dev) && in_table;
-        let h = match &mut self.cache {
+        // The hidden states `[1, n, H]` and the index of
+        // each sequence's last token.
+        let (hidden, rows) = match &mut self.cache {
             KvStore::Host(cache) => {
                 let input = Tensor::from_vec(ids, (1, n_tokens), &dev)?;
                 let mut backend = PagedAttention { cache, batch };
                 let hidden = self
                     .model
                     .forward_with(&input, &batch.positions, &mut backend)?;
-                let rows = Tensor::from_vec(rows, n_seqs, &dev)?;
-                hidden.squeeze(0)?.index_select(&rows, 0)?
+                (hidden, Tensor::from_vec(rows, n_seqs, &dev)?)
             }
             KvStore::Device(cache) if device_inputs && GpuCut::Upload.on() => {
                 let packed = arbor_ops::PackedTables::new(
@@ -80,7 +81,7 @@ impl Engine {
                 let hidden =
                     self.model
                         .forward_on_device(&part(0, n)?, &part(n, n)?, &mut backend)?;
-                hidden.squeeze(0)?.index_select(&part(4 * n, n_seqs)?, 0)?
+                (hidden, part(4 * n, n_seqs)?)
             }
             KvStore::Device(cache) => {
                 let mut backend = DevicePagedAttention::new(cache, batch)?;
@@ -96,10 +97,10 @@ impl Engine {
                     self.model
                         .forward_with(&input, &batch.positions, &mut backend)?
                 };
-                let rows = Tensor::from_vec(rows, n_seqs, &dev)?;
-                hidden.squeeze(0)?.index_select(&rows, 0)?
+                (hidden, Tensor::from_vec(rows, n_seqs, &dev)?)
             }
         };
+        let h = hidden.squeeze(0)?.index_select(&rows, 0)?;
         Ok(self.model.lm_head_logits(&h)?.to_dtype(DType::F32)?)
     }
 

@@ -454,10 +454,9 @@ impl FastDecoder {
         self.stream.synchronize().w()
     }
 
-    /// Whether `step` fits the buffers (else the engine runs it through
-    /// the candle forward).
-    pub fn fits(&self, step: &StepIn<'_>) -> bool {
-        let sh = StepShape::of(step);
+    /// Whether a step of shape `sh` fits the buffers (else the engine runs
+    /// it through the candle forward).
+    pub fn fits(&self, sh: &StepShape) -> bool {
         sh.tokens <= self.plan.tokens
             && sh.seqs <= self.plan.rows
             && sh.samples <= self.plan.rows
@@ -471,7 +470,8 @@ impl FastDecoder {
     /// Returns one result per sample (`None`: the logits held no
     /// distribution).
     pub fn step(&mut self, step: &StepIn<'_>) -> Result<Vec<Option<Sampled>>> {
-        if !self.fits(step) {
+        let shape = StepShape::of(step);
+        if !self.fits(&shape) {
             candle_core::bail!("fast decode: a step larger than its buffers");
         }
         step.check(self.block_size as usize)
@@ -494,9 +494,9 @@ impl FastDecoder {
             .filter(|&b| step.is_decode() && b <= self.plan.rows)
             .map(|b| GraphKey {
                 bucket: b,
-                table_width: StepShape::of(step).table_width,
+                table_width: shape.table_width,
             });
-        let layout = InputLayout::new(key.map_or_else(|| StepShape::of(step), StepShape::decode));
+        let layout = InputLayout::new(key.map_or(shape, StepShape::decode));
         let buf = layout
             .pack(step, u32::MAX)
             .map_err(candle_core::Error::Msg)?;
@@ -506,18 +506,11 @@ impl FastDecoder {
         // The candle stream's next work (a prefill, a block copy) waits for
         // this step's KV writes, whatever happened.
         self.candle_stream.join(&self.stream).w()?;
-        let bytes = r?;
-        Ok(bytes
-            .chunks_exact(12)
-            .map(|c| {
-                let w = |i: usize| u32::from_le_bytes([c[i], c[i + 1], c[i + 2], c[i + 3]]);
-                (w(0) != u32::MAX).then(|| Sampled {
-                    token: w(0),
-                    logprob: f32::from_bits(w(4)),
-                    entropy: f32::from_bits(w(8)),
-                })
-            })
-            .collect())
+        let words: Vec<u32> = r?
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        Ok(arbor_ops::sample::unpack_samples(&words))
     }
 
     /// Uploads `buf`, runs the step (its graph, or its launches), and

@@ -3,6 +3,8 @@
 //! arena, and the keys of captured graphs. Nothing here touches a device,
 //! so all of it is tested on the CPU.
 
+use arbor_ops::SampleRequest;
+
 /// Batch sizes a decode step is padded up to (one captured graph each).
 pub const BUCKETS: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
 
@@ -30,16 +32,6 @@ pub struct GraphKey {
     pub table_width: usize,
 }
 
-/// One token to sample: from the logits of sequence `row`'s last token.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct SampleIn {
-    pub row: u32,
-    /// `1 / T`; 0 is greedy.
-    pub inv_temperature: f32,
-    /// The sequence's uniform draw in [0, 1) (unused when greedy).
-    pub u: f64,
-}
-
 /// One step's host inputs: `n` new tokens of `s` sequences (packed
 /// sequence after sequence, as the engine schedules them) and the tokens
 /// to sample.
@@ -55,8 +47,9 @@ pub struct StepIn<'a> {
     /// index of its last new token.
     pub tables: &'a [&'a [u32]],
     pub last: &'a [u32],
-    /// `[r]`: the samples (a fan-out samples one row several times).
-    pub samples: &'a [SampleIn],
+    /// `[r]`: the samples, each from the logits of sequence `row`'s last
+    /// token (a fan-out samples one row several times).
+    pub samples: &'a [SampleRequest],
 }
 
 impl StepIn<'_> {
@@ -340,7 +333,7 @@ mod tests {
         assert_eq!(table_width(16), 16);
     }
 
-    fn decode_step<'a>(tables: &'a [&'a [u32]], samples: &'a [SampleIn]) -> StepIn<'a> {
+    fn decode_step<'a>(tables: &'a [&'a [u32]], samples: &'a [SampleRequest]) -> StepIn<'a> {
         StepIn {
             tokens: &[11, 12],
             positions: &[20, 40],
@@ -364,12 +357,12 @@ mod tests {
         let (ta, tb) = ([7u32, 3], [9u32, 1, 4]);
         let tables: [&[u32]; 2] = [&ta, &tb];
         let samples = [
-            SampleIn {
+            SampleRequest {
                 row: 0,
                 inv_temperature: 0.0,
                 u: 0.0,
             },
-            SampleIn {
+            SampleRequest {
                 row: 1,
                 inv_temperature: 1.25,
                 u: 0.375,
@@ -409,17 +402,17 @@ mod tests {
         let (ta, tb) = ([4u32], [8u32, 2]);
         let tables: [&[u32]; 2] = [&ta, &tb];
         let samples = [
-            SampleIn {
+            SampleRequest {
                 row: 0,
                 inv_temperature: 1.0,
                 u: 0.25,
             },
-            SampleIn {
+            SampleRequest {
                 row: 0,
                 inv_temperature: 1.0,
                 u: 0.75,
             },
-            SampleIn {
+            SampleRequest {
                 row: 1,
                 inv_temperature: 0.0,
                 u: 0.0,
@@ -462,7 +455,7 @@ mod tests {
             ..step
         };
         assert!(bad.check(16).unwrap_err().contains("last token 4"));
-        let few = [SampleIn {
+        let few = [SampleRequest {
             row: 2,
             ..samples[0]
         }];
