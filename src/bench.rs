@@ -38,6 +38,10 @@ pub enum BenchCommand {
     /// several seeds: held-out pass rate vs tokens, intervals, critic
     /// diagnostics.
     Algos(crate::bench_algos::AlgosArgs),
+    /// Can the critic rank states at all? Fits it by regression on states
+    /// with Monte-Carlo values from a frozen policy and scores it on
+    /// held-out states against the noise ceiling and a depth baseline.
+    Critic(crate::bench_critic::CriticBenchArgs),
     /// The rollout scheduler with slow environments: wall, engine,
     /// environment and engine-idle time with environment steps inline and
     /// on worker threads.
@@ -660,6 +664,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Fork(a) => fork_bench(a),
         BenchCommand::Audit(a) => crate::bench_audit::run(a),
         BenchCommand::Algos(a) => crate::bench_algos::run(a),
+        BenchCommand::Critic(a) => crate::bench_critic::run(a),
         BenchCommand::Rollout(a) => crate::bench_rollout::run(a),
         BenchCommand::LogprobMemory(a) => logprob_memory(a),
     }

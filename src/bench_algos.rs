@@ -27,7 +27,9 @@ pub struct AlgosArgs {
     /// optionally with settings joined by `+`: `lambda=X`, `kappa=X`,
     /// `score=spec|bias|propagated`, `evidence=on_policy|subtree`,
     /// `prune_settled=K`, `critic_targets=gbar|monte_carlo`,
-    /// `critic=shared|separate`, `critic_init=policy|own`, `critic_lr=X`;
+    /// `critic=shared|separate`, `critic_init=policy|own`, `critic_lr=X`,
+    /// `critic_epochs=E`, `critic_minibatches=M`, `critic_replay=R`, `heldout_tasks=N`,
+    /// `heldout_samples=K`;
     /// Prefix Sampling's `reserve=X`, `band=X`, `eta=X`,
     /// `cut=auto|tokens|lines|boundaries`, `replay=execute|snapshot`,
     /// `rerollouts=M`, `sources=S`, `attempts=K`, `probe=Q`, `anchor=B`, `keep_skewed=B`,
@@ -260,7 +262,7 @@ struct AlgoSummary {
 /// FOCUS on a separate critic, the others on the shared one; `[focus]`
 /// back at its defaults for the other methods (it is FOCUS's own, and PPO
 /// and VinePPO refuse a changed one).
-fn row_config(
+pub(crate) fn row_config(
     base: &TrainConfig,
     algo: Algo,
     settings: &[&str],
@@ -306,6 +308,11 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
             "score" => cfg.focus.score = variant(kv, v)?,
             "evidence" => cfg.focus.evidence = variant(kv, v)?,
             "critic_lr" => cfg.critic.lr = Some(num()?),
+            "critic_epochs" => cfg.critic.epochs = num()? as usize,
+            "critic_minibatches" => cfg.critic.minibatches = num()? as usize,
+            "critic_replay" => cfg.critic.replay_steps = num()? as usize,
+            "heldout_tasks" => cfg.critic.heldout_tasks = num()? as usize,
+            "heldout_samples" => cfg.critic.heldout_samples = num()? as usize,
             "critic" => cfg.learner.critic = variant(kv, v)?,
             "critic_init" => cfg.critic.init = variant(kv, v)?,
             "reserve" => cfg.ps.reserve = num()?,
@@ -371,7 +378,7 @@ fn mean_ci95(xs: &[f64]) -> (f64, f64) {
     (mean, t95(xs.len() - 1) * (var / k).sqrt())
 }
 
-fn parse_algo(s: &str) -> Result<Algo> {
+pub(crate) fn parse_algo(s: &str) -> Result<Algo> {
     Ok(match s {
         "focus" => Algo::Focus,
         "ps" => Algo::Ps,

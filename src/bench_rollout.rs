@@ -72,6 +72,7 @@ pub fn run(a: RolloutBenchArgs) -> Result<()> {
         TaskConfig::RunningSum {
             difficulty: a.difficulty,
             one_turn: false,
+            stop_at_error: false,
         },
         a.seed,
         None,

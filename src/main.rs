@@ -7,6 +7,7 @@ mod alloc_count;
 mod bench;
 mod bench_algos;
 mod bench_audit;
+mod bench_critic;
 mod bench_rollout;
 mod bench_train;
 mod check_device;

@@ -162,6 +162,17 @@ fn kill_9_then_resume_is_bit_exact_with_prefix_sampling() {
 }
 
 #[test]
+fn kill_9_then_resume_is_bit_exact_with_critic_passes_and_replay() {
+    // The replayed value targets and the critic's own optimizer step count
+    // are checkpointed too.
+    let passes = CONFIG.replace(
+        "[learner]",
+        "[critic]\nepochs = 2\nminibatches = 2\nreplay_steps = 2\n\n[learner]",
+    );
+    kill_and_resume(&passes, &[KillAt::Checkpoint(2), KillAt::Line(3)]);
+}
+
+#[test]
 fn bad_configs_name_the_key() {
     let tmp = tempfile::tempdir().unwrap();
     let check = |text: &str, needle: &str| {
@@ -191,6 +202,14 @@ fn bad_configs_name_the_key() {
     check(
         &CONFIG.replace("difficulty = 3", "difficulty = 0"),
         "task.difficulty",
+    );
+    check(
+        &CONFIG.replace("[learner]", "[critic]\nreplay_steps = 2\n\n[learner]"),
+        "critic.replay_steps",
+    );
+    check(
+        &CONFIG.replace("[learner]", "[critic]\nminibatches = 0\n\n[learner]"),
+        "critic.minibatches",
     );
     check(
         &CONFIG.replace("[warmup]", "[warmup]\nlearning = 1"),

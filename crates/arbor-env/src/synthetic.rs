@@ -150,6 +150,12 @@ pub struct RunningSumConfig {
     /// sums in one response (one segment per episode).
     #[serde(default)]
     pub one_turn: bool,
+    /// Fail fast: the episode ends (reward 0) at the first wrong or
+    /// malformed answer, as a harness that stops at the first failing
+    /// check. Every state reached is then still solvable, and the
+    /// decision that failed is the last one. Multi-turn only.
+    #[serde(default)]
+    pub stop_at_error: bool,
 }
 
 impl RunningSumConfig {
@@ -159,6 +165,7 @@ impl RunningSumConfig {
             difficulty: k,
             mode: Mode::Tokens,
             one_turn: false,
+            stop_at_error: false,
         }
     }
 
@@ -176,6 +183,7 @@ impl RunningSumConfig {
             difficulty: k,
             mode: Mode::Text(chat),
             one_turn: false,
+            stop_at_error: false,
         }
     }
 }
@@ -217,9 +225,16 @@ impl RunningSum {
         let mut rng = SplitMix64::new(seed ^ 0x5255_4E53_554D); // "RUNSUM"
         let digits = (0..cfg.difficulty).map(|_| rng.below(10) as u8).collect();
         let surface = cfg.mode.name();
+        if cfg.one_turn && cfg.stop_at_error {
+            return Err(EnvError::task(
+                "running-sum",
+                "stop_at_error needs the multi-turn task (one_turn = false)",
+            ));
+        }
         let turns = if cfg.one_turn { ",turns=1" } else { "" };
+        let stop = if cfg.stop_at_error { ",stop=error" } else { "" };
         let id = format!(
-            "running-sum:k={},seed={seed},mode={surface}{turns}",
+            "running-sum:k={},seed={seed},mode={surface}{turns}{stop}",
             cfg.difficulty
         );
         Ok(RunningSum {
@@ -427,6 +442,13 @@ impl Env for RunningSum {
             .to_text(Some(&SmallVocab), &self.id)
             .unwrap_or_default();
         let i = self.answers.len();
+        if self.cfg.stop_at_error && self.answers[i - 1] != Some(self.expected()[i - 1]) {
+            return Ok(StepOutcome::last(
+                final_observation(&self.cfg.mode, &prev),
+                0.0,
+                error,
+            ));
+        }
         if i == k {
             let expected = self.expected();
             let right = self
@@ -875,7 +897,7 @@ pub fn from_spec(spec: &str) -> Result<Box<dyn Env>> {
     let bad = |msg: String| EnvError::task(spec, msg);
     let (name, rest) = spec.split_once(':').unwrap_or((spec, ""));
     let (mut k, mut seed, mut mode, mut subtract) = (None, 0u64, Mode::Tokens, false);
-    let mut one_turn = false;
+    let (mut one_turn, mut stop_at_error) = (false, false);
     for kv in rest.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let (key, val) = kv
             .split_once('=')
@@ -897,6 +919,13 @@ pub fn from_spec(spec: &str) -> Result<Box<dyn Env>> {
                     "1" => true,
                     "k" => false,
                     _ => return Err(bad(format!("turns `{val}`: expected 1 or k"))),
+                }
+            }
+            "stop" if name == "running-sum" => {
+                stop_at_error = match val {
+                    "error" => true,
+                    "end" => false,
+                    _ => return Err(bad(format!("stop `{val}`: expected error or end"))),
                 }
             }
             "subtract" => {
@@ -922,6 +951,7 @@ pub fn from_spec(spec: &str) -> Result<Box<dyn Env>> {
                 difficulty,
                 mode,
                 one_turn,
+                stop_at_error,
             },
             seed,
         )?)),
@@ -954,6 +984,7 @@ mod tests {
         for spec in [
             "running-sum:k=4,seed=7,mode=tokens",
             "running-sum:k=2,seed=1,mode=qwen",
+            "running-sum:k=5,seed=2,mode=tokens,stop=error",
             "register:k=3,seed=9,subtract=true,mode=text",
         ] {
             assert_eq!(from_spec(spec).unwrap().task_id(), spec);
@@ -969,6 +1000,8 @@ mod tests {
             "running-sum:k=1,mode=zz",
             "running-sum:k=1,q=2",
             "running-sum:k1",
+            "running-sum:k=3,stop=later",
+            "running-sum:k=3,turns=1,stop=error",
         ] {
             assert!(
                 matches!(from_spec(bad), Err(EnvError::Task { .. })),
@@ -1017,6 +1050,44 @@ mod tests {
             let ep = run_actions(env.fresh().unwrap(), bad);
             assert_eq!(ep.total_reward(), 0.0);
         }
+    }
+
+    /// Fail fast: the first wrong or malformed answer ends the episode
+    /// with reward 0; right answers go on as in the plain task.
+    #[test]
+    fn running_sum_stops_at_the_first_error() {
+        let k = 5;
+        let cfg = RunningSumConfig {
+            stop_at_error: true,
+            ..RunningSumConfig::tokens(k)
+        };
+        let env = RunningSum::new(cfg, 3).unwrap();
+        let good = env.oracle_actions();
+        let ep = run_actions(env.fresh().unwrap(), good.clone());
+        assert!(ep.is_done());
+        assert_eq!((ep.total_reward(), ep.segments().len()), (1.0, k));
+        for at in 0..k {
+            for bad in [
+                {
+                    let Action::Tokens(t) = &good[at] else {
+                        unreachable!()
+                    };
+                    Action::Tokens(vec![(t[0] + 1) % 10, EOS])
+                },
+                Action::Tokens(vec![PLUS, EOS]),
+            ] {
+                let mut acts = good[..at].to_vec();
+                acts.push(bad);
+                let ep = run_actions(env.fresh().unwrap(), acts);
+                assert!(ep.is_done(), "wrong answer {at} must end the episode");
+                assert_eq!((ep.total_reward(), ep.segments().len()), (0.0, at + 1));
+            }
+        }
+        let one_turn = RunningSumConfig {
+            stop_at_error: true,
+            ..RunningSumConfig::tokens_one_turn(k)
+        };
+        assert!(RunningSum::new(one_turn, 3).is_err());
     }
 
     #[test]

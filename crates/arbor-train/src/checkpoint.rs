@@ -35,6 +35,10 @@ pub(crate) struct TrainerState {
     /// Sampling seed counter.
     pub(crate) seed_counter: u64,
     pub(crate) optimizer_step: u64,
+    /// Optimizer steps of the critic's group when it took extra passes of
+    /// its own (`[critic] epochs`); absent: `optimizer_step`.
+    #[serde(default)]
+    pub(crate) critic_optimizer_step: Option<u64>,
     pub(crate) warmup_nll: Vec<f64>,
     pub(crate) initial_eval: Option<f64>,
     /// The context management of that evaluation (bounded contexts).
@@ -46,6 +50,10 @@ pub(crate) struct TrainerState {
     /// The last step's generated tokens per task (token budgets).
     #[serde(default)]
     pub(crate) tokens_per_task: Option<f64>,
+    /// Value targets of the last `[critic] replay_steps` steps, oldest
+    /// first (value-only rows).
+    #[serde(default, skip_serializing_if = "std::collections::VecDeque::is_empty")]
+    pub(crate) critic_replay: std::collections::VecDeque<Vec<arbor_rl::credit::LossRow>>,
 }
 
 /// `trainer_state.json` as written: the trainer's state and the rollout
@@ -75,11 +83,13 @@ impl TrainerState {
             cursor: 0,
             seed_counter: seed.wrapping_mul(7919),
             optimizer_step: 0,
+            critic_optimizer_step: None,
             warmup_nll: Vec::new(),
             initial_eval: None,
             initial_eval_context: None,
             budget_carry: 0,
             tokens_per_task: None,
+            critic_replay: Default::default(),
         }
     }
 }
@@ -230,6 +240,9 @@ pub(crate) fn restore(
         .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", sp.display())))?;
     let opt = candle_core::safetensors::load(dir.join("optimizer.safetensors"), dev)?;
     learner.opt.load_state(&opt, saved.trainer.optimizer_step)?;
+    if let Some(n) = saved.trainer.critic_optimizer_step {
+        learner.opt.set_group_steps(n);
+    }
     Ok((learner, saved.trainer, saved.policy))
 }
 

@@ -244,6 +244,19 @@ pub struct CriticSettings {
     pub heldout_tasks: usize,
     /// Monte-Carlo continuations per held-out state (>= 1).
     pub heldout_samples: usize,
+    /// Extra passes of the critic alone over each step's value targets,
+    /// after the joint update (0: none). The critic sees each state's
+    /// value through few noisy outcomes; more optimizer steps on the same
+    /// targets let it fit them (`arbor bench critic` measures how many it
+    /// needs). They move the critic's parameters only.
+    pub epochs: usize,
+    /// Optimizer steps per extra pass: the step's rows shuffled and split
+    /// this many ways (>= 1).
+    pub minibatches: usize,
+    /// The extra passes also go over the value targets of this many
+    /// earlier steps (a replay of recent trees, their targets as computed
+    /// then; kept in checkpoints). Needs `epochs >= 1`.
+    pub replay_steps: usize,
 }
 
 impl Default for CriticSettings {
@@ -254,6 +267,9 @@ impl Default for CriticSettings {
             grad_clip: None,
             heldout_tasks: 8,
             heldout_samples: 4,
+            epochs: 0,
+            minibatches: 4,
+            replay_steps: 0,
         }
     }
 }
@@ -668,6 +684,15 @@ impl TrainConfig {
                 return bad("critic.grad_clip", "must be >= 0 (finite)");
             }
         }
+        if self.critic.minibatches == 0 {
+            return bad("critic.minibatches", "must be >= 1");
+        }
+        if self.critic.replay_steps > 0 && self.critic.epochs == 0 {
+            return bad(
+                "critic.replay_steps",
+                "replays feed the critic's extra passes: set critic.epochs >= 1",
+            );
+        }
         if self.critic.heldout_tasks > 0 && self.critic.heldout_samples == 0 {
             return bad("critic.heldout_samples", "must be >= 1");
         }
@@ -791,6 +816,16 @@ impl TrainConfig {
             Ok(())
         };
         match &self.task {
+            TaskConfig::RunningSum {
+                one_turn: true,
+                stop_at_error: true,
+                ..
+            } => {
+                return bad(
+                    "task.stop_at_error",
+                    "needs the multi-turn task (one_turn = false)",
+                )
+            }
             TaskConfig::RunningSum { difficulty, .. } | TaskConfig::Register { difficulty, .. } => {
                 if *difficulty == 0 || *difficulty > 64 {
                     return bad("task.difficulty", "must be in 1..=64");

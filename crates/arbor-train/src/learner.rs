@@ -207,6 +207,22 @@ impl std::fmt::Debug for Learner {
     }
 }
 
+/// `row` cut after its last value target, with no policy tokens (`None`
+/// without targets): what the critic's extra passes train on, and what a
+/// replay of earlier steps keeps.
+pub fn value_only_row(row: &LossRow) -> Option<LossRow> {
+    let end = row.value_targets.iter().map(|&(p, _)| p + 1).max()?;
+    Some(LossRow {
+        episode: row.episode,
+        leaf: row.leaf,
+        tokens: row.tokens[..end].to_vec(),
+        mask: vec![0.0; end],
+        advantages: vec![0.0; end],
+        behaviour_logprobs: vec![0.0; end],
+        value_targets: row.value_targets.clone(),
+    })
+}
+
 /// Named variables of a var map, sorted by name.
 pub fn named_vars(vm: &VarMap, prefix: &str) -> Vec<(String, Var)> {
     let data = vm.data().lock().expect("var map lock");
@@ -610,6 +626,119 @@ impl Learner {
         stats.time_backward_s = t_bwd;
         stats.time_optimizer_s = t_opt;
         Ok(stats)
+    }
+
+    /// Extra passes of the critic alone over this step's value targets
+    /// (`[critic] epochs`): `passes` times, the rows (cut after their last
+    /// target, no policy tokens) are shuffled from `seed` and split into
+    /// `minibatches` equal parts, and each part is one
+    /// [`AdamW::step_group`] of the critic's parameters on the mean value
+    /// loss of its targets. The policy, its moments and the schedule do not
+    /// move; with a shared critic only the value head does. In a
+    /// data-parallel `group` every rank splits its own rows the same number
+    /// of ways and the gradients and counts are summed, so the ranks stay
+    /// in step. Returns the last pass's mean value loss and the steps taken.
+    pub fn update_critic_in_group(
+        &mut self,
+        rows: &[LossRow],
+        passes: usize,
+        minibatches: usize,
+        seed: u64,
+        group: &mut dyn crate::dist::Collective,
+    ) -> Result<(f64, usize), TrainError> {
+        let dev = self.device();
+        let rows: Vec<LossRow> = rows.iter().filter_map(value_only_row).collect();
+        let parts = minibatches.max(1);
+        let mut order: Vec<usize> = (0..rows.len()).collect();
+        let mut rng = seed;
+        let (mut last_loss, mut steps) = (0.0, 0);
+        for _ in 0..passes {
+            for i in (1..order.len()).rev() {
+                rng = crate::rollout::sched::mix64(rng);
+                order.swap(i, (rng % (i as u64 + 1)) as usize);
+            }
+            let (mut loss, mut targets) = (0.0, 0usize);
+            for part in 0..parts {
+                let (lo, hi) = (part * order.len() / parts, (part + 1) * order.len() / parts);
+                let mb: Vec<(&LossRow, &[f64])> =
+                    order[lo..hi].iter().map(|&i| (&rows[i], &[][..])).collect();
+                let mut n = [mb.iter().map(|(r, _)| r.value_targets.len()).sum::<usize>() as f64];
+                if group.world() > 1 {
+                    group.all_reduce_sum_f64(&mut n)?;
+                }
+                let v_w = 1.0 / n[0].max(1.0) as f32;
+                let (mut acc, mut sums) = arbor_ops::in_pool(&dev, || {
+                    let mut acc = GradAccum::default();
+                    let mut sums = MicroSums::default();
+                    for chunk in
+                        micro_batches(&mb, self.cfg.micro_batch_tokens, |(r, _)| r.tokens.len())
+                    {
+                        let p = pack(chunk, &dev)?;
+                        let fwd = self.forward_values(&p)?;
+                        let Some(total) = self.micro_loss(
+                            &p,
+                            &fwd.h,
+                            &fwd.values,
+                            false,
+                            // No policy tokens: the clip is never read.
+                            PpoClip {
+                                eps_low: 0.0,
+                                eps_high: 0.0,
+                            },
+                            v_w,
+                            &mut sums,
+                        )?
+                        else {
+                            continue;
+                        };
+                        let vars = self.opt.vars();
+                        let grads = total.backward()?;
+                        acc.add(vars, &grads)?;
+                        for (m, ck, x) in &fwd.recomputed {
+                            if let Some(d) = grads.get(x.as_tensor()) {
+                                m.backward_checkpoints(ck, &p.ids, d, |g| acc.add(vars, g))?;
+                            }
+                        }
+                    }
+                    Ok::<_, TrainError>((acc, sums))
+                })?;
+                if group.world() > 1 {
+                    acc.all_reduce(self.opt.vars(), group)?;
+                    sums.all_reduce(group)?;
+                }
+                if n[0] > 0.0 {
+                    arbor_ops::in_pool(&dev, || self.opt.step_group(&acc))?;
+                    steps += 1;
+                }
+                loss += sums.value * n[0];
+                targets += n[0] as usize;
+            }
+            last_loss = loss / targets.max(1) as f64;
+        }
+        Ok((last_loss, steps))
+    }
+
+    /// The critic's forward alone: its values (with `recompute =
+    /// "layers"` through the critic backbone's checkpoints); `h` is empty.
+    fn forward_values(&self, p: &Packed) -> Result<MicroForward<'_>, TrainError> {
+        let m = &self.model;
+        let backbone = m.critic_backbone.as_ref().unwrap_or(&m.policy);
+        let empty = Tensor::zeros(0, DType::F32, &self.device())?;
+        if self.cfg.recompute == Recompute::Off {
+            return Ok(MicroForward {
+                h: empty,
+                values: m.values_packed(&p.ids, &p.seq_lens)?,
+                recomputed: Vec::new(),
+            });
+        }
+        let ck = backbone.forward_checkpoints(&p.ids, &p.seq_lens)?;
+        let x = ck.last_leaf()?;
+        let values = m.value_head.forward(&backbone.final_norm(x.as_tensor())?)?;
+        Ok(MicroForward {
+            h: empty,
+            values,
+            recomputed: vec![(backbone, ck, x)],
+        })
     }
 
     /// A micro-batch's forward: final hidden states and values; with

@@ -22,6 +22,7 @@ pub mod dist;
 pub mod learner;
 pub mod metrics;
 pub mod optim;
+pub mod probe;
 pub mod rollout;
 pub mod tasks;
 pub mod tensorboard;

@@ -143,6 +143,10 @@ pub struct StepMetrics {
     pub critic_grad_norm: Option<f64>,
     #[serde(default)]
     pub critic_lr: Option<f64>,
+    /// Mean value loss of the last of the critic's extra passes
+    /// (`[critic] epochs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub critic_pass_loss: Option<f64>,
     /// Explained variance of the critic against Monte-Carlo values on
     /// held-out states (evaluation steps; `[critic] heldout_tasks`).
     #[serde(default)]

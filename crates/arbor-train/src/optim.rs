@@ -162,6 +162,9 @@ pub struct AdamW {
     m: Vec<Tensor>,
     v: Vec<Tensor>,
     step: u64,
+    /// Steps that updated the group's parameters: every [`AdamW::step`]
+    /// and every [`AdamW::step_group`]. Their bias corrections use it.
+    group_step: u64,
 }
 
 impl AdamW {
@@ -183,6 +186,7 @@ impl AdamW {
             m,
             v,
             step: 0,
+            group_step: 0,
         })
     }
 
@@ -198,6 +202,7 @@ impl AdamW {
             *t = t.zeros_like()?;
         }
         self.step = 0;
+        self.group_step = 0;
         self.cfg = cfg;
         Ok(())
     }
@@ -214,6 +219,17 @@ impl AdamW {
 
     pub fn steps_done(&self) -> u64 {
         self.step
+    }
+
+    /// Steps that updated the group (equal to [`AdamW::steps_done`] unless
+    /// [`AdamW::step_group`] ran).
+    pub fn group_steps_done(&self) -> u64 {
+        self.group_step
+    }
+
+    /// Restore the group's step count (checkpoints).
+    pub fn set_group_steps(&mut self, n: u64) {
+        self.group_step = n;
     }
 
     /// Learning rate of (1-based) step `t`.
@@ -235,7 +251,27 @@ impl AdamW {
     /// moments included, as PyTorch skips parameters whose `grad` is None.
     pub fn step(&mut self, grads: &GradAccum) -> Result<StepStats, TrainError> {
         self.step += 1;
-        let t = self.step;
+        self.group_step += 1;
+        self.apply(grads, false)
+    }
+
+    /// A step of the group's parameters alone (the critic's extra passes):
+    /// their moments and bias corrections advance with the group's own
+    /// step count, at the learning rate of where the schedule stands; the
+    /// other parameters and the schedule do not move.
+    pub fn step_group(&mut self, grads: &GradAccum) -> Result<StepStats, TrainError> {
+        if self.group.is_none() {
+            return Err(TrainError::Config(
+                "optimizer: a group step needs a parameter group".into(),
+            ));
+        }
+        self.group_step += 1;
+        self.apply(grads, true)
+    }
+
+    /// Apply `grads` (only the group's with `group_only`).
+    fn apply(&mut self, grads: &GradAccum, group_only: bool) -> Result<StepStats, TrainError> {
+        let t = self.step.max(1);
         let lr = self.lr_at(t);
         // Squared gradient norms: [rest, group].
         let mut sq = [0f64; 2];
@@ -259,28 +295,34 @@ impl AdamW {
         };
         let group_lr = self.group.as_ref().map(|g| lr * g.lr / self.cfg.lr);
         let (b1, b2) = (self.cfg.beta1, self.cfg.beta2);
-        let bc1 = 1.0 - b1.powi(t as i32);
-        let bc2 = 1.0 - b2.powi(t as i32);
-        let hyper = |lr: f64, grad_scale: f64| arbor_ops::AdamWStep {
+        let hyper = |lr: f64, grad_scale: f64, t: u64| arbor_ops::AdamWStep {
             lr,
             beta1: b1,
             beta2: b2,
             eps: self.cfg.eps,
             weight_decay: self.cfg.weight_decay,
-            bias1: bc1,
-            bias2: bc2,
+            bias1: 1.0 - b1.powi(t as i32),
+            bias2: 1.0 - b2.powi(t as i32),
             grad_scale,
         };
         let h = [
-            hyper(lr, clip(self.cfg.grad_clip, norms[0])),
+            hyper(lr, clip(self.cfg.grad_clip, norms[0]), t),
             match &self.group {
-                Some(g) => hyper(group_lr.unwrap_or(lr), clip(g.grad_clip, norms[1])),
-                None => hyper(lr, 1.0),
+                Some(g) => hyper(
+                    group_lr.unwrap_or(lr),
+                    clip(g.grad_clip, norms[1]),
+                    self.group_step.max(1),
+                ),
+                None => hyper(lr, 1.0, t),
             },
         ];
         for (i, (name, var)) in self.vars.iter().enumerate() {
             let Some(g) = grads.get(var) else { continue };
-            let h = &h[usize::from(self.in_group(name))];
+            let in_group = self.in_group(name);
+            if group_only && !in_group {
+                continue;
+            }
+            let h = &h[usize::from(in_group)];
             arbor_ops::adamw_step(var, &mut self.m[i], &mut self.v[i], g, h)?;
         }
         Ok(StepStats {
@@ -323,6 +365,9 @@ impl AdamW {
             }
         }
         self.step = step;
+        // The group's own count, when it differs, is restored apart
+        // ([`AdamW::set_group_steps`]).
+        self.group_step = step;
         Ok(())
     }
 }
@@ -439,6 +484,67 @@ mod tests {
             assert!((x + 0.1).abs() < 1e-4, "{a1:?}");
             assert!((y + 0.01).abs() < 1e-4, "{b1:?}");
         }
+    }
+
+    /// Group-only steps move the group's parameters with their own step
+    /// count (bias corrections of steps 2 and 3 after one full step) and
+    /// leave the other parameters, their moments and the schedule alone.
+    #[test]
+    fn group_steps_move_only_the_group() {
+        let dev = Device::Cpu;
+        let a = Var::new(&[1f32], &dev).unwrap();
+        let b = Var::new(&[1f32], &dev).unwrap();
+        let vars = vec![
+            ("policy.a".to_string(), a.clone()),
+            ("critic.b".to_string(), b.clone()),
+        ];
+        let cfg = AdamWConfig {
+            lr: 0.1,
+            weight_decay: 0.0,
+            grad_clip: 0.0,
+            ..Default::default()
+        };
+        let mut opt = AdamW::new(vars.clone(), cfg).unwrap();
+        opt.set_group(ParamGroup {
+            prefix: "critic.".into(),
+            lr: 0.05,
+            grad_clip: 0.0,
+        });
+        // loss = a^2 / 2 + b^2 / 2: grads a and b.
+        let grads = |opt: &AdamW| {
+            let loss = ((a.as_tensor().sqr().unwrap() + b.as_tensor().sqr().unwrap()).unwrap()
+                * 0.5)
+                .unwrap()
+                .sum_all()
+                .unwrap();
+            let mut acc = GradAccum::default();
+            acc.add(opt.vars(), &loss.backward().unwrap()).unwrap();
+            acc
+        };
+        let (mut m, mut v, mut x) = (0.0f64, 0.0f64, 1.0f64);
+        let mut reference = |t: i32, lr: f64| {
+            let g = x;
+            m = 0.9 * m + 0.1 * g;
+            v = 0.999 * v + 0.001 * g * g;
+            x -= lr * (m / (1.0 - 0.9f64.powi(t))) / ((v / (1.0 - 0.999f64.powi(t))).sqrt() + 1e-8);
+        };
+        let acc = grads(&opt);
+        opt.step(&acc).unwrap();
+        reference(1, 0.05);
+        let a1 = a.as_tensor().to_vec1::<f32>().unwrap()[0];
+        for t in 2..=3 {
+            let acc = grads(&opt);
+            opt.step_group(&acc).unwrap();
+            reference(t, 0.05);
+        }
+        assert_eq!((opt.steps_done(), opt.group_steps_done()), (1, 3));
+        assert_eq!(a.as_tensor().to_vec1::<f32>().unwrap()[0], a1);
+        let got = b.as_tensor().to_vec1::<f32>().unwrap()[0] as f64;
+        assert!((got - x).abs() < 1e-5, "{got} vs {x}");
+        // Without a group there is nothing to step alone.
+        let mut plain =
+            AdamW::new(vec![("p".into(), Var::new(&[0f32], &dev).unwrap())], cfg).unwrap();
+        assert!(plain.step_group(&GradAccum::default()).is_err());
     }
 
     #[test]

@@ -135,6 +135,10 @@ pub enum TaskConfig {
         difficulty: usize,
         #[serde(default)]
         one_turn: bool,
+        /// Fail fast: the first wrong answer ends the episode with reward
+        /// 0 (multi-turn only).
+        #[serde(default)]
+        stop_at_error: bool,
     },
     /// A stateful tool: `k` signed digits revealed one at a time; the policy
     /// calls `<add> x` (and may call `<get>` to read the register); reward 1
@@ -347,6 +351,7 @@ impl Default for TaskConfig {
         TaskConfig::RunningSum {
             difficulty: 4,
             one_turn: false,
+            stop_at_error: false,
         }
     }
 }
@@ -513,6 +518,7 @@ impl TaskSampler {
             TaskConfig::RunningSum {
                 difficulty,
                 one_turn: false,
+                ..
             } => RolloutConfig {
                 temperature,
                 segment_stop: vec![arbor_env::vocab::EOS],
@@ -523,6 +529,7 @@ impl TaskSampler {
             TaskConfig::RunningSum {
                 difficulty,
                 one_turn: true,
+                ..
             } => RolloutConfig {
                 temperature,
                 segment_stop: vec![arbor_env::vocab::EOS],
@@ -602,9 +609,11 @@ impl TaskSampler {
             TaskConfig::RunningSum {
                 difficulty,
                 one_turn,
+                stop_at_error,
             } => {
                 let cfg = RunningSumConfig {
                     one_turn: *one_turn,
+                    stop_at_error: *stop_at_error,
                     ..RunningSumConfig::tokens(*difficulty)
                 };
                 let env = RunningSum::new(cfg, seed).map_err(err)?;

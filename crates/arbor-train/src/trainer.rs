@@ -190,6 +190,25 @@ impl Trainer {
         self.state.step
     }
 
+    /// The run's tasks.
+    pub fn sampler(&self) -> &TaskSampler {
+        &self.sampler
+    }
+
+    /// Greedy pass rate of the current policy on the held-out tasks.
+    pub fn eval_pass_rate(&self) -> Result<f64, TrainError> {
+        self.eval(&mut self.engine()?)
+    }
+
+    /// A generation engine over the learner's current policy.
+    pub fn engine(&self) -> Result<Engine, TrainError> {
+        Ok(Engine::new(
+            &self.learner.model.policy,
+            None,
+            self.engine_cfg.clone(),
+        )?)
+    }
+
     /// Greedy pass rate on the held-out tasks.
     fn eval(&self, engine: &mut Engine) -> Result<f64, TrainError> {
         Ok(self.eval_with_context(engine)?.0)
@@ -262,8 +281,7 @@ impl Trainer {
             progress(s + 1, nll);
             if let Some(target) = w.stop_at_eval {
                 if (s + 1).is_multiple_of(w.check_every.max(1)) {
-                    let mut engine =
-                        Engine::new(&self.learner.model.policy, None, self.engine_cfg.clone())?;
+                    let mut engine = self.engine()?;
                     if self.eval(&mut engine)? >= target {
                         break;
                     }
@@ -285,7 +303,7 @@ impl Trainer {
                 tracing::info!("critic initialised from the policy ({n} tensors)");
             }
         }
-        let mut engine = Engine::new(&self.learner.model.policy, None, self.engine_cfg.clone())?;
+        let mut engine = self.engine()?;
         if self.state.initial_eval.is_none() {
             let (e, c) = self.eval_with_context(&mut engine)?;
             self.state.initial_eval = Some(e);
@@ -467,6 +485,37 @@ impl Trainer {
         let u = self
             .learner
             .update_in_group(&r.rows, policy_on, self.group.as_mut())?;
+        let critic_passes = self.cfg.critic.epochs;
+        let critic_pass_loss = if self.cfg.algo.has_critic() && critic_passes > 0 {
+            let seed =
+                crate::rollout::sched::mix64(self.cfg.seed ^ 0xC817_0E90 ^ step.rotate_left(17));
+            let mut rows: Vec<arbor_rl::credit::LossRow> =
+                self.state.critic_replay.iter().flatten().cloned().collect();
+            rows.extend(r.rows.iter().filter_map(crate::learner::value_only_row));
+            let (loss, _) = self.learner.update_critic_in_group(
+                &rows,
+                critic_passes,
+                self.cfg.critic.minibatches,
+                seed,
+                self.group.as_mut(),
+            )?;
+            self.state.critic_optimizer_step = Some(self.learner.opt.group_steps_done());
+            let keep = self.cfg.critic.replay_steps;
+            if keep > 0 {
+                self.state.critic_replay.push_back(
+                    r.rows
+                        .iter()
+                        .filter_map(crate::learner::value_only_row)
+                        .collect(),
+                );
+                while self.state.critic_replay.len() > keep {
+                    self.state.critic_replay.pop_front();
+                }
+            }
+            Some(loss)
+        } else {
+            None
+        };
         let train_s = t0.elapsed().as_secs_f64();
         // The weights changed: no KV computed before may be reused.
         engine.invalidate();
@@ -526,6 +575,7 @@ impl Trainer {
             time_engine_idle_s: r.stats.engine_idle_s,
             critic_grad_norm: u.critic_grad_norm,
             critic_lr: u.critic_lr,
+            critic_pass_loss,
             critic_heldout_ev: heldout.and_then(|h| h.0),
             critic_heldout_rank_corr: heldout.and_then(|h| h.1),
             critic_heldout_states: heldout.map(|h| h.2),

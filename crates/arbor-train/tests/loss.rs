@@ -274,3 +274,61 @@ fn recomputation_gives_the_same_step() {
         }
     }
 }
+
+/// The critic's extra passes (`[critic] epochs`) fit the value targets and
+/// move nothing else: the policy's parameters and the optimizer's step
+/// count stay, the critic's parameters move, the value loss falls, and
+/// activation recomputation gives the same passes.
+#[test]
+fn critic_passes_fit_the_values_and_move_only_the_critic() {
+    for critic in [CriticMode::Shared, CriticMode::Separate] {
+        let run = |recompute| {
+            let mut l = learner_with(Aggregation::TokenMean, 12, critic, recompute);
+            l.set_critic_optimizer(1e-2, 1.0);
+            let rows = rows(&l);
+            let params = |l: &Learner| -> Vec<(String, Vec<f32>)> {
+                l.opt
+                    .vars()
+                    .iter()
+                    .map(|(n, v)| {
+                        let x = v.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+                        (n.clone(), x)
+                    })
+                    .collect()
+            };
+            let before = params(&l);
+            let single = &mut arbor_train::dist::Single;
+            let (first, steps) = l.update_critic_in_group(&rows, 1, 2, 7, single).unwrap();
+            assert_eq!(steps, 2);
+            let (last, steps) = l.update_critic_in_group(&rows, 30, 2, 8, single).unwrap();
+            assert_eq!(steps, 60);
+            assert!(
+                last < 0.5 * first,
+                "{critic:?}: value loss {first} -> {last}"
+            );
+            assert_eq!((l.opt.steps_done(), l.opt.group_steps_done()), (0, 62));
+            let after = params(&l);
+            let mut moved = 0;
+            for ((name, x), (_, y)) in before.iter().zip(&after) {
+                if name.starts_with("critic.") {
+                    moved += usize::from(x != y);
+                } else {
+                    assert_eq!(x, y, "{critic:?}: policy parameter `{name}` moved");
+                }
+            }
+            assert!(moved > 0, "{critic:?}: no critic parameter moved");
+            (first, last, after)
+        };
+        let (f0, l0, p0) = run(Recompute::Off);
+        let (f1, l1, p1) = run(Recompute::Layers);
+        assert!(
+            (f0 - f1).abs() < 1e-5 && (l0 - l1).abs() < 1e-5,
+            "{f0} {l0} vs {f1} {l1}"
+        );
+        for ((name, x), (_, y)) in p0.iter().zip(&p1) {
+            for (u, w) in x.iter().zip(y) {
+                assert!((u - w).abs() < 1e-5, "{critic:?}: `{name}` {u} vs {w}");
+            }
+        }
+    }
+}

@@ -174,6 +174,7 @@ fn a_panicking_environment_fails_the_rollout_instead_of_hanging() {
         TaskConfig::RunningSum {
             difficulty: 3,
             one_turn: false,
+            stop_at_error: false,
         },
         0,
         None,

@@ -1,7 +1,7 @@
 //! Out-of-sample critic quality: the critic's values against Monte-Carlo
 //! values on states it was not trained on.
 //!
-//! Each held-out task gets one trajectory from the current policy; every
+//! Each task gets one trajectory from the current policy; every
 //! non-terminal state on it (the prompt included) then gets `k` more
 //! continuations. A state's Monte-Carlo value is the mean outcome of the
 //! continuations through it that started at it or above it (the main
@@ -12,11 +12,109 @@
 use arbor_engine::Engine;
 use arbor_rl::{NodeId, RolloutTree};
 
-use super::conts::{begin_conts, complete_conts, root_values, segment_values, Snapshots};
+use super::conts::{begin_conts, complete_conts, Snapshots};
 use super::sched::Scheduler;
 use super::{RolloutConfig, TaskInstance};
 use crate::learner::Learner;
 use crate::TrainError;
+
+/// A state on a sampled trajectory with its Monte-Carlo outcomes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StateSample {
+    /// Index of the task in the list given to [`sample_states`].
+    pub task: usize,
+    /// Segments between the prompt and the state (0: the prompt).
+    pub depth: usize,
+    /// The context the state sees: what the critic reads, its value at the
+    /// last token.
+    pub context: Vec<u32>,
+    /// The trajectory's own outcome first, then the outcomes of the `k`
+    /// continuations launched from the state.
+    pub outcomes: Vec<f64>,
+}
+
+impl StateSample {
+    /// The Monte-Carlo value: the mean of [`StateSample::outcomes`].
+    pub fn monte_carlo(&self) -> f64 {
+        self.outcomes.iter().sum::<f64>() / self.outcomes.len().max(1) as f64
+    }
+}
+
+/// One trajectory per task, then `k` continuations from every non-terminal
+/// state on it, sampled at `cfg`'s temperature from `seed`'s stream: the
+/// states in task order, each with its outcomes.
+pub fn sample_states(
+    engine: &mut Engine,
+    tasks: Vec<TaskInstance>,
+    cfg: &RolloutConfig,
+    k: usize,
+    mut seed: u64,
+    env_workers: usize,
+) -> Result<Vec<StateSample>, TrainError> {
+    if tasks.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut tree = RolloutTree::new();
+    let mut snapshots = Snapshots::new();
+    let mut roots = Vec::new();
+    for t in tasks {
+        let root = tree.add_episode(t.id, t.prompt, None)?;
+        snapshots.insert(root, t.episode);
+        roots.push(root);
+    }
+    let mut sched = Scheduler::new(engine, cfg, &mut seed, true, env_workers)?;
+    let main = begin_conts(&mut tree, &snapshots, &roots)?;
+    let main = sched.run_all(main)?;
+    let rewards: Vec<f64> = main.iter().map(super::conts::Cont::reward).collect();
+    complete_conts(&mut tree, &mut snapshots, main, None)?;
+    let states: Vec<NodeId> = tree
+        .nodes()
+        .filter(|(_, n)| !n.is_terminal() && n.is_resumable())
+        .map(|(id, _)| id)
+        .collect();
+    let mut out = Vec::with_capacity(states.len());
+    for &s in &states {
+        let node = tree.node(s)?;
+        let task = node.episode();
+        out.push(StateSample {
+            task,
+            depth: node.depth(),
+            context: tree.context_tokens(s)?,
+            outcomes: vec![rewards[task]],
+        });
+    }
+    let from: Vec<NodeId> = states
+        .iter()
+        .flat_map(|&s| std::iter::repeat_n(s, k))
+        .collect();
+    let mc = begin_conts(&mut tree, &snapshots, &from)?;
+    let mc = sched.run_all(mc)?;
+    // Continuations come back in launch order: `k` per state, in turn.
+    for (sample, conts) in out.iter_mut().zip(mc.chunks(k.max(1))) {
+        sample
+            .outcomes
+            .extend(conts.iter().map(super::conts::Cont::reward));
+    }
+    Ok(out)
+}
+
+/// The critic's value at each state, read at the last token of its
+/// context (`None` for an empty context).
+pub fn critic_values(
+    learner: &Learner,
+    states: &[StateSample],
+) -> Result<Vec<Option<f64>>, TrainError> {
+    let seqs: Vec<Vec<u32>> = states.iter().map(|s| s.context.clone()).collect();
+    let pos: Vec<Vec<usize>> = seqs
+        .iter()
+        .map(|s| s.len().checked_sub(1).into_iter().collect())
+        .collect();
+    Ok(learner
+        .values_at(&seqs, &pos)?
+        .into_iter()
+        .map(|v| v.first().copied())
+        .collect())
+}
 
 /// `(critic value, Monte-Carlo value)` of every non-terminal state on one
 /// trajectory per task, with `k` continuations per state.
@@ -26,44 +124,17 @@ pub fn critic_vs_monte_carlo(
     tasks: Vec<TaskInstance>,
     cfg: &RolloutConfig,
     k: usize,
-    mut seed: u64,
+    seed: u64,
     env_workers: usize,
 ) -> Result<Vec<(f64, f64)>, TrainError> {
-    if tasks.is_empty() || k == 0 {
+    if k == 0 {
         return Ok(Vec::new());
     }
-    let mut tree = RolloutTree::new();
-    let mut snapshots = Snapshots::new();
-    let values = root_values(learner, &tasks)?;
-    let mut roots = Vec::new();
-    for (t, v) in tasks.into_iter().zip(values) {
-        let root = tree.add_episode(t.id, t.prompt, Some(v))?;
-        snapshots.insert(root, t.episode);
-        roots.push(root);
-    }
-    let mut sched = Scheduler::new(engine, cfg, &mut seed, true, env_workers)?;
-    let main = begin_conts(&mut tree, &snapshots, &roots)?;
-    let main = sched.run_all(main)?;
-    let values = segment_values(learner, &main, &tree)?;
-    complete_conts(&mut tree, &mut snapshots, main, Some(values))?;
-    let states: Vec<NodeId> = tree
-        .nodes()
-        .filter(|(_, n)| !n.is_terminal() && n.is_resumable())
-        .map(|(id, _)| id)
-        .collect();
-    let from: Vec<NodeId> = states
+    let states = sample_states(engine, tasks, cfg, k, seed, env_workers)?;
+    let values = critic_values(learner, &states)?;
+    Ok(states
         .iter()
-        .flat_map(|&s| std::iter::repeat_n(s, k))
-        .collect();
-    let mc = begin_conts(&mut tree, &snapshots, &from)?;
-    let mc = sched.run_all(mc)?;
-    complete_conts(&mut tree, &mut snapshots, mc, None)?;
-    let mut out = Vec::with_capacity(states.len());
-    for s in states {
-        let node = tree.node(s)?;
-        if let (Some(v), Some(m)) = (node.value(), node.outcome_mean()) {
-            out.push((v, m));
-        }
-    }
-    Ok(out)
+        .zip(values)
+        .filter_map(|(s, v)| Some((v?, s.monte_carlo())))
+        .collect())
 }
