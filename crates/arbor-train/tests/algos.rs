@@ -209,3 +209,53 @@ fn policy_weights(t: &Trainer) -> Vec<f32> {
         })
         .collect()
 }
+
+/// The critic probe freezes the policy (its weights do not move), samples
+/// every state of one trajectory per task with its continuations, and
+/// fits the critic: the value loss falls and the training states' rank
+/// correlation rises over the epochs.
+#[test]
+fn the_critic_probe_fits_the_critic_and_leaves_the_policy() {
+    use arbor_train::probe::{ProbeOptions, ProbeTarget};
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = TrainConfig::from_toml(&config("focus", "separate"), "test").unwrap();
+    let mut t = Trainer::new(cfg, dir.path(), false).unwrap();
+    t.warmup(|_, _| {}).unwrap();
+    let before = policy_weights(&t);
+    let o = ProbeOptions {
+        train_tasks: 24,
+        test_tasks: 8,
+        samples: 4,
+        epochs: 30,
+        batch_states: 16,
+        target: ProbeTarget::MonteCarlo,
+        eval_every: 10,
+        ..Default::default()
+    };
+    let r = t.critic_probe(&o).unwrap();
+    assert_eq!(policy_weights(&t), before, "the probe moved the policy");
+    // Difficulty 3: the prompt and the states after turns 1 and 2 (fewer
+    // where an episode stops early), one trajectory per task.
+    assert!(r.train_states > 24 && r.train_states <= 72, "{r:?}");
+    assert!(r.test_states > 8 && r.test_states <= 24, "{r:?}");
+    let epochs: Vec<usize> = r.curve.iter().map(|e| e.epoch).collect();
+    assert_eq!(epochs, vec![0, 10, 20, 30]);
+    let (first, last) = (&r.curve[1], &r.curve[3]);
+    assert!(last.value_loss < first.value_loss, "{r:?}");
+    assert!(
+        last.train_rank.unwrap() > r.curve[0].train_rank.unwrap_or(-1.0),
+        "{r:?}"
+    );
+    // The same options give the same report (the probe's own seeds).
+    let dir2 = tempfile::tempdir().unwrap();
+    let mut t2 = Trainer::new(
+        TrainConfig::from_toml(&config("focus", "separate"), "test").unwrap(),
+        dir2.path(),
+        false,
+    )
+    .unwrap();
+    t2.warmup(|_, _| {}).unwrap();
+    let r2 = t2.critic_probe(&o).unwrap();
+    assert_eq!(r2.curve, r.curve);
+    assert_eq!(r2.split_half_rank, r.split_half_rank);
+}
