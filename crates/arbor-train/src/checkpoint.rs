@@ -117,10 +117,12 @@ fn save_tensors(map: HashMap<String, Tensor>, path: &Path) -> Result<(), TrainEr
 }
 
 /// Write `checkpoints/step-N` under `run_dir` atomically and keep the
-/// newest `keep_last` (at least 1).
+/// newest `keep_last` (at least 1). `opt`: the whole optimizer state
+/// ([`crate::optim::AdamW::gathered_state`]).
 pub(crate) fn write(
     run_dir: &Path,
     learner: &Learner,
+    opt: HashMap<String, Tensor>,
     state: &TrainerState,
     policy: &PolicyState,
     lora: bool,
@@ -146,7 +148,6 @@ pub(crate) fn write(
             &tmp.join("policy_lora.safetensors"),
         )?;
     }
-    let (opt, _) = learner.opt.state();
     save_tensors(opt, &tmp.join("optimizer.safetensors"))?;
     let json = serde_json::to_vec_pretty(&Saving {
         trainer: state,

@@ -605,6 +605,10 @@ impl Learner {
             }
             let t0 = std::time::Instant::now();
             let s: StepStats = arbor_ops::in_pool(&dev, || self.opt.step(&acc))?;
+            if world > 1 {
+                // ZeRO-1: the other ranks' shares of the update.
+                self.opt.gather_shards(group)?;
+            }
             t_opt += t0.elapsed().as_secs_f64();
             if epoch == 0 {
                 let pol = sums.pol;
@@ -708,6 +712,9 @@ impl Learner {
                 }
                 if n[0] > 0.0 {
                     arbor_ops::in_pool(&dev, || self.opt.step_group(&acc))?;
+                    if group.world() > 1 {
+                        self.opt.gather_shards(group)?;
+                    }
                     steps += 1;
                 }
                 loss += sums.value * n[0];

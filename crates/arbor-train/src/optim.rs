@@ -40,6 +40,12 @@ pub struct AdamWConfig {
     pub total_steps: u64,
     /// Floor of the cosine decay, as a fraction of `lr`, in `[0, 1]`.
     pub min_lr_ratio: f64,
+    /// ZeRO-1 on several ranks: each rank keeps the moments of, and
+    /// updates, only its share of the parameters (whole tensors, balanced
+    /// by size), then every rank's updated share is gathered by all. The
+    /// same updates as without it, a `1/world` share of the optimizer
+    /// state per rank. No effect on one rank.
+    pub shard_state: bool,
 }
 
 impl Default for AdamWConfig {
@@ -54,6 +60,7 @@ impl Default for AdamWConfig {
             warmup_steps: 0,
             total_steps: 0,
             min_lr_ratio: 0.1,
+            shard_state: false,
         }
     }
 }
@@ -165,6 +172,28 @@ pub struct AdamW {
     /// Steps that updated the group's parameters: every [`AdamW::step`]
     /// and every [`AdamW::step_group`]. Their bias corrections use it.
     group_step: u64,
+    /// ZeRO-1 ([`AdamW::shard`]): the rank owning each parameter, and this
+    /// rank.
+    shard: Option<(Vec<usize>, usize)>,
+}
+
+/// The rank owning each of `sizes` (parameters in order) among `world`
+/// ranks: contiguous runs, each closing once its rank holds its share of
+/// the elements, so every rank owns about `total / world`.
+pub fn shard_owners(sizes: &[usize], world: usize) -> Vec<usize> {
+    let world = world.max(1);
+    let total: usize = sizes.iter().sum();
+    let mut at = 0usize;
+    sizes
+        .iter()
+        .map(|&n| {
+            // The owner of a parameter is the rank whose share its middle
+            // element falls in.
+            let mid = at + n / 2;
+            at += n;
+            (mid * world / total.max(1)).min(world - 1)
+        })
+        .collect()
 }
 
 impl AdamW {
@@ -187,6 +216,7 @@ impl AdamW {
             v,
             step: 0,
             group_step: 0,
+            shard: None,
         })
     }
 
@@ -318,6 +348,9 @@ impl AdamW {
         ];
         for (i, (name, var)) in self.vars.iter().enumerate() {
             let Some(g) = grads.get(var) else { continue };
+            if !self.owns(i) {
+                continue;
+            }
             let in_group = self.in_group(name);
             if group_only && !in_group {
                 continue;
@@ -332,12 +365,103 @@ impl AdamW {
         })
     }
 
+    /// Keep only this rank's share of the moments (ZeRO-1): from now on
+    /// [`AdamW::step`] updates only the parameters `rank` owns
+    /// ([`shard_owners`]), and [`AdamW::gather_shards`] must follow each
+    /// step to bring every rank the others' updates. A group of one is
+    /// left whole.
+    pub fn shard(&mut self, rank: usize, world: usize) -> Result<(), TrainError> {
+        if world <= 1 {
+            return Ok(());
+        }
+        let sizes: Vec<usize> = self.vars.iter().map(|(_, v)| v.elem_count()).collect();
+        let owners = shard_owners(&sizes, world);
+        for (i, &o) in owners.iter().enumerate() {
+            if o != rank {
+                self.m[i] = Tensor::zeros(0, DType::F32, self.m[i].device())?;
+                self.v[i] = self.m[i].clone();
+            }
+        }
+        self.shard = Some((owners, rank));
+        Ok(())
+    }
+
+    /// Whether the moments are sharded across ranks.
+    pub fn is_sharded(&self) -> bool {
+        self.shard.is_some()
+    }
+
+    /// Whether this rank updates parameter `i`.
+    fn owns(&self, i: usize) -> bool {
+        self.shard.as_ref().is_none_or(|(o, r)| o[i] == *r)
+    }
+
+    /// After a step of a sharded optimizer: every rank's parameters, as
+    /// their owners updated them, on every rank (one all-gather). Nothing
+    /// to do when whole.
+    pub fn gather_shards(
+        &mut self,
+        group: &mut dyn crate::dist::Collective,
+    ) -> Result<(), TrainError> {
+        let Some((owners, _)) = &self.shard else {
+            return Ok(());
+        };
+        let mine: Vec<u8> = self
+            .vars
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| self.owns(i))
+            .map(|(_, (_, v))| f32_bytes(v.as_tensor()))
+            .collect::<Result<Vec<_>, _>>()?
+            .concat();
+        let mut shares = Shares::new(group.all_gather(&mine)?);
+        for (i, (name, var)) in self.vars.iter().enumerate() {
+            let x = shares.next(owners[i], var.elem_count(), name)?;
+            if !self.owns(i) {
+                let t = Tensor::from_vec(x, var.shape(), var.device())?.to_dtype(var.dtype())?;
+                var.set(&t)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// [`AdamW::state`] with every rank's moments (one all-gather when
+    /// sharded; called by every rank of the group). Checkpoints hold the
+    /// whole state, so a run resumes at any number of ranks.
+    pub fn gathered_state(
+        &self,
+        group: &mut dyn crate::dist::Collective,
+    ) -> Result<(HashMap<String, Tensor>, u64), TrainError> {
+        let Some((owners, _)) = &self.shard else {
+            return Ok(self.state());
+        };
+        let mut mine = Vec::new();
+        for (i, _) in self.vars.iter().enumerate().filter(|&(i, _)| self.owns(i)) {
+            mine.extend(f32_bytes(&self.m[i])?);
+            mine.extend(f32_bytes(&self.v[i])?);
+        }
+        let mut shares = Shares::new(group.all_gather(&mine)?);
+        let mut out = HashMap::new();
+        for (i, (name, var)) in self.vars.iter().enumerate() {
+            for prefix in ["m", "v"] {
+                let key = format!("{prefix}.{name}");
+                let x = shares.next(owners[i], var.elem_count(), &key)?;
+                out.insert(key, Tensor::from_vec(x, var.shape(), var.device())?);
+            }
+        }
+        Ok((out, self.step))
+    }
+
     /// Optimizer state as named tensors (`m.NAME`, `v.NAME`) plus the step.
+    /// Sharded, only this rank's moments ([`AdamW::gathered_state`] has
+    /// them all).
     pub fn state(&self) -> (HashMap<String, Tensor>, u64) {
         let mut out = HashMap::new();
         for (i, (name, _)) in self.vars.iter().enumerate() {
-            out.insert(format!("m.{name}"), self.m[i].clone());
-            out.insert(format!("v.{name}"), self.v[i].clone());
+            if self.owns(i) {
+                out.insert(format!("m.{name}"), self.m[i].clone());
+                out.insert(format!("v.{name}"), self.v[i].clone());
+            }
         }
         (out, self.step)
     }
@@ -349,6 +473,7 @@ impl AdamW {
         step: u64,
     ) -> Result<(), TrainError> {
         for (i, (name, var)) in self.vars.iter().enumerate() {
+            let owned = self.shard.as_ref().is_none_or(|(o, r)| o[i] == *r);
             for (prefix, slot) in [("m", &mut self.m[i]), ("v", &mut self.v[i])] {
                 let key = format!("{prefix}.{name}");
                 let t = state.get(&key).ok_or_else(|| {
@@ -361,7 +486,9 @@ impl AdamW {
                         var.dims()
                     )));
                 }
-                *slot = t.to_dtype(DType::F32)?;
+                if owned {
+                    *slot = t.to_dtype(DType::F32)?;
+                }
             }
         }
         self.step = step;
@@ -370,6 +497,49 @@ impl AdamW {
         self.group_step = step;
         Ok(())
     }
+}
+
+/// Every rank's all-gathered bytes, read back in order: each rank's share
+/// is its tensors' f32 values, one after another.
+struct Shares {
+    parts: Vec<Vec<u8>>,
+    at: Vec<usize>,
+}
+
+impl Shares {
+    fn new(parts: Vec<Vec<u8>>) -> Self {
+        let at = vec![0; parts.len()];
+        Shares { parts, at }
+    }
+
+    /// The next `n` values of rank `r`'s share (`what`: the tensor, for
+    /// the error).
+    fn next(&mut self, r: usize, n: usize, what: &str) -> Result<Vec<f32>, TrainError> {
+        let bytes = self
+            .parts
+            .get(r)
+            .and_then(|p| p.get(self.at[r]..self.at[r] + 4 * n))
+            .ok_or_else(|| {
+                TrainError::Config(format!(
+                    "sharded optimizer: rank {r} sent too few bytes for `{what}`"
+                ))
+            })?;
+        self.at[r] += 4 * n;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+}
+
+/// `t`'s elements as little-endian f32 bytes.
+fn f32_bytes(t: &Tensor) -> Result<Vec<u8>, TrainError> {
+    Ok(t.to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect())
 }
 
 #[cfg(test)]
@@ -545,6 +715,42 @@ mod tests {
         let mut plain =
             AdamW::new(vec![("p".into(), Var::new(&[0f32], &dev).unwrap())], cfg).unwrap();
         assert!(plain.step_group(&GradAccum::default()).is_err());
+    }
+
+    /// Parameters go to ranks in contiguous runs of about equal size.
+    #[test]
+    fn shards_split_the_parameters_by_size() {
+        assert_eq!(shard_owners(&[10, 10, 10, 10], 2), vec![0, 0, 1, 1]);
+        assert_eq!(shard_owners(&[10, 10, 10, 10], 4), vec![0, 1, 2, 3]);
+        assert_eq!(shard_owners(&[100, 1, 1], 2), vec![0, 1, 1]);
+        assert_eq!(shard_owners(&[3, 3, 3], 1), vec![0, 0, 0]);
+        assert_eq!(shard_owners(&[1, 1], 8), vec![0, 4]);
+    }
+
+    /// A sharded rank keeps and updates only its own parameters' moments.
+    #[test]
+    fn a_shard_steps_only_its_parameters() {
+        let dev = Device::Cpu;
+        let a = Var::new(&[1f32, 1.0], &dev).unwrap();
+        let b = Var::new(&[1f32, 1.0], &dev).unwrap();
+        let vars = vec![("a".to_string(), a.clone()), ("b".to_string(), b.clone())];
+        let mut opt = AdamW::new(vars.clone(), AdamWConfig::default()).unwrap();
+        opt.shard(1, 2).unwrap();
+        assert!(opt.is_sharded());
+        let (state, _) = opt.state();
+        let mut keys: Vec<&String> = state.keys().collect();
+        keys.sort();
+        assert_eq!(keys, ["m.b", "v.b"]);
+        let loss = (a.as_tensor().sum_all().unwrap() + b.as_tensor().sum_all().unwrap()).unwrap();
+        let mut acc = GradAccum::default();
+        acc.add(&vars, &loss.backward().unwrap()).unwrap();
+        opt.step(&acc).unwrap();
+        assert_eq!(a.as_tensor().to_vec1::<f32>().unwrap(), [1.0, 1.0]);
+        assert!(b.as_tensor().to_vec1::<f32>().unwrap()[0] < 1.0);
+        // A group of one is left whole.
+        let mut whole = AdamW::new(vars, AdamWConfig::default()).unwrap();
+        whole.shard(0, 1).unwrap();
+        assert!(!whole.is_sharded());
     }
 
     #[test]

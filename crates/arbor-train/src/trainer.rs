@@ -296,6 +296,11 @@ impl Trainer {
     /// Run the remaining RL steps; `on_step` sees each step's metrics.
     pub fn run(&mut self, mut on_step: impl FnMut(&StepMetrics)) -> Result<Summary, TrainError> {
         let start = Instant::now();
+        if self.cfg.optimizer.shard_state && !self.learner.opt.is_sharded() {
+            // ZeRO-1 after the warm-up (which every rank runs whole).
+            let (rank, world) = (self.group.rank(), self.group.world());
+            self.learner.opt.shard(rank, world)?;
+        }
         if self.state.step == 0 && self.cfg.critic.init == CriticInit::Policy {
             // After the warm-up: the critic starts from the policy it judges.
             let n = self.learner.init_critic_from_policy()?;
@@ -321,8 +326,13 @@ impl Trainer {
             all.push(m);
             let every = self.cfg.checkpoint_every;
             let step = self.state.step;
-            if writer && ((every > 0 && step.is_multiple_of(every)) || step == self.cfg.steps) {
-                self.checkpoint()?;
+            if (every > 0 && step.is_multiple_of(every)) || step == self.cfg.steps {
+                // Every rank takes part (a sharded optimizer's state is
+                // gathered); rank 0 writes.
+                let (opt, _) = self.learner.opt.gathered_state(self.group.as_mut())?;
+                if writer {
+                    self.write_checkpoint(opt)?;
+                }
             }
         }
         Ok(Summary::of(
@@ -593,9 +603,25 @@ impl Trainer {
     /// temporary directory, each file fsynced, then one rename. Keeps the
     /// last `keep_last`.
     pub fn checkpoint(&self) -> Result<PathBuf, TrainError> {
+        if self.learner.opt.is_sharded() {
+            return Err(TrainError::Checkpoint(
+                "the optimizer is sharded across ranks: checkpoints are written by `run`, \
+                 which gathers its state from every rank"
+                    .into(),
+            ));
+        }
+        self.write_checkpoint(self.learner.opt.state().0)
+    }
+
+    /// [`Trainer::checkpoint`] with the whole optimizer state `opt`.
+    fn write_checkpoint(
+        &self,
+        opt: std::collections::HashMap<String, candle_core::Tensor>,
+    ) -> Result<PathBuf, TrainError> {
         checkpoint::write(
             &self.out_dir,
             &self.learner,
+            opt,
             &self.state,
             &self.policy.state(),
             self.cfg.model.lora.is_some(),

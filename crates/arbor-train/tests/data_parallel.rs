@@ -43,22 +43,20 @@ fn run_rank(cfg: &str, group: Box<dyn Collective>) -> Result<RankRun, String> {
     t.warmup(|_, _| {}).map_err(|e| e.to_string())?;
     let mut ms = Vec::new();
     t.run(|m| ms.push(m.clone())).map_err(|e| e.to_string())?;
-    let weights = t
-        .learner
+    Ok((ms, weights(&t)))
+}
+
+/// The trainer's trainable weights (name, values).
+fn weights(t: &Trainer) -> Vec<(String, Vec<f32>)> {
+    t.learner
         .opt
         .vars()
         .iter()
         .map(|(n, v)| {
-            let x = v
-                .as_tensor()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
+            let x = v.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
             (n.clone(), x)
         })
-        .collect();
-    Ok((ms, weights))
+        .collect()
 }
 
 fn run_world(cfg: &str, world: usize) -> Vec<Result<RankRun, String>> {
@@ -193,4 +191,80 @@ fn a_failed_rank_stops_the_others() {
     let mut g = ThreadGroup::new(2, Duration::from_secs(1));
     let e = run_rank(&ps, Box::new(g.remove(0))).unwrap_err();
     assert!(e.contains("algo"), "{e}");
+}
+
+/// One rank's run in `dir`: its metrics (without wall-clock fields) and
+/// its final trainable weights.
+fn run_rank_in(
+    cfg: &str,
+    group: Box<dyn Collective>,
+    dir: &std::path::Path,
+) -> (Vec<serde_json::Value>, Vec<(String, Vec<f32>)>) {
+    let cfg = TrainConfig::from_toml(cfg, "test").unwrap();
+    let sharded = cfg.optimizer.shard_state;
+    let mut t = Trainer::open(cfg, dir, false, group).unwrap();
+    t.warmup(|_, _| {}).unwrap();
+    let mut ms = Vec::new();
+    t.run(|m| {
+        let mut v = serde_json::to_value(m).unwrap();
+        v.as_object_mut()
+            .unwrap()
+            .retain(|k, _| !k.starts_with("time_"));
+        ms.push(v);
+    })
+    .unwrap();
+    // Sharded, a rank keeps only its share of the moments.
+    assert_eq!(t.learner.opt.is_sharded(), sharded);
+    let kept = t.learner.opt.state().0.len();
+    let all = 2 * t.learner.opt.vars().len();
+    assert!(
+        if sharded { kept < all } else { kept == all },
+        "{kept} of {all}"
+    );
+    (ms, weights(&t))
+}
+
+/// ZeRO-1 (`[optimizer] shard_state`): each of two ranks updates its own
+/// share of the parameters and keeps only those moments, and the run is
+/// the plain data-parallel run bit for bit: the same metrics, the same
+/// weights on every rank, and a checkpoint holding the whole optimizer
+/// state, equal to the plain run's.
+#[test]
+fn sharded_optimizer_state_trains_like_the_whole() {
+    let plain = CONFIG.replace("checkpoint_every = 0", "checkpoint_every = 3");
+    let sharded = format!("{plain}\n[optimizer]\nshard_state = true\n");
+    let run = |cfg: &str| {
+        let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+        let ranks = ThreadGroup::new(2, Duration::from_secs(120));
+        let runs: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = ranks
+                .into_iter()
+                .zip(&dirs)
+                .map(|(g, d)| s.spawn(move || run_rank_in(cfg, Box::new(g), d.path())))
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let ckpt = dirs[0]
+            .path()
+            .join("checkpoints/step-00000003/optimizer.safetensors");
+        let opt = candle_core::safetensors::load(&ckpt, &candle_core::Device::Cpu).unwrap();
+        (runs, opt)
+    };
+    let (a, opt_a) = run(&plain);
+    let (b, opt_b) = run(&sharded);
+    assert_eq!(a[0].0, b[0].0, "metrics differ");
+    for r in 0..2 {
+        assert_eq!(a[r].1, b[r].1, "rank {r}'s weights differ");
+    }
+    assert_eq!(b[0].1, b[1].1);
+    let mut keys: Vec<&String> = opt_a.keys().collect();
+    keys.sort();
+    let mut keys_b: Vec<&String> = opt_b.keys().collect();
+    keys_b.sort();
+    assert_eq!(keys, keys_b);
+    for k in keys {
+        let x: Vec<f32> = opt_a[k].flatten_all().unwrap().to_vec1().unwrap();
+        let y: Vec<f32> = opt_b[k].flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(x, y, "optimizer state `{k}` differs");
+    }
 }
