@@ -30,6 +30,43 @@ pub struct TrainArgs {
     /// checkpoints (at any number of ranks).
     #[arg(long, default_value_t = 1)]
     pub ranks: usize,
+    /// Train data-parallel with one rank per GPU: a count (`--gpus 8`: GPUs
+    /// 0-7) or a list (`--gpus 0,2,5`). Each rank is a process with `RANK`,
+    /// `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and
+    /// `CUDA_VISIBLE_DEVICES` set as torchrun sets them, and trains on
+    /// `cuda:$LOCAL_RANK`; the ranks join over TCP as with `--ranks`. Needs
+    /// a `--features cuda` build.
+    #[arg(long, value_name = "N|LIST", conflicts_with_all = ["ranks", "device"])]
+    pub gpus: Option<String>,
+}
+
+/// The GPUs of `--gpus`: `N` (GPUs `0..N`) or a comma-separated list of
+/// distinct ids.
+pub fn parse_gpus(spec: &str) -> Result<Vec<usize>> {
+    let spec = spec.trim();
+    let ids: Vec<usize> = if spec.contains(',') {
+        spec.split(',')
+            .map(|x| {
+                x.trim()
+                    .parse::<usize>()
+                    .with_context(|| format!("--gpus `{spec}`: `{}` is not a GPU id", x.trim()))
+            })
+            .collect::<Result<_>>()?
+    } else {
+        let n: usize = spec
+            .parse()
+            .with_context(|| format!("--gpus `{spec}`: expected a count or a list like 0,2,5"))?;
+        (0..n).collect()
+    };
+    if ids.is_empty() {
+        anyhow::bail!("--gpus `{spec}`: no GPU");
+    }
+    let mut sorted = ids.clone();
+    sorted.sort_unstable();
+    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+        anyhow::bail!("--gpus `{spec}`: GPU {} is listed twice", w[0]);
+    }
+    Ok(ids)
 }
 
 #[derive(Debug, Args)]
@@ -50,7 +87,26 @@ pub fn run(a: TrainArgs) -> Result<()> {
         ),
     };
     let mut cfg = TrainConfig::from_toml(&text, &origin)?;
-    if let Some(d) = &a.device {
+    let gpus = a.gpus.as_deref().map(parse_gpus).transpose()?;
+    let in_rank = std::env::var_os("WORLD_SIZE").is_some();
+    if gpus.is_some() && !in_rank {
+        // The launcher opens no device (it would hold memory on GPU 0).
+        if !candle_core::utils::cuda_is_available() {
+            anyhow::bail!("--gpus: this arbor was built without CUDA (`--features cuda`)");
+        }
+    } else if gpus.is_some() {
+        // Inside a rank: the launcher (or a cluster's) set LOCAL_RANK, and
+        // CUDA_VISIBLE_DEVICES to the chosen GPUs.
+        let local: usize = match std::env::var("LOCAL_RANK") {
+            Ok(v) => v
+                .parse()
+                .with_context(|| format!("LOCAL_RANK `{v}` is not a number"))?,
+            Err(_) => 0,
+        };
+        let d = format!("cuda:{local}");
+        arbor_train::parse_device(&d).map_err(|e| anyhow::anyhow!("--gpus: {e}"))?;
+        cfg.device = d;
+    } else if let Some(d) = &a.device {
         arbor_train::parse_device(d).map_err(|e| anyhow::anyhow!("--device: {e}"))?;
         cfg.device = d.clone();
     } else {
@@ -66,8 +122,13 @@ pub fn run(a: TrainArgs) -> Result<()> {
             .unwrap_or_else(|| "quickstart".into());
         PathBuf::from("runs").join(stem)
     });
-    if a.ranks > 1 && std::env::var_os("WORLD_SIZE").is_none() {
-        return launch(a.ranks);
+    if !in_rank {
+        if let Some(ids) = &gpus {
+            return launch(ids.len(), Some(ids));
+        }
+        if a.ranks > 1 {
+            return launch(a.ranks, None);
+        }
     }
     let timeout = std::time::Duration::from_secs(
         std::env::var("ARBOR_DIST_TIMEOUT_S")
@@ -204,10 +265,11 @@ pub fn run(a: TrainArgs) -> Result<()> {
 }
 
 /// `arbor train --ranks N`: this command again as `N` processes, rank `r`
-/// with `RANK=r`, `WORLD_SIZE=N`, `MASTER_ADDR=127.0.0.1` and a free
-/// `MASTER_PORT`. A rank that exits with an error stops the others; the
-/// error names it.
-fn launch(ranks: usize) -> Result<()> {
+/// with `RANK=r`, `LOCAL_RANK=r`, `WORLD_SIZE=N`, `MASTER_ADDR=127.0.0.1`
+/// and a free `MASTER_PORT` (with `gpus`, `CUDA_VISIBLE_DEVICES` lists them,
+/// so rank `r` sees its GPU as `cuda:r`). A rank that exits with an error
+/// stops the others; the error names it.
+fn launch(ranks: usize, gpus: Option<&[usize]>) -> Result<()> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
@@ -215,14 +277,18 @@ fn launch(ranks: usize) -> Result<()> {
     let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
     let mut children = Ranks(Vec::with_capacity(ranks));
     for r in 0..ranks {
-        let child = std::process::Command::new(&exe)
-            .args(&args)
+        let mut cmd = std::process::Command::new(&exe);
+        cmd.args(&args)
             .env("RANK", r.to_string())
+            .env("LOCAL_RANK", r.to_string())
             .env("WORLD_SIZE", ranks.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .spawn()
-            .with_context(|| format!("starting rank {r}"))?;
+            .env("MASTER_PORT", port.to_string());
+        if let Some(ids) = gpus {
+            let list: Vec<String> = ids.iter().map(usize::to_string).collect();
+            cmd.env("CUDA_VISIBLE_DEVICES", list.join(","));
+        }
+        let child = cmd.spawn().with_context(|| format!("starting rank {r}"))?;
         children.0.push(Some(child));
     }
     loop {
@@ -368,4 +434,25 @@ pub fn plot_run(dir: &Path) -> Result<PathBuf> {
     ];
     line_chart(&path, "arbor train", "RL step", "rate", &series)?;
     Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_gpus;
+
+    #[test]
+    fn gpus_are_a_count_or_a_list_of_distinct_ids() {
+        assert_eq!(parse_gpus("4").unwrap(), vec![0, 1, 2, 3]);
+        assert_eq!(parse_gpus("0,2,5").unwrap(), vec![0, 2, 5]);
+        assert_eq!(parse_gpus(" 3 , 1 ").unwrap(), vec![3, 1]);
+        for (bad, says) in [
+            ("0", "no GPU"),
+            ("x", "expected a count"),
+            ("1,,2", "is not a GPU id"),
+            ("1,2,1", "GPU 1 is listed twice"),
+        ] {
+            let e = format!("{:#}", parse_gpus(bad).unwrap_err());
+            assert!(e.contains(says) && e.contains("--gpus"), "{bad}: {e}");
+        }
+    }
 }

@@ -222,3 +222,34 @@ fn a_killed_rank_stops_the_run_with_its_name() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("rank 1"), "{err}");
 }
+
+/// `--gpus` takes a count or a list of distinct ids and, in a build
+/// without CUDA, says so before starting any rank.
+#[test]
+fn gpus_are_checked_before_any_rank_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (spec, says) in [
+        ("0,0", "GPU 0 is listed twice"),
+        ("two", "expected a count"),
+    ] {
+        let o = arbor()
+            .args(["train", "--gpus", spec, "--out"])
+            .arg(tmp.path())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(err.contains(says), "{spec}: {err}");
+    }
+    if !cfg!(feature = "cuda") {
+        let o = arbor()
+            .args(["train", "--gpus", "2", "--out"])
+            .arg(tmp.path())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(err.contains("built without CUDA"), "{err}");
+        assert!(!tmp.path().join("metrics.jsonl").exists());
+    }
+}
