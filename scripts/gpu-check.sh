@@ -135,6 +135,14 @@ run)
   rc_train=$?
   echo "gpu-check: arbor train configs/gpu-smoke.toml exit $rc_train (log: $OUT/gpu-smoke.txt)"
   tail -12 "$OUT/gpu-smoke.txt"
+  # The whole RL step on one GPU (Qwen3-0.6B shape, random weights, 8
+  # prompts x 8 samples, 128 + 256 tokens): generation (bf16 rollouts of the
+  # f32 policy), value pass, update and weight sync, generated and trained
+  # tokens/s.
+  timeout 120 "$bin" bench step --device cuda --preset qwen3-0.6b --bf16-rollouts --prompts 8 \
+    --samples 8 --prompt-len 128 --response-len 256 --steps 1 --json > "$OUT/bench-step.json" \
+    2> "$OUT/bench-step.err"
+  echo "gpu-check: bench step exit $? (bench-step.json)"
   # The learner step (forward, backward, AdamW) against PyTorch eager, HF
   # model + torch AdamW, Qwen3-0.6B shape, 8 x 1,024 tokens: arbor (f32),
   # then torch in f32 and in bf16. One JSON line per engine.

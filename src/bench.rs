@@ -42,6 +42,9 @@ pub enum BenchCommand {
     /// with Monte-Carlo values from a frozen policy and scores it on
     /// held-out states against the noise ceiling and a depth baseline.
     Critic(crate::bench_critic::CriticBenchArgs),
+    /// One whole RL step of a given shape (generation, value pass, update,
+    /// weight sync), timed phase by phase: generated and trained tokens/s.
+    Step(crate::bench_step::StepBenchArgs),
     /// The rollout scheduler with slow environments: wall, engine,
     /// environment and engine-idle time with environment steps inline and
     /// on worker threads.
@@ -665,6 +668,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Audit(a) => crate::bench_audit::run(a),
         BenchCommand::Algos(a) => crate::bench_algos::run(a),
         BenchCommand::Critic(a) => crate::bench_critic::run(a),
+        BenchCommand::Step(a) => crate::bench_step::run(a),
         BenchCommand::Rollout(a) => crate::bench_rollout::run(a),
         BenchCommand::LogprobMemory(a) => logprob_memory(a),
     }

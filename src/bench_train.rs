@@ -207,7 +207,7 @@ pub fn run(a: TrainBenchArgs) -> Result<()> {
 }
 
 /// The CUDA pool's high-water mark in MiB; `None` on the CPU.
-fn device_peak_mib(dev: &candle_core::Device) -> Result<Option<f64>> {
+pub(crate) fn device_peak_mib(dev: &candle_core::Device) -> Result<Option<f64>> {
     match dev {
         #[cfg(feature = "cuda")]
         candle_core::Device::Cuda(d) => Ok(Some(

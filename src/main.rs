@@ -9,6 +9,7 @@ mod bench_algos;
 mod bench_audit;
 mod bench_critic;
 mod bench_rollout;
+mod bench_step;
 mod bench_train;
 mod check_device;
 mod eval;

@@ -315,3 +315,41 @@ fn bench_generate_computes_a_shared_prefix_once() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--shared-prefix 41"));
 }
+
+/// `bench step` runs whole RL steps and accounts for them: every response
+/// has `--response-len` tokens and all of them are trained, and the phases
+/// fit in the step; lengths beyond the context are refused.
+#[test]
+fn bench_step_times_a_whole_rl_step() {
+    let out = arbor(&[
+        "bench",
+        "step",
+        "--prompts",
+        "2",
+        "--samples",
+        "2",
+        "--prompt-len",
+        "8",
+        "--response-len",
+        "6",
+        "--steps",
+        "1",
+        "--json",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["generated_tokens_per_step"], 24, "{r}");
+    assert_eq!(r["trained_tokens_per_step"], 24, "{r}");
+    let f = |k: &str| r[k].as_f64().unwrap();
+    let phases = f("generation_s") + f("value_pass_s") + f("update_s") + f("weight_sync_s");
+    assert!(phases > 0.0 && phases <= f("step_s") * 1.001, "{r}");
+    assert!(
+        f("generation_share") > 0.0 && f("generation_share") < 1.0,
+        "{r}"
+    );
+    let out = arbor(&["bench", "step", "--response-len", "100000"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("exceed the model's context"), "{err}");
+}
