@@ -22,16 +22,17 @@ pub struct CriticBenchArgs {
     /// RL steps before the probe (0: the warm-started policy).
     #[arg(long, default_value_t = 0)]
     pub rl_steps: u64,
-    /// The method of those steps, a `bench algos` row (`grpo`,
-    /// `focus+lambda=1`, ...). A method without a critic (GRPO, PS,
-    /// VinePPO) needs `--critic shared`.
-    #[arg(long, default_value = "grpo")]
+    /// The method of those steps, a `bench algos` row (`focus`,
+    /// `focus+lambda=1`, `grpo`, ...). A method without a critic (GRPO,
+    /// PS, VinePPO) needs `--critic shared`.
+    #[arg(long, default_value = "focus")]
     pub rl: String,
     /// The critic: a separate backbone or a head on the policy's trunk.
     #[arg(long, default_value = "separate", value_parser = ["separate", "shared"])]
     pub critic: String,
     /// Start the separate critic from the policy's weights (`policy`) or
-    /// from its own random initialisation (`own`).
+    /// from its own random initialisation (`own`). After `--rl-steps` the
+    /// critic is probed as the RL steps left it.
     #[arg(long, default_value = "policy", value_parser = ["policy", "own"])]
     pub critic_init: String,
     /// Training tasks, one trajectory each (every state on it is a sample).
@@ -132,7 +133,8 @@ pub fn run(a: CriticBenchArgs) -> Result<()> {
         lr: a.lr,
         grad_clip: 1.0,
         eval_every: a.eval_every,
-        init_from_policy: a.critic_init == "policy",
+        // After RL steps the critic (backbone and head) is what they left.
+        init_from_policy: a.critic_init == "policy" && a.rl_steps == 0,
         seed: a.seed,
     };
     eprintln!("bench critic: sampling and fitting (greedy pass rate {pass:.3})");

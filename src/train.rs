@@ -275,6 +275,9 @@ fn launch(ranks: usize, gpus: Option<&[usize]>) -> Result<()> {
         .port();
     let exe = std::env::current_exe().context("finding the arbor executable")?;
     let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    let visible = gpus
+        .map(|ids| visible_devices(ids, std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref()))
+        .transpose()?;
     let mut children = Ranks(Vec::with_capacity(ranks));
     for r in 0..ranks {
         let mut cmd = std::process::Command::new(&exe);
@@ -284,9 +287,8 @@ fn launch(ranks: usize, gpus: Option<&[usize]>) -> Result<()> {
             .env("WORLD_SIZE", ranks.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string());
-        if let Some(ids) = gpus {
-            let list: Vec<String> = ids.iter().map(usize::to_string).collect();
-            cmd.env("CUDA_VISIBLE_DEVICES", list.join(","));
+        if let Some(list) = &visible {
+            cmd.env("CUDA_VISIBLE_DEVICES", list);
         }
         let child = cmd.spawn().with_context(|| format!("starting rank {r}"))?;
         children.0.push(Some(child));
@@ -316,6 +318,31 @@ fn launch(ranks: usize, gpus: Option<&[usize]>) -> Result<()> {
         }
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
+}
+
+/// `CUDA_VISIBLE_DEVICES` for the ranks of `--gpus ids`: the ids
+/// themselves, or, where the launcher already sees a restricted list
+/// (`inherited`, a scheduler's or a container's), its entries at those
+/// positions, so `--gpus 0,1` under `CUDA_VISIBLE_DEVICES=4,5,6,7` means GPUs
+/// 4 and 5.
+fn visible_devices(ids: &[usize], inherited: Option<&str>) -> Result<String> {
+    let Some(inherited) = inherited.map(str::trim).filter(|v| !v.is_empty()) else {
+        let list: Vec<String> = ids.iter().map(usize::to_string).collect();
+        return Ok(list.join(","));
+    };
+    let seen: Vec<&str> = inherited.split(',').map(str::trim).collect();
+    let list = ids
+        .iter()
+        .map(|&i| {
+            seen.get(i).copied().with_context(|| {
+                format!(
+                    "--gpus: GPU {i} is not among the {} visible (CUDA_VISIBLE_DEVICES={inherited})",
+                    seen.len()
+                )
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(list.join(","))
 }
 
 /// The launched ranks still running; dropping the guard (an error, or the
@@ -438,13 +465,22 @@ pub fn plot_run(dir: &Path) -> Result<PathBuf> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_gpus;
+    use super::{parse_gpus, visible_devices};
 
     #[test]
     fn gpus_are_a_count_or_a_list_of_distinct_ids() {
         assert_eq!(parse_gpus("4").unwrap(), vec![0, 1, 2, 3]);
         assert_eq!(parse_gpus("0,2,5").unwrap(), vec![0, 2, 5]);
         assert_eq!(parse_gpus(" 3 , 1 ").unwrap(), vec![3, 1]);
+        assert_eq!(visible_devices(&[0, 2], None).unwrap(), "0,2");
+        assert_eq!(visible_devices(&[0, 1], Some("4,5,6,7")).unwrap(), "4,5");
+        assert_eq!(
+            visible_devices(&[1], Some(" GPU-a , GPU-b ")).unwrap(),
+            "GPU-b"
+        );
+        assert_eq!(visible_devices(&[3], Some("")).unwrap(), "3");
+        let e = format!("{:#}", visible_devices(&[0, 4], Some("4,5")).unwrap_err());
+        assert!(e.contains("GPU 4 is not among the 2 visible"), "{e}");
         for (bad, says) in [
             ("0", "no GPU"),
             ("x", "expected a count"),

@@ -212,6 +212,20 @@ fn bad_configs_name_the_key() {
         "critic.minibatches",
     );
     check(
+        &CONFIG
+            .replace("algo = \"focus\"", "algo = \"grpo\"")
+            .replace("critic = \"separate\"", "critic = \"shared\"")
+            .replace("[learner]", "[critic]\nepochs = 1\n\n[learner]"),
+        "critic.epochs",
+    );
+    check(
+        &CONFIG.replace(
+            "[learner]",
+            "[critic]\nepochs = 1\n\n[learner]\nvalue_coef = 0.0",
+        ),
+        "critic.epochs",
+    );
+    check(
         &CONFIG.replace("[warmup]", "[warmup]\nlearning = 1"),
         "learning",
     );

@@ -35,9 +35,9 @@ pub(crate) struct TrainerState {
     /// Sampling seed counter.
     pub(crate) seed_counter: u64,
     pub(crate) optimizer_step: u64,
-    /// Optimizer steps of the critic's group when it took extra passes of
-    /// its own (`[critic] epochs`); absent: `optimizer_step`.
-    #[serde(default)]
+    /// Optimizer steps of the critic's group where they differ from
+    /// `optimizer_step` (its extra passes, `[critic] epochs`); absent: equal.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) critic_optimizer_step: Option<u64>,
     pub(crate) warmup_nll: Vec<f64>,
     pub(crate) initial_eval: Option<f64>,

@@ -687,6 +687,18 @@ impl TrainConfig {
         if self.critic.minibatches == 0 {
             return bad("critic.minibatches", "must be >= 1");
         }
+        if self.critic.epochs > 0 && !self.algo.has_critic() {
+            return bad(
+                "critic.epochs",
+                "only methods with a critic (focus, ppo) train one; set 0",
+            );
+        }
+        if self.critic.epochs > 0 && self.learner.value_coef <= 0.0 {
+            return bad(
+                "critic.epochs",
+                "the passes fit the value loss: needs learner.value_coef > 0",
+            );
+        }
         if self.critic.replay_steps > 0 && self.critic.epochs == 0 {
             return bad(
                 "critic.replay_steps",

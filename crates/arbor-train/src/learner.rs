@@ -657,10 +657,7 @@ impl Learner {
         let mut rng = seed;
         let (mut last_loss, mut steps) = (0.0, 0);
         for _ in 0..passes {
-            for i in (1..order.len()).rev() {
-                rng = crate::rollout::sched::mix64(rng);
-                order.swap(i, (rng % (i as u64 + 1)) as usize);
-            }
+            crate::rollout::sched::shuffle(&mut order, &mut rng);
             let (mut loss, mut targets) = (0.0, 0usize);
             for part in 0..parts {
                 let (lo, hi) = (part * order.len() / parts, (part + 1) * order.len() / parts);
@@ -727,10 +724,19 @@ impl Learner {
 
     /// The critic's forward alone: its values (with `recompute =
     /// "layers"` through the critic backbone's checkpoints); `h` is empty.
+    /// With a shared critic the policy's trunk is run without a graph:
+    /// only the value head trains in these passes.
     fn forward_values(&self, p: &Packed) -> Result<MicroForward<'_>, TrainError> {
         let m = &self.model;
-        let backbone = m.critic_backbone.as_ref().unwrap_or(&m.policy);
         let empty = Tensor::zeros(0, DType::F32, &self.device())?;
+        let Some(backbone) = m.critic_backbone.as_ref() else {
+            let h = m.policy.forward_packed(&p.ids, &p.seq_lens)?.detach();
+            return Ok(MicroForward {
+                h: empty,
+                values: m.value_head.forward(&h)?,
+                recomputed: Vec::new(),
+            });
+        };
         if self.cfg.recompute == Recompute::Off {
             return Ok(MicroForward {
                 h: empty,

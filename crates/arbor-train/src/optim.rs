@@ -427,7 +427,9 @@ impl AdamW {
 
     /// [`AdamW::state`] with every rank's moments (one all-gather when
     /// sharded; called by every rank of the group). Checkpoints hold the
-    /// whole state, so a run resumes at any number of ranks.
+    /// whole state, so a run resumes at any number of ranks; while one is
+    /// written every rank holds the whole state in host memory for a
+    /// moment (the collective has no gather to one rank).
     pub fn gathered_state(
         &self,
         group: &mut dyn crate::dist::Collective,

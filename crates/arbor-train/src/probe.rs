@@ -26,8 +26,9 @@
 //! or the trajectory's own 0/1 outcome (`outcome`: what a `lambda = 1`
 //! critic sees during RL, one sample per state).
 //!
-//! The probe changes the learner's critic (and, with a shared critic, the
-//! policy's trunk); run it on a trainer built for it.
+//! The probe changes the learner's critic and its optimizer (moments, step
+//! count, the critic group's learning rate and clip); with a shared critic
+//! the fit moves the policy's trunk too. Run it on a trainer built for it.
 
 use serde::{Deserialize, Serialize};
 
@@ -37,7 +38,7 @@ use arbor_rl::NodeId;
 
 use crate::optim::AdamWConfig;
 use crate::rollout::heldout::{critic_values, sample_states, StateSample};
-use crate::rollout::sched::mix64;
+use crate::rollout::sched::{mix64, shuffle};
 use crate::trainer::Trainer;
 use crate::TrainError;
 
@@ -311,11 +312,7 @@ impl Trainer {
         let mut order: Vec<usize> = (0..rows.len()).collect();
         let mut rng = mix64(o.seed ^ 0x5348_5546);
         for epoch in 1..=o.epochs {
-            // Fisher-Yates over the rows, from the probe's own stream.
-            for i in (1..order.len()).rev() {
-                rng = mix64(rng);
-                order.swap(i, (rng % (i as u64 + 1)) as usize);
-            }
+            shuffle(&mut order, &mut rng);
             let (mut loss, mut steps) = (0.0, 0);
             for chunk in order.chunks(o.batch_states.max(1)) {
                 let batch: Vec<LossRow> = chunk.iter().map(|&i| rows[i].clone()).collect();

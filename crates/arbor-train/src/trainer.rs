@@ -499,9 +499,15 @@ impl Trainer {
         let critic_pass_loss = if self.cfg.algo.has_critic() && critic_passes > 0 {
             let seed =
                 crate::rollout::sched::mix64(self.cfg.seed ^ 0xC817_0E90 ^ step.rotate_left(17));
+            // The replayed steps' value targets, then this step's.
+            let fresh: Vec<arbor_rl::credit::LossRow> = r
+                .rows
+                .iter()
+                .filter_map(crate::learner::value_only_row)
+                .collect();
             let mut rows: Vec<arbor_rl::credit::LossRow> =
                 self.state.critic_replay.iter().flatten().cloned().collect();
-            rows.extend(r.rows.iter().filter_map(crate::learner::value_only_row));
+            rows.extend(fresh.iter().cloned());
             let (loss, _) = self.learner.update_critic_in_group(
                 &rows,
                 critic_passes,
@@ -509,15 +515,9 @@ impl Trainer {
                 seed,
                 self.group.as_mut(),
             )?;
-            self.state.critic_optimizer_step = Some(self.learner.opt.group_steps_done());
             let keep = self.cfg.critic.replay_steps;
             if keep > 0 {
-                self.state.critic_replay.push_back(
-                    r.rows
-                        .iter()
-                        .filter_map(crate::learner::value_only_row)
-                        .collect(),
-                );
+                self.state.critic_replay.push_back(fresh);
                 while self.state.critic_replay.len() > keep {
                     self.state.critic_replay.pop_front();
                 }
@@ -531,6 +531,9 @@ impl Trainer {
         engine.invalidate();
         self.state.step = step;
         self.state.optimizer_step = self.learner.opt.steps_done();
+        let group_steps = self.learner.opt.group_steps_done();
+        self.state.critic_optimizer_step =
+            (group_steps != self.state.optimizer_step).then_some(group_steps);
         let eval_step = step.is_multiple_of(self.cfg.eval_every) || step == self.cfg.steps;
         if eval_step && self.group.world() > 1 {
             self.check_weights_agree()?;

@@ -51,6 +51,15 @@ pub(crate) fn mix64(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
+/// Fisher-Yates shuffle of `order` from the SplitMix stream in `state`
+/// (advanced), the same on every platform.
+pub(crate) fn shuffle(order: &mut [usize], state: &mut u64) {
+    for i in (1..order.len()).rev() {
+        *state = mix64(*state);
+        order.swap(i, (*state % (i as u64 + 1)) as usize);
+    }
+}
+
 /// An environment step handed to a worker: the continuation, the segment
 /// the engine generated for it.
 type EnvJob = (usize, Box<Cont>, Completion);
