@@ -113,6 +113,10 @@ pub struct UpdateStats {
     /// Seconds in the optimizer steps.
     #[serde(default)]
     pub time_optimizer_s: f64,
+    /// Seconds in the gradient all-reduce (and ZeRO-1's gather of the
+    /// updated shares) over the data-parallel group; 0 on one rank.
+    #[serde(default)]
+    pub time_all_reduce_s: f64,
 }
 
 /// Policy + critic with their optimizer.
@@ -561,7 +565,7 @@ impl Learner {
             eps_high: self.cfg.policy.eps_high as f32,
         };
         let v_w = 1.0 / n_val_all.max(1) as f32;
-        let (mut t_fwd, mut t_bwd, mut t_opt) = (0.0, 0.0, 0.0);
+        let (mut t_fwd, mut t_bwd, mut t_opt, mut t_comm) = (0.0, 0.0, 0.0, 0.0);
         // Packed once, for every epoch.
         let packs = micro_batches(&items, self.cfg.micro_batch_tokens, |(r, _)| r.tokens.len())
             .into_iter()
@@ -600,16 +604,20 @@ impl Learner {
                 Ok::<_, TrainError>((acc, sums))
             })?;
             if world > 1 {
+                let t = std::time::Instant::now();
                 acc.all_reduce(self.opt.vars(), group)?;
                 sums.all_reduce(group)?;
+                t_comm += t.elapsed().as_secs_f64();
             }
             let t0 = std::time::Instant::now();
             let s: StepStats = arbor_ops::in_pool(&dev, || self.opt.step(&acc))?;
+            t_opt += t0.elapsed().as_secs_f64();
             if world > 1 {
                 // ZeRO-1: the other ranks' shares of the update.
+                let t = std::time::Instant::now();
                 self.opt.gather_shards(group)?;
+                t_comm += t.elapsed().as_secs_f64();
             }
-            t_opt += t0.elapsed().as_secs_f64();
             if epoch == 0 {
                 let pol = sums.pol;
                 let wsum = if pol[3] > 0.0 { pol[3] } else { 1.0 };
@@ -629,6 +637,7 @@ impl Learner {
         stats.time_forward_s = t_fwd;
         stats.time_backward_s = t_bwd;
         stats.time_optimizer_s = t_opt;
+        stats.time_all_reduce_s = t_comm;
         Ok(stats)
     }
 

@@ -112,6 +112,10 @@ pub struct StepMetrics {
     pub time_env_s: f64,
     /// Seconds in the update.
     pub time_train_s: f64,
+    /// Of which in the gradient all-reduce over the data-parallel group (0
+    /// on one rank).
+    #[serde(default)]
+    pub time_all_reduce_s: f64,
     /// Mean tool calls executed per trajectory that ended this step (a FOCUS
     /// tree has one trajectory per leaf; replayed prefixes' calls included;
     /// 0 for tasks without tools).

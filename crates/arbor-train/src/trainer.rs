@@ -578,6 +578,7 @@ impl Trainer {
             time_generate_s: r.stats.generate_s,
             time_env_s: r.stats.env_s,
             time_train_s: train_s,
+            time_all_reduce_s: u.time_all_reduce_s,
             tool_calls_per_episode: r.stats.tool_calls as f64
                 / r.stats.finished_episodes.max(1) as f64,
             context: self.cfg.harness.context_tokens.map(|_| {

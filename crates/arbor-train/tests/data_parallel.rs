@@ -111,6 +111,8 @@ fn two_ranks_match_one(cfg: &str) {
             assert_eq!(a.trained_tokens, b.trained_tokens);
             assert!((a.reward - b.reward).abs() < 1e-12, "{a:?}\n{b:?}");
             assert_eq!(a.effective_groups, b.effective_groups);
+            // The all-reduce is timed on several ranks, absent on one.
+            assert!(a.time_all_reduce_s > 0.0 && b.time_all_reduce_s == 0.0);
             assert!((a.policy_loss - b.policy_loss).abs() < 1e-5, "{a:?}\n{b:?}");
             assert!(
                 (a.grad_norm - b.grad_norm).abs() < 1e-4 * b.grad_norm.max(1.0),
