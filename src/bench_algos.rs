@@ -299,20 +299,24 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
             v.parse::<f64>()
                 .with_context(|| format!("row setting `{kv}`: not a number"))
         };
+        let int = || -> Result<usize> {
+            v.parse::<usize>()
+                .with_context(|| format!("row setting `{kv}`: not a whole number >= 0"))
+        };
         match k {
             "lambda" if cfg.algo == Algo::Focus => cfg.focus.lambda = num()?,
             "lambda" => cfg.ppo.lambda = num()?,
             "kappa" => cfg.focus.kappa = num()?,
-            "prune_settled" => cfg.focus.prune_settled = num()? as u32,
+            "prune_settled" => cfg.focus.prune_settled = u32::try_from(int()?).with_context(|| format!("row setting `{kv}`: too large"))?,
             "critic_targets" => cfg.focus.critic_targets = variant(kv, v)?,
             "score" => cfg.focus.score = variant(kv, v)?,
             "evidence" => cfg.focus.evidence = variant(kv, v)?,
             "critic_lr" => cfg.critic.lr = Some(num()?),
-            "critic_epochs" => cfg.critic.epochs = num()? as usize,
-            "critic_minibatches" => cfg.critic.minibatches = num()? as usize,
-            "critic_replay" => cfg.critic.replay_steps = num()? as usize,
-            "heldout_tasks" => cfg.critic.heldout_tasks = num()? as usize,
-            "heldout_samples" => cfg.critic.heldout_samples = num()? as usize,
+            "critic_epochs" => cfg.critic.epochs = int()?,
+            "critic_minibatches" => cfg.critic.minibatches = int()?,
+            "critic_replay" => cfg.critic.replay_steps = int()?,
+            "heldout_tasks" => cfg.critic.heldout_tasks = int()?,
+            "heldout_samples" => cfg.critic.heldout_samples = int()?,
             "critic" => cfg.learner.critic = variant(kv, v)?,
             "critic_init" => cfg.critic.init = variant(kv, v)?,
             "reserve" => cfg.ps.reserve = num()?,
@@ -320,15 +324,15 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
             "eta" => cfg.ps.controller.eta = num()?,
             "cut" => cfg.ps.cut = variant(kv, v)?,
             "replay" => cfg.ps.replay = variant(kv, v)?,
-            "rerollouts" => cfg.ps.rerollouts = num()? as usize,
-            "attempts" => cfg.ps.attempts = num()? as u32,
-            "sources" => cfg.ps.sources = num()? as usize,
-            "probe" => cfg.ps.probe = num()? as usize,
+            "rerollouts" => cfg.ps.rerollouts = int()?,
+            "attempts" => cfg.ps.attempts = u32::try_from(int()?).with_context(|| format!("row setting `{kv}`: too large"))?,
+            "sources" => cfg.ps.sources = int()?,
+            "probe" => cfg.ps.probe = int()?,
             "anchor" => cfg.ps.anchor = flag(kv, v)?,
             "keep_skewed" => cfg.ps.keep_skewed = flag(kv, v)?,
             "match_budget" => cfg.ps.match_budget = flag(kv, v)?,
             "compaction" => cfg.harness.compaction = variant(kv, v)?,
-            "context_tokens" => cfg.harness.context_tokens = Some(num()? as usize),
+            "context_tokens" => cfg.harness.context_tokens = Some(int()?),
             _ => anyhow::bail!(
                 "row setting `{kv}`: unknown key (lambda, kappa, score, evidence, \
                  prune_settled, critic_targets, critic, critic_init, critic_lr; PS: reserve, \
@@ -745,6 +749,24 @@ mod tests {
         assert!(e.contains("gamma=1"), "{e}");
         let e = apply_row(&mut cfg, &["lambda"]).unwrap_err().to_string();
         assert!(e.contains("key=value"), "{e}");
+        apply_row(
+            &mut cfg,
+            &["critic_epochs=2", "critic_replay=20", "heldout_tasks=32"],
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                cfg.critic.epochs,
+                cfg.critic.replay_steps,
+                cfg.critic.heldout_tasks
+            ),
+            (2, 20, 32)
+        );
+        // Counts are whole numbers: no silent truncation of 1.5 or -1.
+        for bad in ["critic_epochs=1.5", "critic_replay=-1", "prune_settled=x"] {
+            let e = apply_row(&mut cfg, &[bad]).unwrap_err().to_string();
+            assert!(e.contains(bad) && e.contains("whole number"), "{e}");
+        }
     }
 
     /// Every method's row is a valid config on the shipped bases, whose
