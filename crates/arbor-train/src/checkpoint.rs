@@ -51,9 +51,9 @@ pub(crate) struct TrainerState {
     #[serde(default)]
     pub(crate) tokens_per_task: Option<f64>,
     /// Value targets of the last `[critic] replay_steps` steps, oldest
-    /// first (value-only rows).
+    /// first.
     #[serde(default, skip_serializing_if = "std::collections::VecDeque::is_empty")]
-    pub(crate) critic_replay: std::collections::VecDeque<Vec<arbor_rl::credit::LossRow>>,
+    pub(crate) critic_replay: std::collections::VecDeque<Vec<crate::learner::ValueRow>>,
 }
 
 /// `trainer_state.json` as written: the trainer's state and the rollout

@@ -211,20 +211,39 @@ impl std::fmt::Debug for Learner {
     }
 }
 
-/// `row` cut after its last value target, with no policy tokens (`None`
-/// without targets): what the critic's extra passes train on, and what a
-/// replay of earlier steps keeps.
-pub fn value_only_row(row: &LossRow) -> Option<LossRow> {
-    let end = row.value_targets.iter().map(|&(p, _)| p + 1).max()?;
-    Some(LossRow {
-        episode: row.episode,
-        leaf: row.leaf,
-        tokens: row.tokens[..end].to_vec(),
-        mask: vec![0.0; end],
-        advantages: vec![0.0; end],
-        behaviour_logprobs: vec![0.0; end],
-        value_targets: row.value_targets.clone(),
-    })
+/// A row's value targets alone: its tokens up to the last target, and the
+/// targets. What the critic's extra passes train on and what a replay of
+/// earlier steps keeps (in checkpoints, without the policy's columns).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ValueRow {
+    pub tokens: Vec<u32>,
+    /// `(position, target)`, as in [`LossRow::value_targets`].
+    pub value_targets: Vec<(usize, f32)>,
+}
+
+impl ValueRow {
+    /// `row` cut after its last value target (`None` without targets).
+    pub fn of(row: &LossRow) -> Option<Self> {
+        let end = row.value_targets.iter().map(|&(p, _)| p + 1).max()?;
+        Some(ValueRow {
+            tokens: row.tokens[..end].to_vec(),
+            value_targets: row.value_targets.clone(),
+        })
+    }
+
+    /// As a loss row that trains no policy token.
+    pub fn to_loss_row(&self) -> LossRow {
+        let n = self.tokens.len();
+        LossRow {
+            episode: 0,
+            leaf: arbor_rl::NodeId(0),
+            tokens: self.tokens.clone(),
+            mask: vec![0.0; n],
+            advantages: vec![0.0; n],
+            behaviour_logprobs: vec![0.0; n],
+            value_targets: self.value_targets.clone(),
+        }
+    }
 }
 
 /// Named variables of a var map, sorted by name.
@@ -660,7 +679,11 @@ impl Learner {
         group: &mut dyn crate::dist::Collective,
     ) -> Result<(f64, usize), TrainError> {
         let dev = self.device();
-        let rows: Vec<LossRow> = rows.iter().filter_map(value_only_row).collect();
+        let rows: Vec<LossRow> = rows
+            .iter()
+            .filter_map(ValueRow::of)
+            .map(|v| v.to_loss_row())
+            .collect();
         let parts = minibatches.max(1);
         let mut order: Vec<usize> = (0..rows.len()).collect();
         let mut rng = seed;

@@ -500,14 +500,19 @@ impl Trainer {
             let seed =
                 crate::rollout::sched::mix64(self.cfg.seed ^ 0xC817_0E90 ^ step.rotate_left(17));
             // The replayed steps' value targets, then this step's.
-            let fresh: Vec<arbor_rl::credit::LossRow> = r
+            let fresh: Vec<crate::learner::ValueRow> = r
                 .rows
                 .iter()
-                .filter_map(crate::learner::value_only_row)
+                .filter_map(crate::learner::ValueRow::of)
                 .collect();
-            let mut rows: Vec<arbor_rl::credit::LossRow> =
-                self.state.critic_replay.iter().flatten().cloned().collect();
-            rows.extend(fresh.iter().cloned());
+            let rows: Vec<arbor_rl::credit::LossRow> = self
+                .state
+                .critic_replay
+                .iter()
+                .flatten()
+                .chain(&fresh)
+                .map(crate::learner::ValueRow::to_loss_row)
+                .collect();
             let (loss, _) = self.learner.update_critic_in_group(
                 &rows,
                 critic_passes,
