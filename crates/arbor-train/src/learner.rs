@@ -609,14 +609,7 @@ impl Learner {
                     let t1 = std::time::Instant::now();
                     t_fwd += (t1 - t0).as_secs_f64();
                     if let Some(t) = total {
-                        let vars = self.opt.vars();
-                        let grads = t.backward()?;
-                        acc.add(vars, &grads)?;
-                        for (m, ck, x) in &fwd.recomputed {
-                            if let Some(d) = grads.get(x.as_tensor()) {
-                                m.backward_checkpoints(ck, &p.ids, d, |g| acc.add(vars, g))?;
-                            }
-                        }
+                        self.backward_into(p, &fwd, &t, &mut acc)?;
                     }
                     t_bwd += t1.elapsed().as_secs_f64();
                 }
@@ -660,9 +653,9 @@ impl Learner {
         Ok(stats)
     }
 
-    /// Extra passes of the critic alone over this step's value targets
-    /// (`[critic] epochs`): `passes` times, the rows (cut after their last
-    /// target, no policy tokens) are shuffled from `seed` and split into
+    /// Extra passes of the critic alone over value targets (`[critic]
+    /// epochs`; [`ValueRow::of`] cuts a step's rows): `passes` times, the
+    /// rows are shuffled from `seed` and split into
     /// `minibatches` equal parts, and each part is one
     /// [`AdamW::step_group`] of the critic's parameters on the mean value
     /// loss of its targets. The policy, its moments and the schedule do not
@@ -672,18 +665,14 @@ impl Learner {
     /// in step. Returns the last pass's mean value loss and the steps taken.
     pub fn update_critic_in_group(
         &mut self,
-        rows: &[LossRow],
+        rows: &[ValueRow],
         passes: usize,
         minibatches: usize,
         seed: u64,
         group: &mut dyn crate::dist::Collective,
     ) -> Result<(f64, usize), TrainError> {
         let dev = self.device();
-        let rows: Vec<LossRow> = rows
-            .iter()
-            .filter_map(ValueRow::of)
-            .map(|v| v.to_loss_row())
-            .collect();
+        let rows: Vec<LossRow> = rows.iter().map(ValueRow::to_loss_row).collect();
         let parts = minibatches.max(1);
         let mut order: Vec<usize> = (0..rows.len()).collect();
         let mut rng = seed;
@@ -708,7 +697,7 @@ impl Learner {
                     {
                         let p = pack(chunk, &dev)?;
                         let fwd = self.forward_values(&p)?;
-                        let Some(total) = self.micro_loss(
+                        let total = self.micro_loss(
                             &p,
                             &fwd.h,
                             &fwd.values,
@@ -720,17 +709,9 @@ impl Learner {
                             },
                             v_w,
                             &mut sums,
-                        )?
-                        else {
-                            continue;
-                        };
-                        let vars = self.opt.vars();
-                        let grads = total.backward()?;
-                        acc.add(vars, &grads)?;
-                        for (m, ck, x) in &fwd.recomputed {
-                            if let Some(d) = grads.get(x.as_tensor()) {
-                                m.backward_checkpoints(ck, &p.ids, d, |g| acc.add(vars, g))?;
-                            }
+                        )?;
+                        if let Some(t) = total {
+                            self.backward_into(&p, &fwd, &t, &mut acc)?;
                         }
                     }
                     Ok::<_, TrainError>((acc, sums))
@@ -752,6 +733,26 @@ impl Learner {
             last_loss = loss / targets.max(1) as f64;
         }
         Ok((last_loss, steps))
+    }
+
+    /// Backpropagate a micro-batch's loss `total` into `acc`, through the
+    /// recomputed layers of each backbone that kept only checkpoints.
+    fn backward_into(
+        &self,
+        p: &Packed,
+        fwd: &MicroForward<'_>,
+        total: &Tensor,
+        acc: &mut GradAccum,
+    ) -> Result<(), TrainError> {
+        let vars = self.opt.vars();
+        let grads = total.backward()?;
+        acc.add(vars, &grads)?;
+        for (m, ck, x) in &fwd.recomputed {
+            if let Some(d) = grads.get(x.as_tensor()) {
+                m.backward_checkpoints(ck, &p.ids, d, |g| acc.add(vars, g))?;
+            }
+        }
+        Ok(())
     }
 
     /// The critic's forward alone: its values (with `recompute =

@@ -475,7 +475,7 @@ impl AdamW {
         step: u64,
     ) -> Result<(), TrainError> {
         for (i, (name, var)) in self.vars.iter().enumerate() {
-            let owned = self.shard.as_ref().is_none_or(|(o, r)| o[i] == *r);
+            let owned = self.owns(i);
             for (prefix, slot) in [("m", &mut self.m[i]), ("v", &mut self.v[i])] {
                 let key = format!("{prefix}.{name}");
                 let t = state.get(&key).ok_or_else(|| {

@@ -34,10 +34,10 @@ use serde::{Deserialize, Serialize};
 
 use arbor_rl::credit::LossRow;
 use arbor_rl::diagnostics::{explained_variance, spearman};
-use arbor_rl::NodeId;
 
+use crate::learner::ValueRow;
 use crate::optim::AdamWConfig;
-use crate::rollout::heldout::{critic_values, sample_states, StateSample};
+use crate::rollout::heldout::{critic_vs_states, sample_states, StateSample};
 use crate::rollout::sched::{mix64, shuffle};
 use crate::trainer::Trainer;
 use crate::TrainError;
@@ -199,37 +199,19 @@ fn depth_baseline(train: &[StateSample], test: &[StateSample]) -> Vec<(f64, f64)
 fn value_rows(states: &[StateSample], target: ProbeTarget) -> Vec<LossRow> {
     states
         .iter()
-        .enumerate()
-        .filter(|(_, s)| !s.context.is_empty())
-        .map(|(i, s)| {
-            let n = s.context.len();
+        .filter(|s| !s.context.is_empty())
+        .map(|s| {
             let t = match target {
                 ProbeTarget::MonteCarlo => s.monte_carlo(),
                 ProbeTarget::Outcome => s.outcomes[0],
             };
-            LossRow {
-                episode: i,
-                leaf: NodeId(0),
+            ValueRow {
                 tokens: s.context.clone(),
-                mask: vec![0.0; n],
-                advantages: vec![0.0; n],
-                behaviour_logprobs: vec![0.0; n],
-                value_targets: vec![(n - 1, t as f32)],
+                value_targets: vec![(s.context.len() - 1, t as f32)],
             }
+            .to_loss_row()
         })
         .collect()
-}
-
-/// `(critic value, Monte-Carlo value)` of `states`.
-fn scored(
-    learner: &crate::learner::Learner,
-    states: &[StateSample],
-) -> Result<Vec<(f64, f64)>, TrainError> {
-    Ok(critic_values(learner, states)?
-        .into_iter()
-        .zip(states)
-        .filter_map(|(v, s)| Some((v?, s.monte_carlo())))
-        .collect())
 }
 
 impl Trainer {
@@ -298,7 +280,7 @@ impl Trainer {
         self.learner.cfg.epochs = 1;
         let rows = value_rows(&train, o.target);
         let score = |l: &crate::learner::Learner, epoch, value_loss| -> Result<_, TrainError> {
-            let (tr, te) = (scored(l, &train)?, scored(l, &test)?);
+            let (tr, te) = (critic_vs_states(l, &train)?, critic_vs_states(l, &test)?);
             Ok(ProbeEpoch {
                 epoch,
                 value_loss,

@@ -505,13 +505,13 @@ impl Trainer {
                 .iter()
                 .filter_map(crate::learner::ValueRow::of)
                 .collect();
-            let rows: Vec<arbor_rl::credit::LossRow> = self
+            let rows: Vec<crate::learner::ValueRow> = self
                 .state
                 .critic_replay
                 .iter()
                 .flatten()
                 .chain(&fresh)
-                .map(crate::learner::ValueRow::to_loss_row)
+                .cloned()
                 .collect();
             let (loss, _) = self.learner.update_critic_in_group(
                 &rows,

@@ -8,7 +8,7 @@
 use arbor_model::{Arch, CriticMode, ModelConfig, RopeScaling};
 use arbor_rl::credit::LossRow;
 use arbor_rl::ppo::{Aggregation, PolicyLossConfig};
-use arbor_train::learner::{Learner, LearnerConfig, Recompute, UpdateStats};
+use arbor_train::learner::{Learner, LearnerConfig, Recompute, UpdateStats, ValueRow};
 use arbor_train::optim::AdamWConfig;
 use candle_core::{DType, Device, Tensor};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -285,7 +285,7 @@ fn critic_passes_fit_the_values_and_move_only_the_critic() {
         let run = |recompute| {
             let mut l = learner_with(Aggregation::TokenMean, 12, critic, recompute);
             l.set_critic_optimizer(1e-2, 1.0);
-            let rows = rows(&l);
+            let rows: Vec<ValueRow> = rows(&l).iter().filter_map(ValueRow::of).collect();
             let params = |l: &Learner| -> Vec<(String, Vec<f32>)> {
                 l.opt
                     .vars()

@@ -98,12 +98,13 @@ pub fn sample_states(
     Ok(out)
 }
 
-/// The critic's value at each state, read at the last token of its
-/// context (`None` for an empty context).
-pub fn critic_values(
+/// `(critic value, Monte-Carlo value)` of each state, the critic read at
+/// the last token of the state's context (states with an empty context
+/// are left out).
+pub fn critic_vs_states(
     learner: &Learner,
     states: &[StateSample],
-) -> Result<Vec<Option<f64>>, TrainError> {
+) -> Result<Vec<(f64, f64)>, TrainError> {
     let seqs: Vec<Vec<u32>> = states.iter().map(|s| s.context.clone()).collect();
     let pos: Vec<Vec<usize>> = seqs
         .iter()
@@ -112,7 +113,8 @@ pub fn critic_values(
     Ok(learner
         .values_at(&seqs, &pos)?
         .into_iter()
-        .map(|v| v.first().copied())
+        .zip(states)
+        .filter_map(|(v, s)| Some((*v.first()?, s.monte_carlo())))
         .collect())
 }
 
@@ -131,10 +133,5 @@ pub fn critic_vs_monte_carlo(
         return Ok(Vec::new());
     }
     let states = sample_states(engine, tasks, cfg, k, seed, env_workers)?;
-    let values = critic_values(learner, &states)?;
-    Ok(states
-        .iter()
-        .zip(values)
-        .filter_map(|(s, v)| Some((v?, s.monte_carlo())))
-        .collect())
+    critic_vs_states(learner, &states)
 }
