@@ -1,4 +1,4 @@
-//! `arbor train --ranks N`: data-parallel GRPO as N processes joined over
+//! `arbor train --ranks N`: data-parallel GRPO (and FOCUS) as N processes joined over
 //! TCP gives the run one process gives (up to f32 round-off in the
 //! gradient sums), and a rank killed mid-run stops the whole run with an
 //! error naming it, within seconds.
@@ -88,14 +88,25 @@ fn two_rank_processes_train_like_one() {
 }
 
 /// A checkpoint of a one-process run resumes on two processes and goes on
-/// as the one-process run does (checkpoints do not depend on the ranks).
+/// as the one-process run does (checkpoints do not depend on the ranks):
+/// GRPO, and FOCUS with its critic's replay of earlier steps' targets (the
+/// whole group's, kept in the checkpoint).
 #[test]
 fn a_run_resumes_at_another_number_of_ranks() {
+    resumes_at_two_ranks(&config(4));
+    let focus = config(4)
+        .replace("algo = \"grpo\"", "algo = \"focus\"")
+        .replace("[learner]\ncritic = \"shared\"\n", "")
+        + "\n[critic]\nepochs = 1\nminibatches = 2\nreplay_steps = 2\n";
+    resumes_at_two_ranks(&focus);
+}
+
+fn resumes_at_two_ranks(config: &str) {
     let d = tempfile::tempdir().unwrap();
     let cfg = d.path().join("c.toml");
     std::fs::write(
         &cfg,
-        config(4).replace(
+        config.replace(
             "checkpoint_every = 0",
             "checkpoint_every = 2\nkeep_last = 2",
         ),
@@ -139,14 +150,17 @@ fn a_run_resumes_at_another_number_of_ranks() {
             "trained_tokens",
             "reward",
             "eval_pass_rate",
+            "continuations",
         ] {
             assert_eq!(x[k], y[k], "{k} at step {}", x["step"]);
         }
-        let (p, q) = (
-            x["grad_norm"].as_f64().unwrap(),
-            y["grad_norm"].as_f64().unwrap(),
-        );
-        assert!((p - q).abs() <= 1e-5 * p.max(1.0), "grad norm {p} vs {q}");
+        for k in ["grad_norm", "critic_pass_loss", "critic_grad_norm"] {
+            if let (Some(p), Some(q)) = (x[k].as_f64(), y[k].as_f64()) {
+                assert!((p - q).abs() <= 1e-5 * p.max(1.0), "{k}: {p} vs {q}");
+            } else {
+                assert_eq!(x[k], y[k], "{k} at step {}", x["step"]);
+            }
+        }
     }
 }
 

@@ -269,7 +269,7 @@ impl Segment {
 
 /// One step of a completed continuation: the edge's segment and what is
 /// known about the state it leads to.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Step {
     pub segment: Segment,
     /// Critic prediction `V_phi` of the new state, if already computed.

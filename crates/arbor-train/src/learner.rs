@@ -660,9 +660,11 @@ impl Learner {
     /// [`AdamW::step_group`] of the critic's parameters on the mean value
     /// loss of its targets. The policy, its moments and the schedule do not
     /// move; with a shared critic only the value head does. In a
-    /// data-parallel `group` every rank splits its own rows the same number
-    /// of ways and the gradients and counts are summed, so the ranks stay
-    /// in step. Returns the last pass's mean value loss and the steps taken.
+    /// data-parallel `group` every rank is given the whole group's rows
+    /// (the same list on every rank), computes the gradient of its share of
+    /// each minibatch, and the gradients and losses are summed: the ranks
+    /// stay in step and take the steps one rank would. Returns the last
+    /// pass's mean value loss and the steps taken.
     pub fn update_critic_in_group(
         &mut self,
         rows: &[ValueRow],
@@ -682,12 +684,16 @@ impl Learner {
             let (mut loss, mut targets) = (0.0, 0usize);
             for part in 0..parts {
                 let (lo, hi) = (part * order.len() / parts, (part + 1) * order.len() / parts);
+                let whole = &order[lo..hi];
+                let n = [whole
+                    .iter()
+                    .map(|&i| rows[i].value_targets.len())
+                    .sum::<usize>() as f64];
+                // This rank's share of the minibatch.
+                let (rank, world) = (group.rank(), group.world());
+                let share = &whole[whole.len() * rank / world..whole.len() * (rank + 1) / world];
                 let mb: Vec<(&LossRow, &[f64])> =
-                    order[lo..hi].iter().map(|&i| (&rows[i], &[][..])).collect();
-                let mut n = [mb.iter().map(|(r, _)| r.value_targets.len()).sum::<usize>() as f64];
-                if group.world() > 1 {
-                    group.all_reduce_sum_f64(&mut n)?;
-                }
+                    share.iter().map(|&i| (&rows[i], &[][..])).collect();
                 let v_w = 1.0 / n[0].max(1.0) as f32;
                 let (mut acc, mut sums) = arbor_ops::in_pool(&dev, || {
                     let mut acc = GradAccum::default();

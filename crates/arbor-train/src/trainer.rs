@@ -58,17 +58,20 @@ impl Trainer {
     /// 0 writes the metrics and checkpoints; the other ranks write nothing
     /// in `out_dir` and read the checkpoint they resume from there. Every
     /// rank must be built from the same config and run the same warm-up.
-    /// Methods whose rollouts depend on decisions across the whole step
-    /// (FOCUS, PS, VinePPO, PPO) do not run data-parallel yet: refused.
+    /// FOCUS allocates over the whole group's forest (see
+    /// [`crate::rollout::RolloutPolicy::spans_ranks`]); Prefix Sampling and
+    /// VinePPO, whose launch order depends on when each rank's episodes
+    /// end, do not run data-parallel yet: refused.
     pub fn open(
         cfg: TrainConfig,
         out_dir: &Path,
         resume: bool,
         group: Box<dyn crate::dist::Collective>,
     ) -> Result<Self, TrainError> {
-        if group.world() > 1 && cfg.algo != crate::config::Algo::Grpo {
+        use crate::config::Algo;
+        if group.world() > 1 && matches!(cfg.algo, Algo::Ps | Algo::Vineppo) {
             return Err(TrainError::Config(format!(
-                "key `algo`: {:?} does not run on several ranks yet (grpo does)",
+                "key `algo`: {:?} does not run on several ranks yet (grpo, ppo and focus do)",
                 cfg.algo
             )));
         }
@@ -384,15 +387,18 @@ impl Trainer {
 
     /// The whole step's rollout statistics on every rank: counts summed,
     /// rewards gathered in rank order, the effective-group share over all
-    /// `groups` (this rank's task groups).
+    /// `groups` (this rank's task groups). A policy that spans the ranks
+    /// (`replicated`) already holds the whole step's tree, rewards and
+    /// groups on every rank: only what each rank's engine and environments
+    /// counted is summed.
     fn reduce_rollouts(
         &mut self,
         r: &mut crate::rollout::StepRollouts,
         groups: usize,
+        replicated: bool,
     ) -> Result<(), TrainError> {
         let s = &mut r.stats;
         let mut c = [
-            s.episodes as f64,
             s.continuations as f64,
             s.generated_tokens as f64,
             s.replayed_tokens as f64,
@@ -400,28 +406,83 @@ impl Trainer {
             s.prefill_cached as f64,
             s.finished_episodes as f64,
             s.tool_calls as f64,
+            s.episodes as f64,
             r.effective_groups as f64,
             groups as f64,
         ];
-        self.group.all_reduce_sum_f64(&mut c)?;
-        (s.episodes, s.continuations) = (c[0] as usize, c[1] as usize);
-        (s.generated_tokens, s.replayed_tokens) = (c[2] as u64, c[3] as u64);
-        (s.prefill_computed, s.prefill_cached) = (c[4] as u64, c[5] as u64);
-        (s.finished_episodes, s.tool_calls) = (c[6] as u64, c[7] as u64);
-        r.effective_groups = c[8] as usize;
-        r.effective_group_fraction = c[8] / c[9].max(1.0);
+        let summed = if replicated { 7 } else { c.len() };
+        self.group.all_reduce_sum_f64(&mut c[..summed])?;
+        (s.continuations, s.generated_tokens) = (c[0] as usize, c[1] as u64);
+        (s.replayed_tokens, s.prefill_computed) = (c[2] as u64, c[3] as u64);
+        (s.prefill_cached, s.finished_episodes) = (c[4] as u64, c[5] as u64);
+        s.tool_calls = c[6] as u64;
         let mut ctx = s.context.counts().map(|x| x as f64);
         self.group.all_reduce_sum_f64(&mut ctx)?;
         s.context = arbor_env::context::ContextStats::from_counts(ctx.map(|x| x as u64));
-        let mine: Vec<u8> = r.rewards.iter().flat_map(|x| x.to_le_bytes()).collect();
-        r.rewards = self
+        if replicated {
+            return Ok(());
+        }
+        s.episodes = c[7] as usize;
+        r.effective_groups = c[8] as usize;
+        r.effective_group_fraction = c[8] / c[9].max(1.0);
+        r.rewards = self.gather_f64(&r.rewards)?;
+        // The critic's (value, target) pairs of every rank (PPO).
+        let flat: Vec<f64> = r
+            .critic_vs_target
+            .iter()
+            .flat_map(|&(v, g)| [v, g])
+            .collect();
+        r.critic_vs_target = self
+            .gather_f64(&flat)?
+            .chunks_exact(2)
+            .map(|p| (p[0], p[1]))
+            .collect();
+        Ok(())
+    }
+
+    /// The value targets of the step's loss `rows`, the whole group's on
+    /// every rank, in one rank's order: rank after rank (each holds a
+    /// slice of the step's tasks), or by leaf when a policy that spans the
+    /// ranks grew one tree on all of them (there one rank lists its rows
+    /// by leaf).
+    fn step_value_rows(
+        &mut self,
+        rows: &[arbor_rl::credit::LossRow],
+        spans: bool,
+    ) -> Result<Vec<crate::learner::ValueRow>, TrainError> {
+        use crate::learner::ValueRow;
+        let mine: Vec<(u32, ValueRow)> = rows
+            .iter()
+            .filter_map(|r| ValueRow::of(r).map(|v| (r.leaf.0, v)))
+            .collect();
+        if self.group.world() == 1 {
+            return Ok(mine.into_iter().map(|(_, v)| v).collect());
+        }
+        let bytes = serde_json::to_vec(&mine)
+            .map_err(|e| TrainError::Rollout(format!("cannot encode value targets: {e}")))?;
+        let mut all = Vec::new();
+        for (rank, part) in self.group.all_gather(&bytes)?.iter().enumerate() {
+            let theirs: Vec<(u32, ValueRow)> = serde_json::from_slice(part).map_err(|e| {
+                TrainError::Rollout(format!("rank {rank} sent unreadable value targets: {e}"))
+            })?;
+            all.extend(theirs);
+        }
+        if spans {
+            all.sort_by_key(|(leaf, _)| *leaf);
+        }
+        Ok(all.into_iter().map(|(_, v)| v).collect())
+    }
+
+    /// Every rank's `xs`, concatenated in rank order.
+    fn gather_f64(&mut self, xs: &[f64]) -> Result<Vec<f64>, TrainError> {
+        let mine: Vec<u8> = xs.iter().flat_map(|x| x.to_le_bytes()).collect();
+        Ok(self
             .group
             .all_gather(&mine)?
             .iter()
             .flat_map(|p| p.chunks_exact(8))
             .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
-            .collect();
-        Ok(())
+            .collect())
     }
 
     /// One RL step: tasks, rollouts and credit, the update, evaluation.
@@ -440,11 +501,17 @@ impl Trainer {
             (Some(b), Some(per)) => self.policy.tasks_for_budget(b, per),
             _ => self.policy.tasks_per_step(),
         };
-        // This rank's share of the tasks, by index.
+        // This rank's share of the tasks, by index; a policy that spans the
+        // ranks gets every task and runs this share.
         let (rank, world) = (self.group.rank(), self.group.world());
         let (lo, hi) = (n_tasks * rank / world, n_tasks * (rank + 1) / world);
-        let tasks = (lo as u64..hi as u64)
-            .map(|i| self.sampler.train_task(self.state.cursor + i))
+        let spans = self.policy.spans_ranks();
+        let (drawn, owned) = match spans {
+            true => (0..n_tasks, lo..hi),
+            false => (lo..hi, 0..hi - lo),
+        };
+        let tasks = drawn
+            .map(|i| self.sampler.train_task(self.state.cursor + i as u64))
             .collect::<Result<Vec<_>, _>>()?;
         self.state.cursor += n_tasks as u64;
         let mut rollout = self.sampler.rollout_config(self.cfg.temperature);
@@ -453,10 +520,14 @@ impl Trainer {
         {
             rollout.line_ends = self.sampler.line_ends();
         }
-        // GRPO launches `samples_per_prompt` continuations per task in task
-        // order: this rank's first launch is number `lo * n` of the step.
-        // (The counter wraps, as the scheduler's seeds do.)
-        let offset = (lo * self.cfg.samples_per_prompt) as u64;
+        // GRPO and PPO launch `samples_per_prompt` continuations per task in
+        // task order: this rank's first launch is number `lo * n` of the
+        // step. (The counter wraps, as the scheduler's seeds do.) A policy
+        // that spans the ranks numbers the group's launches itself.
+        let offset = match spans {
+            true => 0,
+            false => (lo * self.cfg.samples_per_prompt) as u64,
+        };
         let first = self.state.seed_counter.wrapping_add(offset);
         let mut seed = first;
         let ctx = StepContext {
@@ -467,10 +538,14 @@ impl Trainer {
             step,
             env_workers: self.cfg.env_workers,
             budget_tokens,
+            group: self.group.as_mut(),
+            owned,
         };
         let mut r = self.policy.rollouts(ctx, tasks)?;
         self.state.seed_counter = seed;
-        if world > 1 {
+        if world > 1 && spans {
+            self.reduce_rollouts(&mut r, hi - lo, true)?;
+        } else if world > 1 {
             // The counter moves past every rank's launches, as one rank's
             // would (each scheduler adds its launches plus one).
             // A scheduler moves the counter by its launches plus one (a rank
@@ -479,7 +554,7 @@ impl Trainer {
             self.group.all_reduce_sum_f64(&mut launches)?;
             let base = first.wrapping_sub(offset);
             self.state.seed_counter = base.wrapping_add(launches[0] as u64).wrapping_add(1);
-            self.reduce_rollouts(&mut r, hi - lo)?;
+            self.reduce_rollouts(&mut r, hi - lo, false)?;
         }
         if let (Some(StepBudget::Tokens(n)), Some(b)) = (self.cfg.budget, budget_tokens) {
             // What this step left or overspent, at most one budget either way.
@@ -499,12 +574,9 @@ impl Trainer {
         let critic_pass_loss = if self.cfg.algo.has_critic() && critic_passes > 0 {
             let seed =
                 crate::rollout::sched::mix64(self.cfg.seed ^ 0xC817_0E90 ^ step.rotate_left(17));
-            // The replayed steps' value targets, then this step's.
-            let fresh: Vec<crate::learner::ValueRow> = r
-                .rows
-                .iter()
-                .filter_map(crate::learner::ValueRow::of)
-                .collect();
+            // The replayed steps' value targets, then this step's (the
+            // whole group's, in the order one rank would hold them).
+            let fresh = self.step_value_rows(&r.rows, spans)?;
             let rows: Vec<crate::learner::ValueRow> = self
                 .state
                 .critic_replay

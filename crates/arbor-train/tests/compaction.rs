@@ -90,6 +90,8 @@ fn focus_forks_and_credits_through_compactions() {
                 step: 1,
                 env_workers: 0,
                 budget_tokens: None,
+                group: &mut arbor_train::dist::Single,
+                owned: 0..4,
             },
             tasks,
         )

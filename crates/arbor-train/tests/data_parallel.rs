@@ -87,20 +87,42 @@ fn two_ranks_train_like_one() {
         let cfg = format!(
             "{CONFIG}\n[learner.policy]\neps_low = 0.2\neps_high = 0.28\naggregation = {value}\n"
         );
-        two_ranks_match_one(&cfg);
+        two_ranks_match_one(&cfg, 24, 24);
     }
 }
 
-fn two_ranks_match_one(cfg: &str) {
+/// PPO splits the tasks as GRPO does; FOCUS allocates one budget over the
+/// whole group's forest, each rank running its own tasks' continuations:
+/// both train on two ranks as on one.
+#[test]
+fn ppo_and_focus_on_two_ranks_train_like_one() {
+    let ppo = CONFIG.replace("algo = \"grpo\"", "algo = \"ppo\"");
+    two_ranks_match_one(&ppo, 24, 24);
+    // FOCUS with its own critic (started from the policy), a budget of 24
+    // continuations over 6 roots, and extra critic passes.
+    let focus = CONFIG
+        .replace("algo = \"grpo\"", "algo = \"focus\"")
+        .replace("[learner]\ncritic = \"shared\"\n", "")
+        + "\n[focus]\nworker_capacity = 8\n\n[critic]\nepochs = 1\nminibatches = 2\n";
+    two_ranks_match_one(&focus, 6, 24);
+    // One task: rank 1 owns none and still takes part in every exchange.
+    let one_task = focus.replace("prompts_per_step = 6", "prompts_per_step = 1");
+    two_ranks_match_one(&one_task, 1, 4);
+}
+
+/// `episodes`: the trees (GRPO and PPO: one per rollout) a step grows;
+/// `continuations`: the rollouts it runs.
+fn two_ranks_match_one(cfg: &str, episodes: usize, continuations: usize) {
     let (one_ms, one_w) = run_rank(cfg, Box::new(Single)).unwrap();
     let two = run_world(cfg, 2);
     let runs: Vec<RankRun> = two.into_iter().map(Result::unwrap).collect();
-    // The run trains: tokens with gradients at every step, and 24
-    // episodes a step, split between the ranks.
+    // The run trains: tokens with gradients at every step, and its
+    // episodes split between the ranks.
     assert_eq!(one_ms.len(), 3);
     for m in &one_ms {
         assert!(m.trained_tokens > 0 && m.grad_norm > 0.0, "{m:?}");
-        assert_eq!(m.episodes, 24);
+        assert_eq!(m.episodes, episodes);
+        assert_eq!(m.continuations, continuations);
     }
     for (ms, w) in &runs {
         assert_eq!(ms.len(), one_ms.len());
@@ -119,6 +141,20 @@ fn two_ranks_match_one(cfg: &str) {
                 "{a:?}\n{b:?}"
             );
             assert_eq!(a.eval_pass_rate, b.eval_pass_rate);
+            // The same allocation (FOCUS) and critic fit.
+            assert_eq!(a.continuations, b.continuations);
+            assert_eq!(a.alloc_by_depth, b.alloc_by_depth);
+            assert_eq!(a.alloc_mean_depth, b.alloc_mean_depth);
+            assert_eq!(a.critic_rank_corr, b.critic_rank_corr);
+            assert!((a.value_loss - b.value_loss).abs() < 1e-5, "{a:?}\n{b:?}");
+            for (x, y) in [
+                (a.critic_grad_norm, b.critic_grad_norm),
+                (a.critic_pass_loss, b.critic_pass_loss),
+            ] {
+                assert_eq!(x.is_some(), y.is_some());
+                let (x, y) = (x.unwrap_or(0.0), y.unwrap_or(0.0));
+                assert!((x - y).abs() < 1e-4 * y.abs().max(1.0), "{a:?}\n{b:?}");
+            }
         }
         assert_eq!(w.len(), one_w.len());
         let worst = w

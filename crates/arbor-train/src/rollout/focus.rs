@@ -7,7 +7,13 @@ use arbor_rl::diagnostics::AllocationLog;
 use arbor_rl::focus::{Allocator, AllocatorConfig, AsyncGain, Budget, Focus};
 use arbor_rl::RolloutTree;
 
-use super::conts::{cont_for, keep_snapshots, root_values, segment_values, to_steps, Snapshots};
+use std::collections::HashMap;
+
+use arbor_rl::Step;
+
+use super::conts::{
+    cont_for, keep_snapshots, root_values, segment_values, to_steps, Cont, Snapshots,
+};
 use super::{RolloutPolicy, StepContext, StepRollouts, TaskInstance};
 use crate::config::{CriticTargets, FocusConfig};
 use crate::TrainError;
@@ -32,19 +38,33 @@ impl RolloutPolicy for FocusPolicy {
         self.tasks
     }
 
+    /// Every rank grows the same forest: the allocator runs on each with
+    /// the same inputs, so all make the same launches; the rank that owns
+    /// a launch's task runs it, and after every engine step the ranks
+    /// exchange their finished continuations (tree steps with the owner's
+    /// critic values) and complete them in launch order.
+    fn spans_ranks(&self) -> bool {
+        true
+    }
+
     fn rollouts(
         &mut self,
-        mut ctx: StepContext<'_>,
+        ctx: StepContext<'_>,
         tasks: Vec<TaskInstance>,
     ) -> Result<StepRollouts, TrainError> {
         let fcfg = &self.cfg;
         let learner = ctx.learner;
+        let owned = ctx.owned.clone();
         let mut tree = RolloutTree::new();
         let mut snapshots = Snapshots::new();
+        // Every rank computes every root's value (the same batch, so the
+        // same values); a rank keeps the environments of its own tasks.
         let values = root_values(learner, &tasks)?;
-        for (t, v) in tasks.into_iter().zip(values) {
+        for (i, (t, v)) in tasks.into_iter().zip(values).enumerate() {
             let root = tree.add_episode(t.id, t.prompt, Some(v))?;
-            snapshots.insert(root, t.episode);
+            if owned.contains(&i) {
+                snapshots.insert(root, t.episode);
+            }
         }
         let budget = match ctx.budget_tokens {
             // A launch reserves the longest continuation the harness allows,
@@ -66,32 +86,65 @@ impl RolloutPolicy for FocusPolicy {
             .with_prune_settled(fcfg.prune_settled);
         let mut alloc = Allocator::new(acfg, focus)?;
         let mut diag = AllocationLog::default();
-        // Continuous allocation: fill the free worker slots, then wait for
-        // the next continuations to end and allocate again while the others
-        // still run (their `m` counts in n_eff = n + m).
-        let mut sched = ctx.scheduler(true)?;
+        // Continuous allocation: fill the free worker slots, then take one
+        // turn of the event loop and allocate again after whatever ended,
+        // while the others still run (their `m` counts in n_eff = n + m).
+        let group = ctx.group;
+        let mut sched =
+            super::sched::Scheduler::new(ctx.engine, ctx.rollout, ctx.seed, true, ctx.env_workers)?;
+        // In-flight tickets by launch index (the whole group's).
+        let mut tickets = HashMap::new();
+        let (mut changed, mut launched) = (true, 0usize);
         loop {
-            while let Some(t) = alloc.launch_next(&mut tree)? {
+            // Nothing changes the allocator's view between turns where no
+            // continuation ended.
+            while let Some(t) = if changed {
+                alloc.launch_next(&mut tree)?
+            } else {
+                None
+            } {
                 diag.launched(&tree, t, alloc.last_priority(), fcfg.kappa)?;
-                sched.launch(cont_for(&tree, &snapshots, t)?)?;
+                let episode = tree.node(t.node())?.episode();
+                let key = if owned.contains(&episode) {
+                    sched.launch(cont_for(&tree, &snapshots, t)?)?
+                } else {
+                    sched.skip_launch()
+                };
+                tickets.insert(key, t);
+                launched += 1;
             }
-            let done = sched.wait()?;
-            if done.is_empty() {
+            if tree.in_flight() == 0 {
                 break;
             }
-            let conts: Vec<_> = done.into_iter().map(|(_, c)| c).collect();
-            let values = segment_values(learner, &conts, &tree)?;
-            for (c, v) in conts.into_iter().zip(values) {
-                let steps = to_steps(&c, Some(&v))?;
-                let ticket = c.ticket.expect("FOCUS continuations have tickets");
-                diag.completed(ticket, c.generated() as u64);
+            let (keys, conts): (Vec<usize>, Vec<Cont>) = sched.poll()?.into_iter().unzip();
+            let values = if conts.is_empty() {
+                Vec::new()
+            } else {
+                segment_values(learner, &conts, &tree)?
+            };
+            let mut local = Vec::with_capacity(conts.len());
+            let mut records = HashMap::new();
+            for ((key, c), v) in keys.into_iter().zip(conts).zip(values) {
+                local.push((key, to_steps(&c, Some(&v))?));
+                records.insert(key, c.steps);
+            }
+            let finished = exchange(group, local)?;
+            changed = !finished.is_empty();
+            for (key, steps) in finished {
+                let ticket = tickets.remove(&key).ok_or_else(|| {
+                    TrainError::Rollout(format!("continuation {key} finished but was not launched"))
+                })?;
+                let generated: usize = steps.iter().map(|s| s.segment.generated_tokens()).sum();
+                diag.completed(ticket, generated as u64);
                 let new = alloc.complete(&mut tree, ticket, steps)?;
-                keep_snapshots(&mut snapshots, new, c.steps);
+                if let Some(r) = records.remove(&key) {
+                    keep_snapshots(&mut snapshots, new, r);
+                }
             }
         }
         let mut stats = sched.finish();
         stats.episodes = tree.episodes().len();
-        if stats.continuations == 0 {
+        if launched == 0 {
             return Err(TrainError::Rollout(
                 "FOCUS launched no continuation: no candidate state has a positive gain".into(),
             ));
@@ -113,7 +166,9 @@ impl RolloutPolicy for FocusPolicy {
                 &mc
             }
         };
-        let rows = loss_rows(&tree, &credit.tokens, Some(targets), Sharing::Once)?;
+        // Each rank trains its own tasks' trees (episode i is task i).
+        let mut rows = loss_rows(&tree, &credit.tokens, Some(targets), Sharing::Once)?;
+        rows.retain(|r| owned.contains(&r.episode));
         let mut critic_vs_target = Vec::new();
         for (id, node) in tree.nodes() {
             if let (Some(v), Some(g)) = (node.value(), targets[id.index()]) {
@@ -127,4 +182,27 @@ impl RolloutPolicy for FocusPolicy {
         r.allocation = Some(allocation);
         Ok(r)
     }
+}
+
+/// Every rank's finished continuations `local` (launch index, tree steps),
+/// in launch order, on every rank: the group's shared view of what ended in
+/// this turn of the event loop.
+fn exchange(
+    group: &mut dyn crate::dist::Collective,
+    mut local: Vec<(usize, Vec<Step>)>,
+) -> Result<Vec<(usize, Vec<Step>)>, TrainError> {
+    if group.world() > 1 {
+        let mine = serde_json::to_vec(&local).map_err(|e| {
+            TrainError::Rollout(format!("cannot encode finished continuations: {e}"))
+        })?;
+        local = Vec::new();
+        for (rank, part) in group.all_gather(&mine)?.iter().enumerate() {
+            let theirs: Vec<(usize, Vec<Step>)> = serde_json::from_slice(part).map_err(|e| {
+                TrainError::Rollout(format!("rank {rank} sent unreadable continuations: {e}"))
+            })?;
+            local.extend(theirs);
+        }
+    }
+    local.sort_by_key(|(k, _)| *k);
+    Ok(local)
 }

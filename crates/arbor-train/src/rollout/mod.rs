@@ -316,6 +316,13 @@ pub struct StepContext<'a> {
     /// The step's generated-token budget, when the run has one
     /// (`budget = { tokens = N }`, plus what earlier steps left unspent).
     pub budget_tokens: Option<u64>,
+    /// This rank's data-parallel group (a group of one by default).
+    pub group: &'a mut dyn crate::dist::Collective,
+    /// The tasks this rank runs, as indices into the step's task list: all
+    /// of them on one rank; on several, a policy that
+    /// [spans the ranks](RolloutPolicy::spans_ranks) is given every task
+    /// and runs these, the others are given only these.
+    pub owned: std::ops::Range<usize>,
 }
 
 impl StepContext<'_> {
@@ -353,6 +360,18 @@ pub trait RolloutPolicy: Send {
     /// buys, at least one.
     fn tasks_for_budget(&self, tokens: u64, per_task: f64) -> usize {
         tasks_buying(tokens as f64, per_task)
+    }
+    /// Whether the method's step-wide decisions are made over the whole
+    /// group's tasks (FOCUS allocates one budget among every tree). On
+    /// several ranks such a policy is given every task of the step and
+    /// coordinates the ranks itself through [`StepContext::group`]: it
+    /// runs its [`owned`](StepContext::owned) tasks, keeps its launch
+    /// indices (and so its seeds) global, returns the loss rows of its own
+    /// tasks only, and the same rewards, tree and diagnostics on every
+    /// rank. Other policies are given their share of the tasks and never
+    /// see the rest.
+    fn spans_ranks(&self) -> bool {
+        false
     }
     /// Generate the step's rollouts on `tasks` and assign their credit.
     fn rollouts(

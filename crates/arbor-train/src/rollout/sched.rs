@@ -229,6 +229,14 @@ impl<'a> Scheduler<'a> {
         })
     }
 
+    /// Give the next launch index to a continuation another rank runs (the
+    /// indices, and so the seeds, follow the launch order of the whole
+    /// group); returns it.
+    pub(crate) fn skip_launch(&mut self) -> usize {
+        self.launched += 1;
+        self.launched - 1
+    }
+
     /// Start `cont` (its next segment joins the engine's queue); returns its
     /// launch index, the key [`Scheduler::wait`] returns it under.
     pub(crate) fn launch(&mut self, mut cont: Cont) -> Result<usize, TrainError> {
@@ -245,13 +253,22 @@ impl<'a> Scheduler<'a> {
     /// last call (launch order), or nothing once none is in flight.
     pub(crate) fn wait(&mut self) -> Result<Vec<(usize, Cont)>, TrainError> {
         loop {
-            self.drain_env(false)?;
-            if !self.ended.is_empty() {
-                let mut out: Vec<(usize, Cont)> =
-                    self.ended.drain(..).map(|(k, c)| (k, *c)).collect();
-                out.sort_by_key(|(k, _)| *k);
+            let out = self.poll()?;
+            if !out.is_empty() || !self.busy() {
                 return Ok(out);
             }
+        }
+    }
+
+    /// One turn of the event loop: the episodes that have already ended if
+    /// any, else one engine step (or, with nothing to decode, a wait for
+    /// an environment worker's answer) and the episodes it ended, in launch
+    /// order; possibly none. Ranks that allocate together (FOCUS on several
+    /// ranks) take one turn each between exchanges, so their engines step
+    /// in lockstep, as one engine over all their continuations would.
+    pub(crate) fn poll(&mut self) -> Result<Vec<(usize, Cont)>, TrainError> {
+        self.drain_env(false)?;
+        if self.ended.is_empty() {
             if self.engine.has_pending() {
                 let before = self.engine.stats().clone();
                 let t0 = Instant::now();
@@ -271,10 +288,17 @@ impl<'a> Scheduler<'a> {
                 let t0 = Instant::now();
                 self.drain_env(true)?;
                 self.stats.engine_idle_s += t0.elapsed().as_secs_f64();
-            } else {
-                return Ok(Vec::new());
             }
+            self.drain_env(false)?;
         }
+        let mut out: Vec<(usize, Cont)> = self.ended.drain(..).map(|(k, c)| (k, *c)).collect();
+        out.sort_by_key(|(k, _)| *k);
+        Ok(out)
+    }
+
+    /// Whether a continuation is still generating or at its environment.
+    fn busy(&self) -> bool {
+        self.engine.has_pending() || self.at_env > 0 || !self.ended.is_empty()
     }
 
     /// Launch every continuation of `conts` and run them all to the ends of
