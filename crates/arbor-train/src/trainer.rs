@@ -58,10 +58,10 @@ impl Trainer {
     /// 0 writes the metrics and checkpoints; the other ranks write nothing
     /// in `out_dir` and read the checkpoint they resume from there. Every
     /// rank must be built from the same config and run the same warm-up.
-    /// FOCUS allocates over the whole group's forest (see
-    /// [`crate::rollout::RolloutPolicy::spans_ranks`]); Prefix Sampling and
-    /// VinePPO, whose launch order depends on when each rank's episodes
-    /// end, do not run data-parallel yet: refused.
+    /// FOCUS and VinePPO grow one forest over the whole group (see
+    /// [`crate::rollout::RolloutPolicy::spans_ranks`]); Prefix Sampling,
+    /// whose re-rollouts depend on every group's outcome, does not run
+    /// data-parallel yet: refused.
     pub fn open(
         cfg: TrainConfig,
         out_dir: &Path,
@@ -69,11 +69,11 @@ impl Trainer {
         group: Box<dyn crate::dist::Collective>,
     ) -> Result<Self, TrainError> {
         use crate::config::Algo;
-        if group.world() > 1 && matches!(cfg.algo, Algo::Ps | Algo::Vineppo) {
-            return Err(TrainError::Config(format!(
-                "key `algo`: {:?} does not run on several ranks yet (grpo, ppo and focus do)",
-                cfg.algo
-            )));
+        if group.world() > 1 && cfg.algo == Algo::Ps {
+            return Err(TrainError::Config(
+                "key `algo`: ps does not run on several ranks yet (grpo, ppo, vineppo and focus do)"
+                    .into(),
+            ));
         }
         let writer = group.rank() == 0;
         std::fs::create_dir_all(out_dir)?;

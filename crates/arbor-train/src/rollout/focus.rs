@@ -7,13 +7,8 @@ use arbor_rl::diagnostics::AllocationLog;
 use arbor_rl::focus::{Allocator, AllocatorConfig, AsyncGain, Budget, Focus};
 use arbor_rl::RolloutTree;
 
-use std::collections::HashMap;
-
-use arbor_rl::Step;
-
-use super::conts::{
-    cont_for, keep_snapshots, root_values, segment_values, to_steps, Cont, Snapshots,
-};
+use super::conts::{root_values, Snapshots};
+use super::span::SpanLoop;
 use super::{RolloutPolicy, StepContext, StepRollouts, TaskInstance};
 use crate::config::{CriticTargets, FocusConfig};
 use crate::TrainError;
@@ -38,11 +33,8 @@ impl RolloutPolicy for FocusPolicy {
         self.tasks
     }
 
-    /// Every rank grows the same forest: the allocator runs on each with
-    /// the same inputs, so all make the same launches; the rank that owns
-    /// a launch's task runs it, and after every engine step the ranks
-    /// exchange their finished continuations (tree steps with the owner's
-    /// critic values) and complete them in launch order.
+    /// Every rank grows the same forest and runs the same allocator on it
+    /// ([`SpanLoop`]).
     fn spans_ranks(&self) -> bool {
         true
     }
@@ -89,60 +81,33 @@ impl RolloutPolicy for FocusPolicy {
         // Continuous allocation: fill the free worker slots, then take one
         // turn of the event loop and allocate again after whatever ended,
         // while the others still run (their `m` counts in n_eff = n + m).
-        let group = ctx.group;
-        let mut sched =
-            super::sched::Scheduler::new(ctx.engine, ctx.rollout, ctx.seed, true, ctx.env_workers)?;
-        // In-flight tickets by launch index (the whole group's).
-        let mut tickets = HashMap::new();
-        let (mut changed, mut launched) = (true, 0usize);
+        // Nothing changes the allocator's view in a turn where nothing
+        // ended.
+        let mut span = SpanLoop::new(ctx, true)?;
+        let mut changed = true;
         loop {
-            // Nothing changes the allocator's view between turns where no
-            // continuation ended.
             while let Some(t) = if changed {
                 alloc.launch_next(&mut tree)?
             } else {
                 None
             } {
                 diag.launched(&tree, t, alloc.last_priority(), fcfg.kappa)?;
-                let episode = tree.node(t.node())?.episode();
-                let key = if owned.contains(&episode) {
-                    sched.launch(cont_for(&tree, &snapshots, t)?)?
-                } else {
-                    sched.skip_launch()
-                };
-                tickets.insert(key, t);
-                launched += 1;
+                span.launch(&tree, &snapshots, t)?;
             }
             if tree.in_flight() == 0 {
                 break;
             }
-            let (keys, conts): (Vec<usize>, Vec<Cont>) = sched.poll()?.into_iter().unzip();
-            let values = if conts.is_empty() {
-                Vec::new()
-            } else {
-                segment_values(learner, &conts, &tree)?
-            };
-            let mut local = Vec::with_capacity(conts.len());
-            let mut records = HashMap::new();
-            for ((key, c), v) in keys.into_iter().zip(conts).zip(values) {
-                local.push((key, to_steps(&c, Some(&v))?));
-                records.insert(key, c.steps);
-            }
-            let finished = exchange(group, local)?;
-            changed = !finished.is_empty();
-            for (key, steps) in finished {
-                let ticket = tickets.remove(&key).ok_or_else(|| {
-                    TrainError::Rollout(format!("continuation {key} finished but was not launched"))
-                })?;
-                let generated: usize = steps.iter().map(|s| s.segment.generated_tokens()).sum();
-                diag.completed(ticket, generated as u64);
-                let new = alloc.complete(&mut tree, ticket, steps)?;
-                if let Some(r) = records.remove(&key) {
-                    keep_snapshots(&mut snapshots, new, r);
-                }
+            let ended = span.turn(&tree, Some(learner))?;
+            changed = !ended.is_empty();
+            for e in ended {
+                let generated: usize = e.steps.iter().map(|s| s.segment.generated_tokens()).sum();
+                diag.completed(e.ticket, generated as u64);
+                let new = alloc.complete(&mut tree, e.ticket, e.steps)?;
+                span.keep(&mut snapshots, e.key, new);
             }
         }
-        let mut stats = sched.finish();
+        let launched = span.launched();
+        let mut stats = span.finish();
         stats.episodes = tree.episodes().len();
         if launched == 0 {
             return Err(TrainError::Rollout(
@@ -182,27 +147,4 @@ impl RolloutPolicy for FocusPolicy {
         r.allocation = Some(allocation);
         Ok(r)
     }
-}
-
-/// Every rank's finished continuations `local` (launch index, tree steps),
-/// in launch order, on every rank: the group's shared view of what ended in
-/// this turn of the event loop.
-fn exchange(
-    group: &mut dyn crate::dist::Collective,
-    mut local: Vec<(usize, Vec<Step>)>,
-) -> Result<Vec<(usize, Vec<Step>)>, TrainError> {
-    if group.world() > 1 {
-        let mine = serde_json::to_vec(&local).map_err(|e| {
-            TrainError::Rollout(format!("cannot encode finished continuations: {e}"))
-        })?;
-        local = Vec::new();
-        for (rank, part) in group.all_gather(&mine)?.iter().enumerate() {
-            let theirs: Vec<(usize, Vec<Step>)> = serde_json::from_slice(part).map_err(|e| {
-                TrainError::Rollout(format!("rank {rank} sent unreadable continuations: {e}"))
-            })?;
-            local.extend(theirs);
-        }
-    }
-    local.sort_by_key(|(k, _)| *k);
-    Ok(local)
 }

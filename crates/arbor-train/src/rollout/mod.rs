@@ -40,6 +40,7 @@ pub mod heldout;
 pub mod ppo;
 pub mod ps;
 pub mod sched;
+pub(crate) mod span;
 pub mod vineppo;
 
 pub use crate::config::FocusConfig;

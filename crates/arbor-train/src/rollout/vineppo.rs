@@ -7,7 +7,8 @@ use arbor_rl::baselines::{AdvantageEstimator, VinePpo};
 use arbor_rl::credit::{loss_rows, Sharing};
 use arbor_rl::{NodeId, RolloutTree};
 
-use super::conts::{begin_conts, complete_conts, Snapshots};
+use super::conts::Snapshots;
+use super::span::SpanLoop;
 use super::{RolloutPolicy, StepContext, StepRollouts, TaskInstance};
 use crate::TrainError;
 
@@ -24,18 +25,27 @@ impl RolloutPolicy for VinePpoPolicy {
         self.tasks
     }
 
+    /// Every rank grows the same trees and plans the same samples
+    /// ([`SpanLoop`]); each runs its own tasks'.
+    fn spans_ranks(&self) -> bool {
+        true
+    }
+
     fn rollouts(
         &mut self,
-        mut ctx: StepContext<'_>,
+        ctx: StepContext<'_>,
         tasks: Vec<TaskInstance>,
     ) -> Result<StepRollouts, TrainError> {
         let vine = VinePpo { gamma: self.gamma };
+        let owned = ctx.owned.clone();
         let mut tree = RolloutTree::new();
         let mut snapshots = Snapshots::new();
         let mut roots = Vec::new();
-        for t in tasks {
+        for (i, t) in tasks.into_iter().enumerate() {
             let root = tree.add_episode(t.id, t.prompt, None)?;
-            snapshots.insert(root, t.episode);
+            if owned.contains(&i) {
+                snapshots.insert(root, t.episode);
+            }
             roots.push(root);
         }
         // Each main trajectory's states get their Monte-Carlo samples as
@@ -43,30 +53,30 @@ impl RolloutPolicy for VinePpoPolicy {
         // continuation launched at a root is a main trajectory itself, so
         // its states are planned when it completes; samples launched below
         // a root add no main states and end the planning.
-        let mut sched = ctx.scheduler(true)?;
-        for c in begin_conts(&mut tree, &snapshots, &roots)? {
-            sched.launch(c)?;
-        }
-        loop {
-            let done = sched.wait()?;
-            if done.is_empty() {
-                break;
+        let mut span = SpanLoop::new(ctx, true)?;
+        span.launch_from(&mut tree, &snapshots, &roots)?;
+        while tree.in_flight() > 0 {
+            let ended = span.turn(&tree, None)?;
+            if ended.is_empty() {
+                continue;
             }
-            let conts: Vec<_> = done.into_iter().map(|(_, c)| c).collect();
-            complete_conts(&mut tree, &mut snapshots, conts, None)?;
+            for e in ended {
+                let new = tree.complete(e.ticket, e.steps)?;
+                span.keep(&mut snapshots, e.key, new);
+            }
             let from: Vec<NodeId> = vine
                 .plan(&tree, self.k)?
                 .iter()
                 .flat_map(|&(n, c)| std::iter::repeat_n(n, c as usize))
                 .collect();
-            for c in begin_conts(&mut tree, &snapshots, &from)? {
-                sched.launch(c)?;
-            }
+            span.launch_from(&mut tree, &snapshots, &from)?;
         }
-        let mut stats = sched.finish();
+        let mut stats = span.finish();
         stats.episodes = roots.len();
         let adv = vine.advantages(&tree)?;
-        let rows = loss_rows(&tree, &adv, None, Sharing::Once)?;
+        // Each rank trains its own tasks' trees (episode i is task i).
+        let mut rows = loss_rows(&tree, &adv, None, Sharing::Once)?;
+        rows.retain(|r| owned.contains(&r.episode));
         Ok(StepRollouts::new(tree, rows, stats, Vec::new()))
     }
 }

@@ -1,0 +1,179 @@
+//! One forest grown on every rank of a data-parallel group, for methods
+//! whose launches depend on the whole step's tree (FOCUS's allocation,
+//! VinePPO's samples from each main trajectory's states).
+//!
+//! Every rank holds the same [`RolloutTree`] and makes the same launch
+//! decisions from it; the rank that owns a task (its share of the step's
+//! tasks, by index) runs the continuations launched in that task's tree
+//! and keeps its environment snapshots. Each [`SpanLoop::turn`] is one turn
+//! of every rank's event loop ([`Scheduler::poll`]: one engine step and the
+//! environment steps it triggers), after which the ranks all-gather the
+//! continuations that ended, as tree steps (with the owner's critic values
+//! where the method has a critic), and every rank completes them in launch
+//! order. Launch indices, and so sampling seeds, count the whole group's
+//! launches. While no rank's engine defers work, the engines step in
+//! lockstep as one engine over all the continuations would, and a run on
+//! several ranks makes the launches and draws the samples of a run on one.
+//! On one rank a turn exchanges nothing, and the loop is the scheduler's.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use arbor_rl::{NodeId, RolloutTree, Step, Ticket};
+
+use super::conts::{cont_for, keep_snapshots, segment_values, to_steps, SegmentRecord, Snapshots};
+use super::sched::Scheduler;
+use super::{RolloutStats, StepContext};
+use crate::dist::Collective;
+use crate::learner::Learner;
+use crate::TrainError;
+
+/// A continuation that ended in a turn: its launch index, its ticket in the
+/// tree, and its steps.
+pub(crate) struct Ended {
+    pub(crate) key: usize,
+    pub(crate) ticket: Ticket,
+    pub(crate) steps: Vec<Step>,
+}
+
+/// The event loop of a forest shared by the group; see the module docs.
+pub(crate) struct SpanLoop<'a> {
+    sched: Scheduler<'a>,
+    group: &'a mut dyn Collective,
+    owned: Range<usize>,
+    /// The whole group's continuations in flight, by launch index.
+    tickets: HashMap<usize, Ticket>,
+    /// This rank's ended continuations' segment records (their environment
+    /// snapshots), until the tree gives their new states ids.
+    records: HashMap<usize, Vec<SegmentRecord>>,
+    launched: usize,
+}
+
+impl<'a> SpanLoop<'a> {
+    /// The loop of `ctx`'s step, keeping environment snapshots after each
+    /// segment if `keep_snapshots` (forks start there).
+    pub(crate) fn new(ctx: StepContext<'a>, keep_snapshots: bool) -> Result<Self, TrainError> {
+        let sched = Scheduler::new(
+            ctx.engine,
+            ctx.rollout,
+            ctx.seed,
+            keep_snapshots,
+            ctx.env_workers,
+        )?;
+        Ok(SpanLoop {
+            sched,
+            group: ctx.group,
+            owned: ctx.owned,
+            tickets: HashMap::new(),
+            records: HashMap::new(),
+            launched: 0,
+        })
+    }
+
+    /// Whether this rank runs the continuations of `episode` (task index).
+    pub(crate) fn owns(&self, episode: usize) -> bool {
+        self.owned.contains(&episode)
+    }
+
+    /// Launch the continuation of `ticket` (begun in `tree`): run here if
+    /// this rank owns its task (from the environment kept in `snapshots`),
+    /// else only numbered.
+    pub(crate) fn launch(
+        &mut self,
+        tree: &RolloutTree,
+        snapshots: &Snapshots,
+        ticket: Ticket,
+    ) -> Result<(), TrainError> {
+        let key = if self.owns(tree.node(ticket.node())?.episode()) {
+            self.sched.launch(cont_for(tree, snapshots, ticket)?)?
+        } else {
+            self.sched.skip_launch()
+        };
+        self.tickets.insert(key, ticket);
+        self.launched += 1;
+        Ok(())
+    }
+
+    /// Begin and launch one continuation from each of `from`.
+    pub(crate) fn launch_from(
+        &mut self,
+        tree: &mut RolloutTree,
+        snapshots: &Snapshots,
+        from: &[NodeId],
+    ) -> Result<(), TrainError> {
+        for &n in from {
+            let t = tree.begin(n)?;
+            self.launch(tree, snapshots, t)?;
+        }
+        Ok(())
+    }
+
+    /// Continuations launched so far by the whole group.
+    pub(crate) fn launched(&self) -> usize {
+        self.launched
+    }
+
+    /// One turn of the event loop on every rank: the whole group's
+    /// continuations that ended in it, in launch order (possibly none),
+    /// with `critic`'s values at their new intermediate states (0.5
+    /// without a critic).
+    pub(crate) fn turn(
+        &mut self,
+        tree: &RolloutTree,
+        critic: Option<&Learner>,
+    ) -> Result<Vec<Ended>, TrainError> {
+        let (keys, conts): (Vec<usize>, Vec<_>) = self.sched.poll()?.into_iter().unzip();
+        let values = match critic {
+            Some(l) if !conts.is_empty() => Some(segment_values(l, &conts, tree)?),
+            _ => None,
+        };
+        let mut local = Vec::with_capacity(conts.len());
+        for (i, (key, c)) in keys.into_iter().zip(conts).enumerate() {
+            local.push((key, to_steps(&c, values.as_ref().map(|v| v[i].as_slice()))?));
+            self.records.insert(key, c.steps);
+        }
+        exchange(&mut *self.group, local)?
+            .into_iter()
+            .map(|(key, steps)| {
+                let ticket = self.tickets.remove(&key).ok_or_else(|| {
+                    TrainError::Rollout(format!("continuation {key} ended but was not launched"))
+                })?;
+                Ok(Ended { key, ticket, steps })
+            })
+            .collect()
+    }
+
+    /// Keep the environment states of continuation `key`'s new states
+    /// `new` (the ids the tree gave them), where this rank ran it.
+    pub(crate) fn keep(&mut self, snapshots: &mut Snapshots, key: usize, new: Vec<NodeId>) {
+        if let Some(r) = self.records.remove(&key) {
+            keep_snapshots(snapshots, new, r);
+        }
+    }
+
+    /// This rank's accounting (its engine's tokens and times).
+    pub(crate) fn finish(self) -> RolloutStats {
+        self.sched.finish()
+    }
+}
+
+/// Every rank's ended continuations `local` (launch index, tree steps), in
+/// launch order, on every rank.
+fn exchange(
+    group: &mut dyn Collective,
+    mut local: Vec<(usize, Vec<Step>)>,
+) -> Result<Vec<(usize, Vec<Step>)>, TrainError> {
+    if group.world() > 1 {
+        let mine = serde_json::to_vec(&local)
+            .map_err(|e| TrainError::Rollout(format!("cannot encode ended continuations: {e}")))?;
+        local = Vec::new();
+        for (rank, part) in group.all_gather(&mine)?.iter().enumerate() {
+            let theirs: Vec<(usize, Vec<Step>)> = serde_json::from_slice(part).map_err(|e| {
+                TrainError::Rollout(format!("rank {rank} sent unreadable continuations: {e}"))
+            })?;
+            local.extend(theirs);
+        }
+    }
+    local.sort_by_key(|(k, _)| *k);
+    Ok(local)
+}
