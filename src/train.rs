@@ -23,7 +23,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pub device: Option<String>,
     /// Train data-parallel on this many ranks, one process each on this
-    /// machine, joined over TCP through rank 0 (all methods but Prefix Sampling). A cluster
+    /// machine, joined over TCP through rank 0 (every method). A cluster
     /// launcher can start the ranks itself instead: each `arbor train`
     /// with `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` set joins
     /// that group. Rank 0 writes the run; every rank resumes from its

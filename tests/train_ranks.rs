@@ -1,4 +1,4 @@
-//! `arbor train --ranks N`: data-parallel GRPO (and FOCUS) as N processes joined over
+//! `arbor train --ranks N`: data-parallel training as N processes joined over
 //! TCP gives the run one process gives (up to f32 round-off in the
 //! gradient sums), and a rank killed mid-run stops the whole run with an
 //! error naming it, within seconds.
@@ -89,8 +89,8 @@ fn two_rank_processes_train_like_one() {
 
 /// A checkpoint of a one-process run resumes on two processes and goes on
 /// as the one-process run does (checkpoints do not depend on the ranks):
-/// GRPO, and FOCUS with its critic's replay of earlier steps' targets (the
-/// whole group's, kept in the checkpoint).
+/// GRPO, FOCUS with its critic's replay of earlier steps' targets (the
+/// whole group's, kept in the checkpoint), and Prefix Sampling.
 #[test]
 fn a_run_resumes_at_another_number_of_ranks() {
     resumes_at_two_ranks(&config(4));
@@ -99,6 +99,9 @@ fn a_run_resumes_at_another_number_of_ranks() {
         .replace("[learner]\ncritic = \"shared\"\n", "")
         + "\n[critic]\nepochs = 1\nminibatches = 2\nreplay_steps = 2\n";
     resumes_at_two_ranks(&focus);
+    // Prefix Sampling: its controller's state is in the checkpoint.
+    let ps = config(4).replace("algo = \"grpo\"", "algo = \"ps\"") + "\n[ps]\nprobe = 2\n";
+    resumes_at_two_ranks(&ps);
 }
 
 fn resumes_at_two_ranks(config: &str) {

@@ -58,23 +58,15 @@ impl Trainer {
     /// 0 writes the metrics and checkpoints; the other ranks write nothing
     /// in `out_dir` and read the checkpoint they resume from there. Every
     /// rank must be built from the same config and run the same warm-up.
-    /// FOCUS and VinePPO grow one forest over the whole group (see
-    /// [`crate::rollout::RolloutPolicy::spans_ranks`]); Prefix Sampling,
-    /// whose re-rollouts depend on every group's outcome, does not run
-    /// data-parallel yet: refused.
+    /// FOCUS, VinePPO and Prefix Sampling make their step-wide decisions
+    /// over the whole group's tasks (see
+    /// [`crate::rollout::RolloutPolicy::spans_ranks`]).
     pub fn open(
         cfg: TrainConfig,
         out_dir: &Path,
         resume: bool,
         group: Box<dyn crate::dist::Collective>,
     ) -> Result<Self, TrainError> {
-        use crate::config::Algo;
-        if group.world() > 1 && cfg.algo == Algo::Ps {
-            return Err(TrainError::Config(
-                "key `algo`: ps does not run on several ranks yet (grpo, ppo, vineppo and focus do)"
-                    .into(),
-            ));
-        }
         let writer = group.rank() == 0;
         std::fs::create_dir_all(out_dir)?;
         // The policy: an HF checkpoint, or the tiny random model.
@@ -504,7 +496,8 @@ impl Trainer {
         // This rank's share of the tasks, by index; a policy that spans the
         // ranks gets every task and runs this share.
         let (rank, world) = (self.group.rank(), self.group.world());
-        let (lo, hi) = (n_tasks * rank / world, n_tasks * (rank + 1) / world);
+        let mine = crate::rollout::span::share(n_tasks, rank, world);
+        let (lo, hi) = (mine.start, mine.end);
         let spans = self.policy.spans_ranks();
         let (drawn, owned) = match spans {
             true => (0..n_tasks, lo..hi),

@@ -113,9 +113,38 @@ fn ppo_vineppo_and_focus_on_two_ranks_train_like_one() {
     two_ranks_match_one(&one_task, 1, Some(4));
 }
 
+/// Prefix Sampling judges every group on every rank: the same re-rollout
+/// groups, cuts, retries and controller state on two ranks as on one, with
+/// each rank replaying (through execution) and running its own tasks'
+/// prefixes; also with probes, two sources per skewed group and snapshot
+/// replays.
+#[test]
+fn prefix_sampling_on_two_ranks_trains_like_one() {
+    let ps = CONFIG.replace("algo = \"grpo\"", "algo = \"ps\"");
+    // More groups, so that probes agree and cuts are bisected.
+    let probes = format!("{ps}\n[ps]\nprobe = 2\nsources = 2\nanchor = true\n")
+        .replace("prompts_per_step = 6", "prompts_per_step = 8");
+    let snapshot = format!("{ps}\n[ps]\nreplay = \"snapshot\"\nkeep_skewed = false\n");
+    let sum = |f: fn(&arbor_train::rollout::ps::PsReport) -> usize, ms: &[StepMetrics]| {
+        ms.iter().map(|m| f(m.ps.as_ref().unwrap())).sum::<usize>()
+    };
+    let a = two_ranks_match_one(&ps, 16, None);
+    let b = two_ranks_match_one(&probes, 24, None);
+    let c = two_ranks_match_one(&snapshot, 16, None);
+    // The runs replayed prefixes, and the probes' runs bisected cuts.
+    for ms in [&a, &b, &c] {
+        assert!(sum(|r| r.reroll_groups, ms) > 0);
+    }
+    assert!(sum(|r| r.reroll_retries + r.probes_agreed, &b) > 0);
+}
+
 /// `episodes`: the trees (GRPO and PPO: one per rollout) a step grows;
 /// `continuations`: the rollouts it runs, where fixed.
-fn two_ranks_match_one(cfg: &str, episodes: usize, continuations: Option<usize>) {
+fn two_ranks_match_one(
+    cfg: &str,
+    episodes: usize,
+    continuations: Option<usize>,
+) -> Vec<StepMetrics> {
     let (one_ms, one_w) = run_rank(cfg, Box::new(Single)).unwrap();
     let two = run_world(cfg, 2);
     let runs: Vec<RankRun> = two.into_iter().map(Result::unwrap).collect();
@@ -144,7 +173,8 @@ fn two_ranks_match_one(cfg: &str, episodes: usize, continuations: Option<usize>)
                 "{a:?}\n{b:?}"
             );
             assert_eq!(a.eval_pass_rate, b.eval_pass_rate);
-            // The same allocation (FOCUS) and critic fit.
+            // The same re-rollouts (PS), allocation (FOCUS) and critic fit.
+            assert_eq!(a.ps, b.ps, "step {}", a.step);
             assert_eq!(a.continuations, b.continuations);
             assert_eq!(a.alloc_by_depth, b.alloc_by_depth);
             assert_eq!(a.alloc_mean_depth, b.alloc_mean_depth);
@@ -174,6 +204,7 @@ fn two_ranks_match_one(cfg: &str, episodes: usize, continuations: Option<usize>)
     // Both ranks hold bit-identical weights (they apply the same summed
     // gradients).
     assert_eq!(runs[0].1, runs[1].1);
+    one_ms
 }
 
 /// The weight check names a rank whose weights drifted.
@@ -227,11 +258,6 @@ fn a_failed_rank_stops_the_others() {
     let e = a.unwrap_err();
     assert!(e.contains("rank 1"), "{e}");
     assert!(t0.elapsed() < Duration::from_secs(60));
-    // Prefix Sampling is refused on several ranks.
-    let ps = CONFIG.replace("algo = \"grpo\"", "algo = \"ps\"");
-    let mut g = ThreadGroup::new(2, Duration::from_secs(1));
-    let e = run_rank(&ps, Box::new(g.remove(0))).unwrap_err();
-    assert!(e.contains("algo"), "{e}");
 }
 
 /// One rank's run in `dir`: its metrics (without wall-clock fields) and

@@ -36,7 +36,7 @@ pub(crate) struct SegmentRecord {
 /// One segment of a replayed prefix (Prefix Sampling): the action and the
 /// observation as recorded, already executed in the continuation's
 /// environment; masked in the loss.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Replayed {
     pub(crate) action: Vec<u32>,
     pub(crate) observation: Vec<u32>,
@@ -125,6 +125,91 @@ impl Cont {
     /// not counted).
     pub(crate) fn generated(&self) -> usize {
         self.steps.iter().map(|s| s.action.len()).sum()
+    }
+}
+
+/// A finished continuation as data, without its environment: what another
+/// rank of a data-parallel group needs to judge and train it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct ContRecord {
+    context: Vec<u32>,
+    replayed: Vec<Replayed>,
+    steps: Vec<SegmentData>,
+}
+
+/// A [`SegmentRecord`] without its environment snapshot.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+struct SegmentData {
+    head: Vec<u32>,
+    kind: TokenKind,
+    action: Vec<u32>,
+    logprobs: Vec<f32>,
+    observation: Vec<u32>,
+    restart: bool,
+    next: TokenKind,
+    reward: Option<f64>,
+}
+
+impl Cont {
+    /// This finished continuation as data.
+    pub(crate) fn record(&self) -> ContRecord {
+        ContRecord {
+            context: self.context.clone(),
+            replayed: self.replayed.clone(),
+            steps: self
+                .steps
+                .iter()
+                .map(|s| SegmentData {
+                    head: s.head.clone(),
+                    kind: s.kind,
+                    action: s.action.clone(),
+                    logprobs: s.logprobs.clone(),
+                    observation: s.observation.clone(),
+                    restart: s.restart,
+                    next: s.next,
+                    reward: s.reward,
+                })
+                .collect(),
+        }
+    }
+
+    /// A continuation another rank ran, from its record: its environment
+    /// (and the states after its segments) stayed there.
+    pub(crate) fn from_record(r: ContRecord) -> Cont {
+        let mut c = Cont::new(None, NodeId(0), r.context, Box::new(Elsewhere));
+        c.replayed = r.replayed;
+        c.steps = r
+            .steps
+            .into_iter()
+            .map(|s| SegmentRecord {
+                head: s.head,
+                kind: s.kind,
+                action: s.action,
+                logprobs: s.logprobs,
+                observation: s.observation,
+                restart: s.restart,
+                next: s.next,
+                env_after: None,
+                reward: s.reward,
+            })
+            .collect();
+        c
+    }
+}
+
+/// The environment of an episode that runs on another rank: never stepped
+/// here (an error if it is).
+pub(crate) struct Elsewhere;
+
+impl TokenEpisode for Elsewhere {
+    fn step(&mut self, _action: &[u32]) -> Result<super::StepOut, TrainError> {
+        Err(TrainError::Rollout(
+            "this episode's environment lives on another rank".into(),
+        ))
+    }
+
+    fn fork(&self) -> Result<Box<dyn TokenEpisode>, TrainError> {
+        Ok(Box::new(Elsewhere))
     }
 }
 

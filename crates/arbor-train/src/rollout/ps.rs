@@ -16,12 +16,15 @@ use arbor_rl::prefix::{
 use arbor_rl::{NodeId, RolloutTree};
 use serde::{Deserialize, Serialize};
 
-use super::conts::{advance, to_steps, Cont, Replayed};
+use super::conts::{advance, to_steps, Cont, Elsewhere, Replayed};
+use super::sched::Scheduler;
+use super::span::{exchange, owner};
 use super::{
     PolicyState, RolloutConfig, RolloutPolicy, StepContext, StepRollouts, TaskInstance,
     TokenEpisode,
 };
 use crate::config::{PsCut, PsReplay, PsSettings, TrainConfig};
+use crate::dist::Collective;
 use crate::TrainError;
 
 /// Prefix Sampling over GRPO groups of `n`, with its controller's state.
@@ -73,6 +76,13 @@ impl RolloutPolicy for PsPolicy {
             1.0
         };
         super::tasks_buying(share * tokens as f64, per_task)
+    }
+
+    /// Every rank judges every group and makes the same re-rollout
+    /// decisions; each runs its own tasks' trajectories and replays (see
+    /// [`PsStep::run`]).
+    fn spans_ranks(&self) -> bool {
+        true
     }
 
     fn rollouts(
@@ -294,6 +304,85 @@ enum ReplayMiss {
     Diverged,
 }
 
+impl ReplayMiss {
+    /// A replay's outcome as one byte (0: it held), for the other ranks.
+    fn code(r: &Result<Prefix, ReplayMiss>) -> u8 {
+        match r {
+            Ok(_) => 0,
+            Err(ReplayMiss::Failed) => 1,
+            Err(ReplayMiss::Diverged) => 2,
+        }
+    }
+
+    /// The miss of a nonzero [`ReplayMiss::code`].
+    fn of_code(code: u8) -> Option<ReplayMiss> {
+        match code {
+            0 => None,
+            1 => Some(ReplayMiss::Failed),
+            _ => Some(ReplayMiss::Diverged),
+        }
+    }
+}
+
+/// This rank's place in the group that shares the step's tasks.
+struct Ranks<'a> {
+    group: &'a mut dyn Collective,
+    /// The tasks this rank runs.
+    owned: std::ops::Range<usize>,
+    /// The step's tasks.
+    tasks: usize,
+}
+
+impl Ranks<'_> {
+    fn owns(&self, task: usize) -> bool {
+        self.owned.contains(&task)
+    }
+
+    /// Every rank's ended continuations `local` (launch index, continuation)
+    /// in launch order; the others' arrive as records (their environments
+    /// stay there).
+    fn gather(&mut self, local: Vec<(usize, Cont)>) -> Result<Vec<(usize, Cont)>, TrainError> {
+        if self.group.world() == 1 {
+            let mut local = local;
+            local.sort_by_key(|(k, _)| *k);
+            return Ok(local);
+        }
+        let records = local.iter().map(|(k, c)| (*k, c.record())).collect();
+        let mut mine: HashMap<usize, Cont> = local.into_iter().collect();
+        Ok(exchange(&mut *self.group, records)?
+            .into_iter()
+            .map(|(k, r)| {
+                let c = mine.remove(&k).unwrap_or_else(|| Cont::from_record(r));
+                (k, c)
+            })
+            .collect())
+    }
+
+    /// `x` summed over the ranks.
+    fn sum(&mut self, x: u64) -> Result<u64, TrainError> {
+        if self.group.world() == 1 {
+            return Ok(x);
+        }
+        let mut c = [x as f64];
+        self.group.all_reduce_sum_f64(&mut c)?;
+        Ok(c[0] as u64)
+    }
+
+    /// The outcome of a replay of task `task`'s prefix, as its owner found
+    /// it (`here`, on the owner; `None` elsewhere), on every rank.
+    fn replay_outcome(&mut self, task: usize, here: Option<u8>) -> Result<u8, TrainError> {
+        if self.group.world() == 1 {
+            return Ok(here.unwrap_or(0));
+        }
+        let root = owner(task, self.tasks, self.group.world());
+        let mut b = here.map(|c| vec![c]).unwrap_or_default();
+        self.group.broadcast(&mut b, root)?;
+        b.first()
+            .copied()
+            .ok_or_else(|| TrainError::Rollout(format!("rank {root} sent no replay outcome")))
+    }
+}
+
 impl PsReport {
     fn count_miss(&mut self, miss: &ReplayMiss) {
         match miss {
@@ -321,7 +410,8 @@ impl PsStep {
     #[allow(clippy::too_many_arguments)]
     fn judge(
         &self,
-        sched: &mut super::sched::Scheduler<'_>,
+        sched: &mut Scheduler<'_>,
+        ranks: &mut Ranks<'_>,
         tasks: &[TaskInstance],
         groups: &[Vec<Cont>],
         searches: &mut [Search],
@@ -344,7 +434,7 @@ impl PsStep {
         let mixed = rewards.iter().any(|&r| r != rewards[0]);
         if s.launched < self.m && mixed {
             // A mixed probe: top it up to a full group at the same cut.
-            if self.launch_wave(sched, s, i, self.m - s.launched, groups, acct)? {
+            if self.launch_wave(sched, ranks, s, i, self.m - s.launched, groups, acct)? {
                 return Ok(None);
             }
         }
@@ -386,15 +476,25 @@ impl PsStep {
         }
         s.attempt += 1;
         let t0 = Instant::now();
-        let prefix = self
-            .prefix(&tasks[s.group], &groups[s.group][s.source], s.cuts.cut())
-            .and_then(PrefixJob::run);
+        let (task, src, cut) = (&tasks[s.group], &groups[s.group][s.source], s.cuts.cut());
+        // The task's rank replays the prefix and tells the others.
+        let here = ranks.owns(s.group);
+        let prefix = match here {
+            true => self.prefix(task, src, cut, true).and_then(PrefixJob::run),
+            false => Err(ReplayMiss::Failed),
+        };
+        let code = ranks.replay_outcome(s.group, here.then(|| ReplayMiss::code(&prefix)))?;
+        let prefix = match ReplayMiss::of_code(code) {
+            Some(miss) => Err(miss),
+            None if here => prefix,
+            None => self.prefix(task, src, cut, false).and_then(PrefixJob::run),
+        };
         sched.add_env_time(t0.elapsed().as_secs_f64());
         match prefix {
             Ok(p) => {
                 s.prefix = Some(p);
                 s.launched = 0;
-                if self.launch_wave(sched, s, i, self.first_wave(), groups, acct)? {
+                if self.launch_wave(sched, ranks, s, i, self.first_wave(), groups, acct)? {
                     report.reroll_retries += 1;
                 }
             }
@@ -433,30 +533,62 @@ impl PsStep {
     /// The first pass, the plan per group, then the re-rollout groups, each
     /// launched when its prefix is ready and judged when its last member
     /// ends; see the module docs.
+    ///
+    /// On several ranks every rank is given every task and makes every
+    /// decision (plans, cuts, budget, bisection) from the same data: the
+    /// first pass's trajectories and each re-rollout are all-gathered
+    /// (as [`ContRecord`]s), the owner of a task runs its trajectories and
+    /// its replays and tells the others whether a replay held, and the
+    /// re-rollout phase takes one turn of every rank's event loop between
+    /// exchanges. The launches, and so the seeds, are one rank's.
     fn run(
         &self,
-        mut ctx: StepContext<'_>,
-        tasks: Vec<TaskInstance>,
+        ctx: StepContext<'_>,
+        mut tasks: Vec<TaskInstance>,
         sampler: &mut PrefixSampler,
     ) -> Result<StepRollouts, TrainError> {
         let n = self.n;
         let snapshots = self.settings.replay == PsReplay::Snapshot;
-        let mut conts = Vec::with_capacity(tasks.len() * n);
-        for t in &tasks {
-            for _ in 0..n {
-                conts.push(Cont::new(
-                    None,
-                    NodeId(0),
-                    t.prompt.clone(),
-                    t.episode.fork()?,
-                ));
+        let mut ranks = Ranks {
+            group: ctx.group,
+            owned: ctx.owned.clone(),
+            tasks: tasks.len(),
+        };
+        // A rank keeps the environments of its own tasks only.
+        for (g, t) in tasks.iter_mut().enumerate() {
+            if !ranks.owns(g) {
+                t.episode = Box::new(Elsewhere);
             }
         }
-        let mut sched = ctx.scheduler(snapshots)?;
-        let conts = sched.run_all(conts)?;
+        let mut sched = Scheduler::new(
+            &mut *ctx.engine,
+            ctx.rollout,
+            &mut *ctx.seed,
+            snapshots,
+            ctx.env_workers,
+        )?;
+        for (g, t) in tasks.iter().enumerate() {
+            for _ in 0..n {
+                if ranks.owns(g) {
+                    let c = Cont::new(None, NodeId(0), t.prompt.clone(), t.episode.fork()?);
+                    sched.launch(c)?;
+                } else {
+                    sched.skip_launch();
+                }
+            }
+        }
+        let mut ran = Vec::new();
+        loop {
+            let done = sched.wait()?;
+            if done.is_empty() {
+                break;
+            }
+            ran.extend(done);
+        }
         let mut stats = sched.finish();
-        stats.episodes = conts.len();
-        let first_pass = stats.generated_tokens;
+        stats.episodes = tasks.len() * n;
+        let conts: Vec<Cont> = ranks.gather(ran)?.into_iter().map(|(_, c)| c).collect();
+        let first_pass = ranks.sum(stats.generated_tokens)?;
         // The run's token budget, else the baseline's: `budget_prompts`
         // groups of `n` trajectories of the first pass's mean generated
         // length; the first pass is charged.
@@ -475,6 +607,8 @@ impl PsStep {
             groups.push(it.by_ref().take(n).collect());
         }
         let mut tree = RolloutTree::new();
+        // The task of each of the tree's episodes.
+        let mut episode_task = Vec::new();
         let mut searches = Vec::new();
         // Skewed groups left out for their re-rollouts (`keep_skewed =
         // false`), and which of all groups got a trained re-rollout group.
@@ -558,7 +692,14 @@ impl PsStep {
                 }
             };
             if train {
-                add_group(&mut tree, &tasks[g], &tasks[g].id, group)?;
+                add_group(
+                    &mut tree,
+                    &mut episode_task,
+                    g,
+                    &tasks[g],
+                    &tasks[g].id,
+                    group,
+                )?;
             }
         }
 
@@ -585,9 +726,16 @@ impl PsStep {
             })
             .collect();
         report.skewed_unserved += searches.len() - admitted.len();
-        let prefixes = self.prefixes(&tasks, &groups, &searches, &admitted, ctx.env_workers);
+        let prefixes = self.prefixes(
+            &tasks,
+            &groups,
+            &searches,
+            &admitted,
+            ctx.env_workers,
+            &mut ranks,
+        )?;
         let replay_s = t0.elapsed().as_secs_f64();
-        let mut sched = ctx.scheduler(false)?;
+        let mut sched = Scheduler::new(ctx.engine, ctx.rollout, ctx.seed, false, ctx.env_workers)?;
         sched.add_env_time(replay_s);
         for (i, prefix) in admitted.into_iter().zip(prefixes) {
             let launched = match prefix {
@@ -595,6 +743,7 @@ impl PsStep {
                     searches[i].prefix = Some(p);
                     self.launch_wave(
                         &mut sched,
+                        &ranks,
                         &mut searches[i],
                         i,
                         self.first_wave(),
@@ -611,12 +760,10 @@ impl PsStep {
                 report.skewed_unserved += 1;
             }
         }
-        loop {
-            let done = sched.wait()?;
-            if done.is_empty() {
-                break;
-            }
-            for (key, c) in done {
+        // One turn of every rank's event loop, then what ended anywhere.
+        while !acct.owner.is_empty() {
+            let done = sched.poll()?;
+            for (key, c) in ranks.gather(done)? {
                 let i = acct
                     .owner
                     .remove(&key)
@@ -627,6 +774,7 @@ impl PsStep {
                 }
                 if let Some(members) = self.judge(
                     &mut sched,
+                    &mut ranks,
                     &tasks,
                     &groups,
                     &mut searches,
@@ -638,7 +786,7 @@ impl PsStep {
                     served[s.group] = true;
                     let task = &tasks[s.group];
                     let key = format!("{}#prefix{}.{}", task.id, s.source, s.attempt);
-                    add_group(&mut tree, task, &key, &members)?;
+                    add_group(&mut tree, &mut episode_task, s.group, task, &key, &members)?;
                 }
             }
         }
@@ -647,10 +795,17 @@ impl PsStep {
         // it is.
         for g in replaced {
             if !served[g] {
-                add_group(&mut tree, &tasks[g], &tasks[g].id, &groups[g])?;
+                add_group(
+                    &mut tree,
+                    &mut episode_task,
+                    g,
+                    &tasks[g],
+                    &tasks[g].id,
+                    &groups[g],
+                )?;
             }
         }
-        report.reroll_tokens = stats.generated_tokens - first_pass;
+        report.reroll_tokens = ranks.sum(stats.generated_tokens)? - first_pass;
         report.rerollouts = acct.rerollouts;
 
         for (b, (s, t)) in &acct.first_attempts {
@@ -678,7 +833,10 @@ impl PsStep {
             Vec::new()
         } else {
             let adv = Grpo::default().advantages(&tree)?;
-            loss_rows(&tree, &adv, None, Sharing::Once)?
+            let mut rows = loss_rows(&tree, &adv, None, Sharing::Once)?;
+            // Each rank trains the groups of its own tasks.
+            rows.retain(|r| ranks.owns(episode_task[r.episode]));
+            rows
         };
         let mut r = StepRollouts::new(tree, rows, stats, Vec::new());
         // Training rewards and the effective share are the first pass's
@@ -693,7 +851,10 @@ impl PsStep {
     }
 
     /// The prefixes of the first attempts of searches `which`, built on up
-    /// to `workers` threads (replay through execution runs tool calls).
+    /// to `workers` threads (replay through execution runs tool calls). On
+    /// several ranks each replays its own tasks' prefixes and the outcomes
+    /// are all-gathered; a prefix another rank replayed is kept here
+    /// without its environment.
     fn prefixes(
         &self,
         tasks: &[TaskInstance],
@@ -701,55 +862,63 @@ impl PsStep {
         searches: &[Search],
         which: &[usize],
         workers: usize,
-    ) -> Vec<Result<Prefix, ReplayMiss>> {
-        let jobs: Vec<Result<PrefixJob, ReplayMiss>> = which
+        ranks: &mut Ranks<'_>,
+    ) -> Result<Vec<Result<Prefix, ReplayMiss>>, TrainError> {
+        let start = |i: usize, here: bool| {
+            let s = &searches[i];
+            self.prefix(
+                &tasks[s.group],
+                &groups[s.group][s.source],
+                s.cuts.cut(),
+                here,
+            )
+        };
+        let mine: Vec<usize> = which
+            .iter()
+            .copied()
+            .filter(|&i| ranks.owns(searches[i].group))
+            .collect();
+        let done = run_jobs(mine.iter().map(|&i| start(i, true)).collect(), workers);
+        if ranks.group.world() == 1 {
+            return Ok(done);
+        }
+        let codes = mine
+            .iter()
+            .zip(&done)
+            .map(|(&i, r)| (i, ReplayMiss::code(r)))
+            .collect();
+        let codes: HashMap<usize, u8> = exchange(&mut *ranks.group, codes)?.into_iter().collect();
+        let mut done: HashMap<usize, Result<Prefix, ReplayMiss>> =
+            mine.into_iter().zip(done).collect();
+        which
             .iter()
             .map(|&i| {
-                let s = &searches[i];
-                self.prefix(&tasks[s.group], &groups[s.group][s.source], s.cuts.cut())
+                if let Some(r) = done.remove(&i) {
+                    return Ok(r);
+                }
+                let code = codes.get(&i).copied().ok_or_else(|| {
+                    TrainError::Rollout(format!("no rank replayed the prefix of search {i}"))
+                })?;
+                Ok(match ReplayMiss::of_code(code) {
+                    Some(miss) => Err(miss),
+                    None => start(i, false).and_then(PrefixJob::run),
+                })
             })
-            .collect();
-        if workers <= 1 || jobs.len() <= 1 {
-            return jobs
-                .into_iter()
-                .map(|j| j.and_then(PrefixJob::run))
-                .collect();
-        }
-        // Contiguous chunks, one per worker, so the results keep the order.
-        let chunk = jobs.len().div_ceil(workers);
-        let mut parts: Vec<Vec<Result<PrefixJob, ReplayMiss>>> = Vec::new();
-        let mut it = jobs.into_iter().peekable();
-        while it.peek().is_some() {
-            parts.push(it.by_ref().take(chunk).collect());
-        }
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = parts
-                .into_iter()
-                .map(|part| {
-                    let k = part.len();
-                    let h = scope.spawn(move || {
-                        part.into_iter()
-                            .map(|j| j.and_then(PrefixJob::run))
-                            .collect::<Vec<_>>()
-                    });
-                    (h, k)
-                })
-                .collect();
-            handles
-                .into_iter()
-                .flat_map(|(h, k)| {
-                    h.join()
-                        .unwrap_or_else(|_| (0..k).map(|_| Err(ReplayMiss::Failed)).collect())
-                })
-                .collect()
-        })
+            .collect()
     }
 
     /// The start of a re-rollout that replays the first `cut` action tokens
     /// of `src` (a trajectory of `task`): the whole segments inside the cut
     /// and, for a cut inside a segment, that segment's head; its
-    /// environment still to rebuild ([`PrefixJob::run`]).
-    fn prefix(&self, task: &TaskInstance, src: &Cont, cut: usize) -> Result<PrefixJob, ReplayMiss> {
+    /// environment still to rebuild ([`PrefixJob::run`]). Not `here`
+    /// (another rank replays it): the context alone, no environment.
+    fn prefix(
+        &self,
+        task: &TaskInstance,
+        src: &Cont,
+        cut: usize,
+        here: bool,
+    ) -> Result<PrefixJob, ReplayMiss> {
         let mut context = task.prompt.clone();
         let mut replayed = Vec::new();
         let mut acc = 0;
@@ -770,6 +939,7 @@ impl PsStep {
             .unwrap_or_default();
         context.extend(&head);
         let (env, execute) = match self.settings.replay {
+            _ if !here => (Box::new(Elsewhere) as Box<dyn TokenEpisode>, false),
             PsReplay::Snapshot if j > 0 => (
                 src.steps[j - 1]
                     .env_after
@@ -806,9 +976,11 @@ impl PsStep {
     /// Launch `k` more members of search `s` (key `index`) from its rebuilt
     /// prefix if the budget holds them (estimated at the source's tokens
     /// after the cut each); returns whether they were launched.
+    #[allow(clippy::too_many_arguments)]
     fn launch_wave(
         &self,
-        sched: &mut super::sched::Scheduler<'_>,
+        sched: &mut Scheduler<'_>,
+        ranks: &Ranks<'_>,
         s: &mut Search,
         index: usize,
         k: usize,
@@ -830,18 +1002,68 @@ impl PsStep {
         acct.committed += cost;
         s.reserved = cost;
         s.wave_start = s.launched;
+        let here = ranks.owns(s.group);
         for _ in 0..k {
-            let mut cont = Cont::new(None, NodeId(0), prefix.context.clone(), prefix.env.fork()?);
-            cont.replayed = prefix.replayed.clone();
-            cont.head = prefix.head.clone();
-            cont.next = prefix.next;
-            let key = sched.launch(cont)?;
+            let key = if here {
+                let mut cont =
+                    Cont::new(None, NodeId(0), prefix.context.clone(), prefix.env.fork()?);
+                cont.replayed = prefix.replayed.clone();
+                cont.head = prefix.head.clone();
+                cont.next = prefix.next;
+                sched.launch(cont)?
+            } else {
+                sched.skip_launch()
+            };
             acct.owner.insert(key, index);
             s.launched += 1;
         }
-        sched.add_replayed((k * s.cuts.cut()) as u64);
+        if here {
+            sched.add_replayed((k * s.cuts.cut()) as u64);
+        }
         Ok(true)
     }
+}
+
+/// Run prefix `jobs` on up to `workers` threads; the results keep the
+/// jobs' order.
+fn run_jobs(
+    jobs: Vec<Result<PrefixJob, ReplayMiss>>,
+    workers: usize,
+) -> Vec<Result<Prefix, ReplayMiss>> {
+    if workers <= 1 || jobs.len() <= 1 {
+        return jobs
+            .into_iter()
+            .map(|j| j.and_then(PrefixJob::run))
+            .collect();
+    }
+    // Contiguous chunks, one per worker, so the results keep the order.
+    let chunk = jobs.len().div_ceil(workers);
+    let mut parts: Vec<Vec<Result<PrefixJob, ReplayMiss>>> = Vec::new();
+    let mut it = jobs.into_iter().peekable();
+    while it.peek().is_some() {
+        parts.push(it.by_ref().take(chunk).collect());
+    }
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = parts
+            .into_iter()
+            .map(|part| {
+                let k = part.len();
+                let h = scope.spawn(move || {
+                    part.into_iter()
+                        .map(|j| j.and_then(PrefixJob::run))
+                        .collect::<Vec<_>>()
+                });
+                (h, k)
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|(h, k)| {
+                h.join()
+                    .unwrap_or_else(|_| (0..k).map(|_| Err(ReplayMiss::Failed)).collect())
+            })
+            .collect()
+    })
 }
 
 /// Action tokens `a` and `b` share from the start: whole segments while
@@ -866,10 +1088,13 @@ fn shared_prefix(a: &Cont, b: &Cont) -> usize {
     acc
 }
 
-/// Record a group's trajectories as episodes of `task`, grouped (for the
-/// GRPO baseline) under `key`.
+/// Record a group's trajectories as episodes of `task` (task index `g`,
+/// noted per episode in `episode_task`), grouped (for the GRPO baseline)
+/// under `key`.
 fn add_group(
     tree: &mut RolloutTree,
+    episode_task: &mut Vec<usize>,
+    g: usize,
     task: &TaskInstance,
     key: &str,
     members: &[Cont],
@@ -877,6 +1102,7 @@ fn add_group(
     for c in members {
         let root = tree.add_episode(key.to_string(), task.prompt.clone(), None)?;
         tree.add_path(root, to_steps(c, None)?)?;
+        episode_task.push(g);
     }
     Ok(())
 }
@@ -965,7 +1191,7 @@ mod tests {
     /// The prefix of `src` cut at `cut`, replayed through `Echo`.
     fn rebuilt(src: &Cont, cut: usize) -> Prefix {
         step(PsReplay::Execute)
-            .prefix(&task(0), src, cut)
+            .prefix(&task(0), src, cut, true)
             .unwrap()
             .run()
             .unwrap()
@@ -994,11 +1220,11 @@ mod tests {
     fn replays_that_diverge_or_fail_are_dropped_with_their_reason() {
         let src = source();
         let s = step(PsReplay::Execute);
-        let diverged = s.prefix(&task(5), &src, 5).unwrap().run();
+        let diverged = s.prefix(&task(5), &src, 5, true).unwrap().run();
         assert!(matches!(diverged, Err(ReplayMiss::Diverged)));
         let mut bad = source();
         bad.steps[0].action = vec![99];
-        let failed = s.prefix(&task(0), &bad, 2).unwrap().run();
+        let failed = s.prefix(&task(0), &bad, 2, true).unwrap().run();
         assert!(matches!(failed, Err(ReplayMiss::Failed)));
         let mut report = PsReport::default();
         report.count_miss(&ReplayMiss::Diverged);
@@ -1006,12 +1232,12 @@ mod tests {
         assert_eq!((report.replay_diverged, report.replay_failed), (1, 1));
         // Snapshot replay never re-executes, so it cannot diverge (and needs
         // the snapshot the first pass kept).
-        let snap = step(PsReplay::Snapshot).prefix(&task(5), &src, 5);
+        let snap = step(PsReplay::Snapshot).prefix(&task(5), &src, 5, true);
         assert!(matches!(snap, Err(ReplayMiss::Failed)), "no snapshot kept");
         let mut kept = source();
         kept.steps[1].env_after = Some(Box::new(Echo::default()));
         assert!(step(PsReplay::Snapshot)
-            .prefix(&task(5), &kept, 5)
+            .prefix(&task(5), &kept, 5, true)
             .unwrap()
             .run()
             .is_ok());
@@ -1053,7 +1279,15 @@ mod tests {
         assert!(c.head.is_empty(), "the head is used once");
         let mut tree = RolloutTree::new();
         let t = task(0);
-        add_group(&mut tree, &t, "t#prefix0", std::slice::from_ref(&c)).unwrap();
+        add_group(
+            &mut tree,
+            &mut Vec::new(),
+            0,
+            &t,
+            "t#prefix0",
+            std::slice::from_ref(&c),
+        )
+        .unwrap();
         let adv = Grpo::default().advantages(&tree).unwrap();
         let rows = loss_rows(&tree, &adv, None, Sharing::Once).unwrap();
         let row = &rows[0];

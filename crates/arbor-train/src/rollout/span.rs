@@ -157,18 +157,31 @@ impl<'a> SpanLoop<'a> {
     }
 }
 
-/// Every rank's ended continuations `local` (launch index, tree steps), in
-/// launch order, on every rank.
-fn exchange(
+/// The tasks rank `rank` of `world` runs of a step's `n`: a contiguous
+/// share, by index.
+pub(crate) fn share(n: usize, rank: usize, world: usize) -> Range<usize> {
+    n * rank / world..n * (rank + 1) / world
+}
+
+/// The rank of `world` that runs task `task` of a step's `n`.
+pub(crate) fn owner(task: usize, n: usize, world: usize) -> usize {
+    (0..world)
+        .find(|&r| share(n, r, world).contains(&task))
+        .unwrap_or(world - 1)
+}
+
+/// Every rank's `local` items (launch index, item), in launch order, on
+/// every rank.
+pub(crate) fn exchange<T: serde::Serialize + serde::de::DeserializeOwned>(
     group: &mut dyn Collective,
-    mut local: Vec<(usize, Vec<Step>)>,
-) -> Result<Vec<(usize, Vec<Step>)>, TrainError> {
+    mut local: Vec<(usize, T)>,
+) -> Result<Vec<(usize, T)>, TrainError> {
     if group.world() > 1 {
         let mine = serde_json::to_vec(&local)
             .map_err(|e| TrainError::Rollout(format!("cannot encode ended continuations: {e}")))?;
         local = Vec::new();
         for (rank, part) in group.all_gather(&mine)?.iter().enumerate() {
-            let theirs: Vec<(usize, Vec<Step>)> = serde_json::from_slice(part).map_err(|e| {
+            let theirs: Vec<(usize, T)> = serde_json::from_slice(part).map_err(|e| {
                 TrainError::Rollout(format!("rank {rank} sent unreadable continuations: {e}"))
             })?;
             local.extend(theirs);
