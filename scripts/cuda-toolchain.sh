@@ -9,7 +9,8 @@
 # What it does:
 # - `pip install --target` of nvidia-cuda-nvcc and the pieces nvcc and
 #   candle/cudarc need, all pinned to CUDA 13.0 (the cu12 wheels ship no
-#   nvcc; 13.0 matches NVIDIA driver 580);
+#   nvcc; 13.0 matches NVIDIA driver 580), and NCCL (nvidia-nccl-cu13) for
+#   `--features nccl`;
 # - unversioned `.so` links (libcublas.so -> libcublas.so.13, ...) so the
 #   linker finds them with -l;
 # - a stub `libcuda.so` (soname libcuda.so.1) that defines every `cu*`
@@ -40,6 +41,18 @@ if [ ! -x "$ROOT/bin/nvcc" ] || [ ! -f "$PREFIX/.complete" ]; then
     "nvidia-curand>=10.4.0,<10.4.1" >&2
 fi
 [ -x "$ROOT/bin/nvcc" ] || { log "nvcc not found under $ROOT/bin after install"; exit 1; }
+
+# NCCL for `--features nccl` (gradient sums between GPU ranks): linked with
+# -lnccl, loaded at run time from the same folder (or a torch install's).
+# Its own --target folder: pip replaces a target's `nvidia/` package whole.
+NCCL="$PREFIX/nccl/nvidia/nccl/lib"
+if [ ! -f "$NCCL/libnccl.so.2" ]; then
+  log "installing NCCL into $PREFIX/nccl"
+  "$PY" -m pip install --quiet --disable-pip-version-check --no-warn-script-location \
+    --target "$PREFIX/nccl" --upgrade --no-deps "nvidia-nccl-cu13>=2.30,<2.33" >&2
+fi
+[ -f "$NCCL/libnccl.so.2" ] || { log "libnccl.so.2 not found under $NCCL after install"; exit 1; }
+[ -e "$NCCL/libnccl.so" ] || ln -s libnccl.so.2 "$NCCL/libnccl.so"
 
 # Unversioned links for the linker (-lcublas etc.).
 for lib in "$ROOT"/lib/lib*.so.*; do
@@ -99,7 +112,7 @@ export CUDA_PATH="$ROOT"
 export CUDA_HOME="$ROOT"
 export CUDA_COMPUTE_CAP="\${CUDA_COMPUTE_CAP:-90}"
 export PATH="$ROOT/bin:\$PATH"
-export LIBRARY_PATH="$ROOT/lib:$STUB\${LIBRARY_PATH:+:\$LIBRARY_PATH}"
-export LD_LIBRARY_PATH="$ROOT/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
+export LIBRARY_PATH="$ROOT/lib:$NCCL:$STUB\${LIBRARY_PATH:+:\$LIBRARY_PATH}"
+export LD_LIBRARY_PATH="$ROOT/lib:$NCCL\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 export CPATH="$ROOT/include:$ROOT/include/cccl\${CPATH:+:\$CPATH}"
 EOF

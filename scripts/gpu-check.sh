@@ -4,7 +4,9 @@
 #   scripts/gpu-check.sh build   (here, no GPU needed) installs the CUDA 13.0
 #       toolchain from PyPI (scripts/cuda-toolchain.sh), builds
 #       `cargo build --release --features cuda`, strips the binary and packs
-#       it as dist/arbor-cuda.xz (the GPU machine needs no Rust).
+#       it as dist/arbor-cuda.xz (the GPU machine needs no Rust); then the
+#       same with `--features nccl` (in its own target folder, `nccl/`
+#       under it) as dist/arbor-nccl.xz, for the data-parallel check.
 #   scripts/gpu-check.sh run     (on the GPU machine) unpacks that binary,
 #       finds the CUDA libraries there (pip's nvidia-* packages of the
 #       machine's Python, or a CUDA toolkit, or the driver's folder), runs
@@ -13,10 +15,13 @@
 #       and their transformers peer (scripts/bench_hf_generate.py), then a
 #       few RL steps of `arbor train configs/gpu-smoke.toml` on the GPU,
 #       then the learner step against PyTorch (scripts/bench_hf_train.py),
-#       and writes everything under $OUT (default ./gpu-check-out):
-#       check-device.json/.txt, generate-*.jsonl, fork-*.json,
-#       generate-peer.jsonl, generate-table.md, gpu-smoke.txt and the run
-#       directory gpu-smoke/, bench-train.jsonl, nvidia-smi.txt.
+#       then the smoke run data-parallel (two ranks sharing the GPU, NCCL)
+#       against one rank (scripts/dp_compare.py), and writes everything
+#       under $OUT (default ./gpu-check-out): check-device.json/.txt,
+#       generate-*.jsonl, fork-*.json, generate-peer.jsonl,
+#       generate-table.md, gpu-smoke.txt and the run directory gpu-smoke/,
+#       bench-step.json, bench-train.jsonl, dp-compare.json with the runs
+#       dp-1/ and dp-2/, nvidia-smi.txt.
 #
 # With no argument: `run` where nvidia-smi sees a GPU, else `build`.
 # dist/ is git-ignored: copy it to the GPU machine along with the working
@@ -41,22 +46,35 @@ build)
   # compressed one a fraction of that to copy.
   xz -T0 -6 -f dist/arbor-cuda
   ls -l dist/arbor-cuda.xz >&2
-  echo "built dist/arbor-cuda.xz; on the GPU machine: scripts/gpu-check.sh run" >&2
+  # NCCL changes candle's features: its own target folder keeps both builds
+  # incremental.
+  nccl_target="${CARGO_TARGET_DIR:-target}/nccl"
+  CARGO_TARGET_DIR="$nccl_target" cargo build --release --features nccl
+  strip -o dist/arbor-nccl "$nccl_target/release/arbor"
+  xz -T0 -6 -f dist/arbor-nccl
+  ls -l dist/arbor-nccl.xz >&2
+  echo "built dist/arbor-cuda.xz and dist/arbor-nccl.xz; on the GPU machine: scripts/gpu-check.sh run" >&2
   ;;
 run)
   OUT="${OUT:-$PWD/gpu-check-out}"
   mkdir -p "$OUT"
-  bin=dist/arbor-cuda
-  if [ ! -x "$bin" ]; then
-    if [ -f dist/arbor-cuda.xz ]; then
+  # dist/NAME from dist/NAME.xz, if packed.
+  unpack() {
+    if [ ! -x "dist/$1" ] && [ -f "dist/$1.xz" ]; then
       if command -v xz >/dev/null; then
-        xz -d -k -c dist/arbor-cuda.xz > "$bin"
+        xz -d -k -c "dist/$1.xz" > "dist/$1"
       else
         python3 -c 'import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
-          dist/arbor-cuda.xz "$bin"
+          "dist/$1.xz" "dist/$1"
       fi
-      chmod +x "$bin"
-    elif [ -x target/release/arbor ]; then
+      chmod +x "dist/$1"
+    fi
+  }
+  bin=dist/arbor-cuda
+  unpack arbor-cuda
+  unpack arbor-nccl
+  if [ ! -x "$bin" ]; then
+    if [ -x target/release/arbor ]; then
       bin=target/release/arbor
     else
       echo "gpu-check: no dist/arbor-cuda(.xz); run 'scripts/gpu-check.sh build' first" >&2
@@ -155,6 +173,24 @@ run)
     cat "$OUT/bench-train.jsonl"
   else
     echo "gpu-check: no python with torch and transformers; learner-step peer skipped"
+  fi
+  # Data parallelism over NCCL: the smoke run on two ranks sharing this GPU
+  # (`--ranks 2`: each rank names its own NCCL host) against one rank, the
+  # same config and seeds; dp-compare.json has both runs' metrics per step,
+  # their largest differences and the all-reduce time per step.
+  nbin=dist/arbor-nccl
+  nmissing="$( [ -x "$nbin" ] && ldd "$nbin" | grep "not found" || true)"
+  if [ -x "$nbin" ] && [ -z "$nmissing" ]; then
+    timeout 150 "$nbin" train configs/gpu-smoke.toml --out "$OUT/dp-1" > "$OUT/dp-1.txt" 2>&1
+    echo "gpu-check: one-rank smoke run exit $?"
+    ARBOR_DIST_TIMEOUT_S=120 timeout 200 "$nbin" train configs/gpu-smoke.toml --out "$OUT/dp-2" \
+      --ranks 2 > "$OUT/dp-2.txt" 2>&1
+    echo "gpu-check: two-rank (NCCL) smoke run exit $? (log: $OUT/dp-2.txt)"
+    tail -5 "$OUT/dp-2.txt"
+    python3 scripts/dp_compare.py "$OUT/dp-1" "$OUT/dp-2" > "$OUT/dp-compare.json"
+    echo "gpu-check: dp compare exit $? (dp-compare.json)"
+  else
+    echo "gpu-check: no runnable dist/arbor-nccl ($nmissing); data-parallel check skipped"
   fi
   set -e
   [ "$rc" = 0 ] && rc=$rc_train

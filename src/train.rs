@@ -34,8 +34,10 @@ pub struct TrainArgs {
     /// 0-7) or a list (`--gpus 0,2,5`). Each rank is a process with `RANK`,
     /// `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and
     /// `CUDA_VISIBLE_DEVICES` set as torchrun sets them, and trains on
-    /// `cuda:$LOCAL_RANK`; the ranks join over TCP as with `--ranks`. Needs
-    /// a `--features cuda` build.
+    /// `cuda:$LOCAL_RANK`; the ranks join over TCP as with `--ranks`, and
+    /// with a `--features nccl` build sum their gradients over NCCL on the
+    /// GPUs (`ARBOR_DIST=tcp` keeps them on TCP). Needs a `--features cuda`
+    /// build.
     #[arg(long, value_name = "N|LIST", conflicts_with_all = ["ranks", "device"])]
     pub gpus: Option<String>,
 }
@@ -138,7 +140,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
     );
     let group: Box<dyn arbor_train::dist::Collective> =
         match arbor_train::dist::TcpGroup::from_env(timeout) {
-            Some(g) => Box::new(g.context("joining the data-parallel group")?),
+            Some(g) => rank_group(g.context("joining the data-parallel group")?, &cfg.device),
             None => Box::new(arbor_train::dist::Single),
         };
     let rank = group.rank();
@@ -264,6 +266,29 @@ pub fn run(a: TrainArgs) -> Result<()> {
     Ok(())
 }
 
+/// This rank's group over `tcp`: on GPUs, where NCCL is built in, the
+/// gradients are summed by NCCL (`ARBOR_DIST=tcp` keeps them on TCP).
+#[cfg(feature = "nccl")]
+fn rank_group(
+    tcp: arbor_train::dist::TcpGroup,
+    device: &str,
+) -> Box<dyn arbor_train::dist::Collective> {
+    if device.starts_with("cuda") && std::env::var("ARBOR_DIST").as_deref() != Ok("tcp") {
+        Box::new(arbor_train::dist::NcclGroup::new(tcp))
+    } else {
+        Box::new(tcp)
+    }
+}
+
+/// This rank's group over `tcp` (a build without NCCL).
+#[cfg(not(feature = "nccl"))]
+fn rank_group(
+    tcp: arbor_train::dist::TcpGroup,
+    _device: &str,
+) -> Box<dyn arbor_train::dist::Collective> {
+    Box::new(tcp)
+}
+
 /// `arbor train --ranks N`: this command again as `N` processes, rank `r`
 /// with `RANK=r`, `LOCAL_RANK=r`, `WORLD_SIZE=N`, `MASTER_ADDR=127.0.0.1`
 /// and a free `MASTER_PORT` (with `gpus`, `CUDA_VISIBLE_DEVICES` lists them,
@@ -289,6 +314,11 @@ fn launch(ranks: usize, gpus: Option<&[usize]>) -> Result<()> {
             .env("MASTER_PORT", port.to_string());
         if let Some(list) = &visible {
             cmd.env("CUDA_VISIBLE_DEVICES", list);
+        } else if std::env::var_os("NCCL_HOSTID").is_none() {
+            // `--ranks N` on one GPU: NCCL refuses two ranks of a
+            // communicator on one device of one host, so each rank names
+            // its own host.
+            cmd.env("NCCL_HOSTID", format!("arbor-rank-{r}"));
         }
         let child = cmd.spawn().with_context(|| format!("starting rank {r}"))?;
         children.0.push(Some(child));

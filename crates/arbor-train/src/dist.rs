@@ -12,7 +12,12 @@
 //! - [`TcpGroup`]: ranks as processes, on one machine or several, joined
 //!   over TCP through rank 0 (`MASTER_ADDR:MASTER_PORT`, the torchrun
 //!   convention; [`TcpGroup::from_env`]). Every byte goes through rank 0,
-//!   so it suits CPU ranks and tests, not gradients of large models.
+//!   so it suits CPU ranks and tests, not gradients of large models;
+//! - `NcclGroup` (the `nccl` cargo feature): a [`TcpGroup`] for the
+//!   host-side exchanges (records, counts, the NCCL id) and an NCCL
+//!   communicator on each rank's GPU stream for the gradient sums
+//!   ([`Collective::all_reduce_sum_tensor`]), which then never leave the
+//!   GPUs.
 //!
 //! Every rank calls the same operations in the same order (as with NCCL
 //! or MPI). Sums add the ranks' values in rank order, so every rank gets
@@ -42,6 +47,10 @@ pub enum DistError {
     /// Ranks disagree about an operation (different lengths or roots).
     #[error("rank {rank}: {msg}")]
     Mismatch { rank: usize, msg: String },
+    /// A tensor could not be read or written, or the device collective
+    /// library (NCCL) failed.
+    #[error("rank {rank}: {msg}")]
+    Device { rank: usize, msg: String },
 }
 
 /// One rank's handle on a data-parallel group.
@@ -93,6 +102,43 @@ pub trait Collective: Send {
     fn barrier(&mut self) -> Result<(), DistError> {
         self.all_gather(&[]).map(|_| ())
     }
+
+    /// The device this rank computes on. A group that moves device buffers
+    /// (NCCL) sets up its communicator on that device's stream here; the
+    /// others need nothing.
+    fn bind_device(&mut self, _device: &candle_core::Device) -> Result<(), DistError> {
+        Ok(())
+    }
+
+    /// `t` (any shape and float dtype) summed over the ranks, on `t`'s
+    /// device, in f32; every rank gets the same sums. By default through
+    /// host memory ([`Collective::all_reduce_sum`], rank order); NCCL
+    /// sums device buffers in place on the GPUs.
+    fn all_reduce_sum_tensor(
+        &mut self,
+        t: &candle_core::Tensor,
+    ) -> Result<candle_core::Tensor, DistError> {
+        host_sum_tensor(self, t)
+    }
+}
+
+/// [`Collective::all_reduce_sum_tensor`] through host memory.
+fn host_sum_tensor<C: Collective + ?Sized>(
+    group: &mut C,
+    t: &candle_core::Tensor,
+) -> Result<candle_core::Tensor, DistError> {
+    let rank = group.rank();
+    let err = |e: candle_core::Error| DistError::Device {
+        rank,
+        msg: e.to_string(),
+    };
+    let mut flat = t
+        .to_dtype(candle_core::DType::F32)
+        .and_then(|x| x.flatten_all())
+        .and_then(|x| x.to_vec1::<f32>())
+        .map_err(err)?;
+    group.all_reduce_sum(&mut flat)?;
+    candle_core::Tensor::from_vec(flat, t.shape(), t.device()).map_err(err)
 }
 
 /// Sums the ranks' little-endian encodings of `T` into `out`, in rank
@@ -128,6 +174,127 @@ where
     Ok(())
 }
 
+#[cfg(feature = "nccl")]
+pub use nccl::NcclGroup;
+
+/// Gradient sums over NCCL; see the module docs.
+#[cfg(feature = "nccl")]
+mod nccl {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, ReduceOp};
+    use candle_core::cuda_backend::{CudaDevice, CudaStorage};
+    use candle_core::{DType, Device, Storage, Tensor};
+
+    use super::{Collective, DistError, TcpGroup};
+
+    /// An NCCL communicator that moves between threads with its group.
+    struct SendComm(Comm);
+
+    // SAFETY: an NCCL communicator may be used from any thread as long as
+    // calls on it are not concurrent; the group owns this one and calls it
+    // only through `&mut self`.
+    #[allow(unsafe_code)]
+    unsafe impl Send for SendComm {}
+
+    /// [`TcpGroup`] for host exchanges, NCCL for device buffers.
+    pub struct NcclGroup {
+        host: TcpGroup,
+        /// The communicator and the device whose stream it runs on, once
+        /// bound ([`Collective::bind_device`]).
+        comm: Option<(SendComm, CudaDevice)>,
+    }
+
+    impl NcclGroup {
+        /// The group of `host`'s ranks; its NCCL communicator is created
+        /// when the rank's device is bound (rank 0 makes the NCCL id and
+        /// sends it to the others over `host`).
+        pub fn new(host: TcpGroup) -> Self {
+            NcclGroup { host, comm: None }
+        }
+
+        fn err(&self, msg: impl std::fmt::Display) -> DistError {
+            DistError::Device {
+                rank: self.host.rank(),
+                msg: msg.to_string(),
+            }
+        }
+    }
+
+    impl Collective for NcclGroup {
+        fn rank(&self) -> usize {
+            self.host.rank()
+        }
+        fn world(&self) -> usize {
+            self.host.world()
+        }
+        fn all_gather(&mut self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, DistError> {
+            self.host.all_gather(bytes)
+        }
+
+        fn bind_device(&mut self, device: &Device) -> Result<(), DistError> {
+            let Device::Cuda(dev) = device else {
+                return Ok(());
+            };
+            let mut id = Vec::new();
+            if self.rank() == 0 {
+                let made = Id::new().map_err(|e| self.err(format!("ncclGetUniqueId: {e:?}")))?;
+                id = made.internal().iter().map(|&c| c as u8).collect();
+            }
+            self.host.broadcast(&mut id, 0)?;
+            let internal: [std::ffi::c_char; 128] =
+                std::array::from_fn(|i| id.get(i).copied().unwrap_or(0) as std::ffi::c_char);
+            if id.len() != internal.len() {
+                return Err(self.err(format!("an NCCL id of {} bytes, not 128", id.len())));
+            }
+            let (rank, world) = (self.rank(), self.world());
+            let comm = Comm::from_rank(dev.cuda_stream(), rank, world, Id::uninit(internal))
+                .map_err(|e| self.err(format!("ncclCommInitRank: {e:?}")))?;
+            self.comm = Some((SendComm(comm), dev.clone()));
+            Ok(())
+        }
+
+        fn all_reduce_sum_tensor(&mut self, t: &Tensor) -> Result<Tensor, DistError> {
+            let on_gpu = matches!(t.device(), Device::Cuda(_));
+            let Some((comm, dev)) = self.comm.as_ref().filter(|_| on_gpu) else {
+                return super::host_sum_tensor(self, t);
+            };
+            let rank = self.host.rank();
+            let err = |msg: String| DistError::Device { rank, msg };
+            let t = t
+                .to_dtype(DType::F32)
+                .and_then(|x| x.flatten_all())
+                .and_then(|x| x.contiguous())
+                .map_err(|e| err(e.to_string()))?;
+            let n = t.elem_count();
+            let out = {
+                let (storage, layout) = t.storage_and_layout();
+                let Storage::Cuda(s) = &*storage else {
+                    return Err(err("a CUDA tensor without CUDA storage".into()));
+                };
+                let from = layout.start_offset();
+                let src = s.as_cuda_slice::<f32>().map_err(|e| err(e.to_string()))?;
+                let src = src.slice(from..from + n);
+                let mut out = dev
+                    .cuda_stream()
+                    .alloc_zeros::<f32>(n)
+                    .map_err(|e| err(format!("allocating {n} floats: {e:?}")))?;
+                comm.0
+                    .all_reduce(&src, &mut out, &ReduceOp::Sum)
+                    .map_err(|e| err(format!("ncclAllReduce: {e:?}")))?;
+                out
+            };
+            let storage = CudaStorage::wrap_cuda_slice(out, dev.clone());
+            debug_assert_eq!(storage.dtype(), DType::F32);
+            Ok(Tensor::from_storage(
+                Storage::Cuda(storage),
+                t.shape().clone(),
+                candle_core::op::BackpropOp::none(),
+                false,
+            ))
+        }
+    }
+}
+
 /// A group of one: every operation returns its input.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Single;
@@ -160,6 +327,16 @@ impl Collective for Single {
     }
     fn barrier(&mut self) -> Result<(), DistError> {
         Ok(())
+    }
+    fn all_reduce_sum_tensor(
+        &mut self,
+        t: &candle_core::Tensor,
+    ) -> Result<candle_core::Tensor, DistError> {
+        t.to_dtype(candle_core::DType::F32)
+            .map_err(|e| DistError::Device {
+                rank: 0,
+                msg: e.to_string(),
+            })
     }
 }
 

@@ -119,38 +119,48 @@ impl GradAccum {
     }
 
     /// Sum these gradients over the ranks of `group` (one flat f32
-    /// all-reduce in `vars` order): afterwards every rank holds the same
-    /// sums, for the variables that had a gradient on any rank.
+    /// all-reduce in `vars` order, on the gradients' device): afterwards
+    /// every rank holds the same sums, for the variables that had a
+    /// gradient on any rank.
     pub fn all_reduce(
         &mut self,
         vars: &[(String, Var)],
         group: &mut dyn crate::dist::Collective,
     ) -> Result<(), TrainError> {
         let mut present = Vec::with_capacity(vars.len());
-        let mut flat = Vec::new();
+        let mut flat = Vec::with_capacity(vars.len());
         for (_, v) in vars {
             match self.get(v) {
                 Some(g) => {
                     present.push(1.0);
-                    flat.extend(
-                        g.to_dtype(candle_core::DType::F32)?
-                            .flatten_all()?
-                            .to_vec1::<f32>()?,
-                    );
+                    flat.push(g.to_dtype(candle_core::DType::F32)?.flatten_all()?);
                 }
                 None => {
                     present.push(0.0);
-                    flat.extend(std::iter::repeat_n(0.0f32, v.elem_count()));
+                    flat.push(Tensor::zeros(
+                        v.elem_count(),
+                        candle_core::DType::F32,
+                        v.device(),
+                    )?);
                 }
             }
         }
         group.all_reduce_sum_f64(&mut present)?;
-        group.all_reduce_sum(&mut flat)?;
+        let Some((_, first)) = vars.first() else {
+            return Ok(());
+        };
+        let flat = match flat.len() {
+            1 => flat.remove(0),
+            _ => Tensor::cat(&flat, 0)?,
+        };
+        let summed = group.all_reduce_sum_tensor(&flat.to_device(first.device())?)?;
         let mut at = 0;
         for ((_, v), &p) in vars.iter().zip(&present) {
             let n = v.elem_count();
             if p > 0.0 {
-                let t = Tensor::from_slice(&flat[at..at + n], v.shape(), v.device())?
+                let t = summed
+                    .narrow(0, at, n)?
+                    .reshape(v.shape())?
                     .to_dtype(v.dtype())?;
                 self.sums.insert(v.as_tensor().id(), t);
             }

@@ -105,6 +105,9 @@ impl Trainer {
         };
         let dev = parse_device(&cfg.device)
             .map_err(|e| TrainError::Config(format!("key `device`: {e}")))?;
+        // A group that sums device buffers (NCCL) sets up on this device.
+        let mut group = group;
+        group.bind_device(&dev)?;
         let mut ocfg = cfg.optimizer;
         ocfg.total_steps = cfg.steps * cfg.learner.epochs.max(1) as u64;
         let latest = if resume {
