@@ -16,7 +16,7 @@
 //! - `NcclGroup` (the `nccl` cargo feature): a [`TcpGroup`] for the
 //!   host-side exchanges (records, counts, the NCCL id) and an NCCL
 //!   communicator on each rank's GPU stream for the gradient sums
-//!   ([`Collective::all_reduce_sum_tensor`]), which then never leave the
+//!   ([`Collective::all_reduce_sum_tensors`]), which then never leave the
 //!   GPUs.
 //!
 //! Every rank calls the same operations in the same order (as with NCCL
@@ -30,6 +30,19 @@
 
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
+
+/// `x` as bytes for another rank (CBOR: compact, and exact for every
+/// float, NaN and infinities included).
+pub(crate) fn encode<T: serde::Serialize>(x: &T) -> Result<Vec<u8>, String> {
+    let mut out = Vec::new();
+    ciborium::into_writer(x, &mut out).map_err(|e| e.to_string())?;
+    Ok(out)
+}
+
+/// What [`encode`] wrote.
+pub(crate) fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
+    ciborium::from_reader(bytes).map_err(|e| e.to_string())
+}
 
 /// Why a collective operation failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -110,35 +123,48 @@ pub trait Collective: Send {
         Ok(())
     }
 
-    /// `t` (any shape and float dtype) summed over the ranks, on `t`'s
-    /// device, in f32; every rank gets the same sums. By default through
-    /// host memory ([`Collective::all_reduce_sum`], rank order); NCCL
-    /// sums device buffers in place on the GPUs.
-    fn all_reduce_sum_tensor(
+    /// Each of `ts` (f32, any shapes, the same list on every rank) summed
+    /// over the ranks, on its own device; every rank gets the same sums.
+    /// The tensors' storage may be reused for the sums: pass tensors that
+    /// nothing else reads. By default through host memory in one flat
+    /// [`Collective::all_reduce_sum`] (rank order); NCCL sums each tensor
+    /// in place on the GPU.
+    fn all_reduce_sum_tensors(
         &mut self,
-        t: &candle_core::Tensor,
-    ) -> Result<candle_core::Tensor, DistError> {
-        host_sum_tensor(self, t)
+        ts: Vec<candle_core::Tensor>,
+    ) -> Result<Vec<candle_core::Tensor>, DistError> {
+        host_sum_tensors(self, ts)
     }
 }
 
-/// [`Collective::all_reduce_sum_tensor`] through host memory.
-fn host_sum_tensor<C: Collective + ?Sized>(
+/// [`Collective::all_reduce_sum_tensors`] through host memory.
+fn host_sum_tensors<C: Collective + ?Sized>(
     group: &mut C,
-    t: &candle_core::Tensor,
-) -> Result<candle_core::Tensor, DistError> {
+    ts: Vec<candle_core::Tensor>,
+) -> Result<Vec<candle_core::Tensor>, DistError> {
     let rank = group.rank();
     let err = |e: candle_core::Error| DistError::Device {
         rank,
         msg: e.to_string(),
     };
-    let mut flat = t
-        .to_dtype(candle_core::DType::F32)
-        .and_then(|x| x.flatten_all())
-        .and_then(|x| x.to_vec1::<f32>())
-        .map_err(err)?;
+    let mut flat = Vec::new();
+    for t in &ts {
+        flat.extend(
+            t.to_dtype(candle_core::DType::F32)
+                .and_then(|x| x.flatten_all())
+                .and_then(|x| x.to_vec1::<f32>())
+                .map_err(err)?,
+        );
+    }
     group.all_reduce_sum(&mut flat)?;
-    candle_core::Tensor::from_vec(flat, t.shape(), t.device()).map_err(err)
+    let mut at = 0;
+    ts.iter()
+        .map(|t| {
+            let n = t.elem_count();
+            at += n;
+            candle_core::Tensor::from_slice(&flat[at - n..at], t.shape(), t.device()).map_err(err)
+        })
+        .collect()
 }
 
 /// Sums the ranks' little-endian encodings of `T` into `out`, in rank
@@ -180,10 +206,9 @@ pub use nccl::NcclGroup;
 /// Gradient sums over NCCL; see the module docs.
 #[cfg(feature = "nccl")]
 mod nccl {
-    use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, ReduceOp};
     use candle_core::cuda_backend::{CudaDevice, CudaStorage};
-    use candle_core::{DType, Device, Storage, Tensor};
+    use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Tensor};
 
     use super::{Collective, DistError, TcpGroup};
 
@@ -253,44 +278,61 @@ mod nccl {
             Ok(())
         }
 
-        fn all_reduce_sum_tensor(&mut self, t: &Tensor) -> Result<Tensor, DistError> {
-            let on_gpu = matches!(t.device(), Device::Cuda(_));
+        /// Each tensor summed in place on its GPU (one NCCL all-reduce per
+        /// tensor, no copy of the gradients), then the stream is waited
+        /// for, so a failure surfaces here and the time is the sum's.
+        fn all_reduce_sum_tensors(&mut self, ts: Vec<Tensor>) -> Result<Vec<Tensor>, DistError> {
+            let on_gpu = ts.iter().all(|t| matches!(t.device(), Device::Cuda(_)));
             let Some((comm, dev)) = self.comm.as_ref().filter(|_| on_gpu) else {
-                return super::host_sum_tensor(self, t);
+                return super::host_sum_tensors(self, ts);
             };
             let rank = self.host.rank();
             let err = |msg: String| DistError::Device { rank, msg };
-            let t = t
-                .to_dtype(DType::F32)
-                .and_then(|x| x.flatten_all())
-                .and_then(|x| x.contiguous())
-                .map_err(|e| err(e.to_string()))?;
-            let n = t.elem_count();
-            let out = {
-                let (storage, layout) = t.storage_and_layout();
-                let Storage::Cuda(s) = &*storage else {
-                    return Err(err("a CUDA tensor without CUDA storage".into()));
+            let mut out = Vec::with_capacity(ts.len());
+            for t in ts {
+                // An f32 contiguous tensor is summed where it is; others go
+                // through an f32 copy.
+                let t = if t.dtype() == DType::F32 && t.is_contiguous() {
+                    t
+                } else {
+                    t.to_dtype(DType::F32)
+                        .and_then(|x| x.contiguous())
+                        .and_then(|x| x.copy())
+                        .map_err(|e| err(e.to_string()))?
                 };
-                let from = layout.start_offset();
-                let src = s.as_cuda_slice::<f32>().map_err(|e| err(e.to_string()))?;
-                let src = src.slice(from..from + n);
-                let mut out = dev
-                    .cuda_stream()
-                    .alloc_zeros::<f32>(n)
-                    .map_err(|e| err(format!("allocating {n} floats: {e:?}")))?;
-                comm.0
-                    .all_reduce(&src, &mut out, &ReduceOp::Sum)
-                    .map_err(|e| err(format!("ncclAllReduce: {e:?}")))?;
-                out
+                t.inplace_op1(&NcclSum(&comm.0))
+                    .map_err(|e| err(e.to_string()))?;
+                out.push(t);
+            }
+            dev.cuda_stream()
+                .synchronize()
+                .map_err(|e| err(format!("waiting for the NCCL sums: {e:?}")))?;
+            Ok(out)
+        }
+    }
+
+    /// The sum over the communicator's ranks, in place.
+    struct NcclSum<'a>(&'a Comm);
+
+    impl InplaceOp1 for NcclSum<'_> {
+        fn name(&self) -> &'static str {
+            "arbor-nccl-sum"
+        }
+
+        fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+            candle_core::bail!("an NCCL sum needs a CUDA tensor")
+        }
+
+        fn cuda_fwd(&self, s: &mut CudaStorage, l: &Layout) -> candle_core::Result<()> {
+            let Some((a, b)) = l.contiguous_offsets() else {
+                candle_core::bail!("an NCCL sum needs a contiguous tensor");
             };
-            let storage = CudaStorage::wrap_cuda_slice(out, dev.clone());
-            debug_assert_eq!(storage.dtype(), DType::F32);
-            Ok(Tensor::from_storage(
-                Storage::Cuda(storage),
-                t.shape().clone(),
-                candle_core::op::BackpropOp::none(),
-                false,
-            ))
+            let slice = s.as_cuda_slice_mut::<f32>()?;
+            let mut view = slice.slice_mut(a..b);
+            self.0
+                .all_reduce_in_place(&mut view, &ReduceOp::Sum)
+                .map_err(|e| candle_core::Error::Msg(format!("ncclAllReduce: {e:?}")))?;
+            Ok(())
         }
     }
 }
@@ -328,15 +370,11 @@ impl Collective for Single {
     fn barrier(&mut self) -> Result<(), DistError> {
         Ok(())
     }
-    fn all_reduce_sum_tensor(
+    fn all_reduce_sum_tensors(
         &mut self,
-        t: &candle_core::Tensor,
-    ) -> Result<candle_core::Tensor, DistError> {
-        t.to_dtype(candle_core::DType::F32)
-            .map_err(|e| DistError::Device {
-                rank: 0,
-                msg: e.to_string(),
-            })
+        ts: Vec<candle_core::Tensor>,
+    ) -> Result<Vec<candle_core::Tensor>, DistError> {
+        Ok(ts)
     }
 }
 

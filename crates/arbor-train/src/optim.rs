@@ -118,53 +118,45 @@ impl GradAccum {
         self.sums.is_empty()
     }
 
-    /// Sum these gradients over the ranks of `group` (one flat f32
-    /// all-reduce in `vars` order, on the gradients' device): afterwards
-    /// every rank holds the same sums, for the variables that had a
-    /// gradient on any rank.
+    /// Sum these gradients over the ranks of `group`, in f32 on their
+    /// device ([`Collective::all_reduce_sum_tensors`], `vars` order):
+    /// afterwards every rank holds the same sums, for the variables that
+    /// had a gradient on any rank.
+    ///
+    /// [`Collective::all_reduce_sum_tensors`]: crate::dist::Collective::all_reduce_sum_tensors
     pub fn all_reduce(
         &mut self,
         vars: &[(String, Var)],
         group: &mut dyn crate::dist::Collective,
     ) -> Result<(), TrainError> {
+        // Everything is allocated before the first exchange, so a rank that
+        // fails here fails before the others wait on it.
         let mut present = Vec::with_capacity(vars.len());
-        let mut flat = Vec::with_capacity(vars.len());
+        let mut grads = Vec::with_capacity(vars.len());
         for (_, v) in vars {
-            match self.get(v) {
+            let g = match self.sums.remove(&v.as_tensor().id()) {
                 Some(g) => {
                     present.push(1.0);
-                    flat.push(g.to_dtype(candle_core::DType::F32)?.flatten_all()?);
+                    g.to_dtype(candle_core::DType::F32)?
                 }
                 None => {
                     present.push(0.0);
-                    flat.push(Tensor::zeros(
-                        v.elem_count(),
-                        candle_core::DType::F32,
-                        v.device(),
-                    )?);
+                    Tensor::zeros(v.shape(), candle_core::DType::F32, v.device())?
                 }
-            }
+            };
+            grads.push(g);
         }
         group.all_reduce_sum_f64(&mut present)?;
-        let Some((_, first)) = vars.first() else {
-            return Ok(());
-        };
-        let flat = match flat.len() {
-            1 => flat.remove(0),
-            _ => Tensor::cat(&flat, 0)?,
-        };
-        let summed = group.all_reduce_sum_tensor(&flat.to_device(first.device())?)?;
-        let mut at = 0;
-        for ((_, v), &p) in vars.iter().zip(&present) {
-            let n = v.elem_count();
-            if p > 0.0 {
-                let t = summed
-                    .narrow(0, at, n)?
-                    .reshape(v.shape())?
-                    .to_dtype(v.dtype())?;
-                self.sums.insert(v.as_tensor().id(), t);
-            }
-            at += n;
+        let (anywhere, tensors): (Vec<&Var>, Vec<Tensor>) = vars
+            .iter()
+            .zip(&present)
+            .zip(grads)
+            .filter(|((_, &p), _)| p > 0.0)
+            .map(|(((_, v), _), g)| (v, g))
+            .unzip();
+        let summed = group.all_reduce_sum_tensors(tensors)?;
+        for (v, t) in anywhere.into_iter().zip(summed) {
+            self.sums.insert(v.as_tensor().id(), t.to_dtype(v.dtype())?);
         }
         Ok(())
     }

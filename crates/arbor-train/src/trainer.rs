@@ -453,11 +453,11 @@ impl Trainer {
         if self.group.world() == 1 {
             return Ok(mine.into_iter().map(|(_, v)| v).collect());
         }
-        let bytes = serde_json::to_vec(&mine)
+        let bytes = crate::dist::encode(&mine)
             .map_err(|e| TrainError::Rollout(format!("cannot encode value targets: {e}")))?;
         let mut all = Vec::new();
         for (rank, part) in self.group.all_gather(&bytes)?.iter().enumerate() {
-            let theirs: Vec<(u32, ValueRow)> = serde_json::from_slice(part).map_err(|e| {
+            let theirs: Vec<(u32, ValueRow)> = crate::dist::decode(part).map_err(|e| {
                 TrainError::Rollout(format!("rank {rank} sent unreadable value targets: {e}"))
             })?;
             all.extend(theirs);

@@ -357,6 +357,9 @@ pub(crate) fn root_values(
     learner: &Learner,
     tasks: &[super::TaskInstance],
 ) -> Result<Vec<f64>, TrainError> {
+    if tasks.is_empty() {
+        return Ok(Vec::new());
+    }
     let prompts: Vec<Vec<u32>> = tasks.iter().map(|t| t.prompt.clone()).collect();
     let pos: Vec<Vec<usize>> = prompts.iter().map(|p| vec![p.len() - 1]).collect();
     Ok(learner

@@ -49,9 +49,30 @@ impl RolloutPolicy for FocusPolicy {
         let owned = ctx.owned.clone();
         let mut tree = RolloutTree::new();
         let mut snapshots = Snapshots::new();
-        // Every rank computes every root's value (the same batch, so the
-        // same values); a rank keeps the environments of its own tasks.
-        let values = root_values(learner, &tasks)?;
+        // Each rank scores its own tasks' roots and the values are
+        // gathered, so every rank's allocator starts from the same ones; a
+        // rank keeps the environments of its own tasks.
+        let values = if ctx.group.world() == 1 {
+            root_values(learner, &tasks)?
+        } else {
+            let mine = root_values(learner, &tasks[owned.clone()])?;
+            let bytes: Vec<u8> = mine.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let all: Vec<f64> = ctx
+                .group
+                .all_gather(&bytes)?
+                .iter()
+                .flat_map(|p| p.chunks_exact(8))
+                .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect();
+            if all.len() != tasks.len() {
+                return Err(TrainError::Rollout(format!(
+                    "the ranks scored {} roots of {} tasks",
+                    all.len(),
+                    tasks.len()
+                )));
+            }
+            all
+        };
         for (i, (t, v)) in tasks.into_iter().zip(values).enumerate() {
             let root = tree.add_episode(t.id, t.prompt, Some(v))?;
             if owned.contains(&i) {

@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use super::conts::{advance, to_steps, Cont, Elsewhere, Replayed};
 use super::sched::Scheduler;
-use super::span::{exchange, owner};
+use super::span::{check_of, exchange, owner};
 use super::{
     PolicyState, RolloutConfig, RolloutPolicy, StepContext, StepRollouts, TaskInstance,
     TokenEpisode,
@@ -340,8 +340,13 @@ impl Ranks<'_> {
 
     /// Every rank's ended continuations `local` (launch index, continuation)
     /// in launch order; the others' arrive as records (their environments
-    /// stay there).
-    fn gather(&mut self, local: Vec<(usize, Cont)>) -> Result<Vec<(usize, Cont)>, TrainError> {
+    /// stay there). `check`: what the ranks must agree on so far (see
+    /// [`exchange`]).
+    fn gather(
+        &mut self,
+        check: u64,
+        local: Vec<(usize, Cont)>,
+    ) -> Result<Vec<(usize, Cont)>, TrainError> {
         if self.group.world() == 1 {
             let mut local = local;
             local.sort_by_key(|(k, _)| *k);
@@ -349,7 +354,7 @@ impl Ranks<'_> {
         }
         let records = local.iter().map(|(k, c)| (*k, c.record())).collect();
         let mut mine: HashMap<usize, Cont> = local.into_iter().collect();
-        Ok(exchange(&mut *self.group, records)?
+        Ok(exchange(&mut *self.group, check, records)?
             .into_iter()
             .map(|(k, r)| {
                 let c = mine.remove(&k).unwrap_or_else(|| Cont::from_record(r));
@@ -587,7 +592,12 @@ impl PsStep {
         }
         let mut stats = sched.finish();
         stats.episodes = tasks.len() * n;
-        let conts: Vec<Cont> = ranks.gather(ran)?.into_iter().map(|(_, c)| c).collect();
+        let check = check_of(&[(tasks.len() * n) as u64]);
+        let conts: Vec<Cont> = ranks
+            .gather(check, ran)?
+            .into_iter()
+            .map(|(_, c)| c)
+            .collect();
         let first_pass = ranks.sum(stats.generated_tokens)?;
         // The run's token budget, else the baseline's: `budget_prompts`
         // groups of `n` trajectories of the first pass's mean generated
@@ -763,7 +773,13 @@ impl PsStep {
         // One turn of every rank's event loop, then what ended anywhere.
         while !acct.owner.is_empty() {
             let done = sched.poll()?;
-            for (key, c) in ranks.gather(done)? {
+            let check = check_of(&[
+                acct.owner.len() as u64,
+                acct.committed,
+                acct.rerollouts as u64,
+                report.reroll_groups as u64,
+            ]);
+            for (key, c) in ranks.gather(check, done)? {
                 let i = acct
                     .owner
                     .remove(&key)
@@ -887,7 +903,10 @@ impl PsStep {
             .zip(&done)
             .map(|(&i, r)| (i, ReplayMiss::code(r)))
             .collect();
-        let codes: HashMap<usize, u8> = exchange(&mut *ranks.group, codes)?.into_iter().collect();
+        let check = check_of(&[which.len() as u64]);
+        let codes: HashMap<usize, u8> = exchange(&mut *ranks.group, check, codes)?
+            .into_iter()
+            .collect();
         let mut done: HashMap<usize, Result<Prefix, ReplayMiss>> =
             mine.into_iter().zip(done).collect();
         which

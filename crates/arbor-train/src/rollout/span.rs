@@ -132,7 +132,12 @@ impl<'a> SpanLoop<'a> {
             local.push((key, to_steps(&c, values.as_ref().map(|v| v[i].as_slice()))?));
             self.records.insert(key, c.steps);
         }
-        exchange(&mut *self.group, local)?
+        let check = check_of(&[
+            self.launched as u64,
+            tree.len() as u64,
+            tree.in_flight() as u64,
+        ]);
+        exchange(&mut *self.group, check, local)?
             .into_iter()
             .map(|(key, steps)| {
                 let ticket = self.tickets.remove(&key).ok_or_else(|| {
@@ -171,22 +176,97 @@ pub(crate) fn owner(task: usize, n: usize, world: usize) -> usize {
 }
 
 /// Every rank's `local` items (launch index, item), in launch order, on
-/// every rank.
+/// every rank. `check` sums up the state the ranks must share (counts of
+/// launches, nodes, ...): a rank whose `check` differs from rank 0's has
+/// drifted from the others, and the exchange fails naming it instead of
+/// going on with ranks that decide differently.
 pub(crate) fn exchange<T: serde::Serialize + serde::de::DeserializeOwned>(
     group: &mut dyn Collective,
+    check: u64,
     mut local: Vec<(usize, T)>,
 ) -> Result<Vec<(usize, T)>, TrainError> {
     if group.world() > 1 {
-        let mine = serde_json::to_vec(&local)
+        let mine = crate::dist::encode(&(check, &local))
             .map_err(|e| TrainError::Rollout(format!("cannot encode ended continuations: {e}")))?;
         local = Vec::new();
         for (rank, part) in group.all_gather(&mine)?.iter().enumerate() {
-            let theirs: Vec<(usize, T)> = serde_json::from_slice(part).map_err(|e| {
-                TrainError::Rollout(format!("rank {rank} sent unreadable continuations: {e}"))
-            })?;
+            let (theirs_check, theirs): (u64, Vec<(usize, T)>) = crate::dist::decode(part)
+                .map_err(|e| {
+                    TrainError::Rollout(format!("rank {rank} sent unreadable continuations: {e}"))
+                })?;
+            if theirs_check != check {
+                return Err(TrainError::Rollout(format!(
+                    "rank {rank}'s rollout state ({theirs_check:#x}) differs from rank {}'s \
+                     ({check:#x}): the ranks no longer make the same decisions",
+                    group.rank()
+                )));
+            }
             local.extend(theirs);
         }
     }
     local.sort_by_key(|(k, _)| *k);
     Ok(local)
+}
+
+/// A check value for [`exchange`] from counts the ranks must agree on.
+pub(crate) fn check_of(counts: &[u64]) -> u64 {
+    counts
+        .iter()
+        .fold(0x243F_6A88_85A3_08D3, |h, &c| super::sched::mix64(h ^ c))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dist::ThreadGroup;
+    use std::time::Duration;
+
+    #[test]
+    fn shares_split_the_tasks_and_name_their_owner() {
+        for world in 1..5 {
+            for n in 0..11 {
+                let mut seen = Vec::new();
+                for r in 0..world {
+                    for t in share(n, r, world) {
+                        assert_eq!(owner(t, n, world), r);
+                        seen.push(t);
+                    }
+                }
+                assert_eq!(seen, (0..n).collect::<Vec<_>>(), "{n} tasks, {world} ranks");
+            }
+        }
+    }
+
+    /// Two ranks' items come back on both in launch order; a rank whose
+    /// check differs makes the exchange fail on every rank.
+    #[test]
+    fn exchange_orders_by_launch_and_catches_drift() {
+        let run = |checks: [u64; 2]| -> Vec<Result<Vec<(usize, String)>, String>> {
+            let ranks = ThreadGroup::new(2, Duration::from_secs(20));
+            std::thread::scope(|s| {
+                let hs: Vec<_> = ranks
+                    .into_iter()
+                    .map(|mut g| {
+                        s.spawn(move || {
+                            let r = g.rank();
+                            let local = match r {
+                                0 => vec![(2, "b".to_string()), (0, "a".to_string())],
+                                _ => vec![(1, "c".to_string())],
+                            };
+                            exchange(&mut g, checks[r], local).map_err(|e| e.to_string())
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            })
+        };
+        let want: Vec<(usize, String)> = vec![(0, "a".into()), (1, "c".into()), (2, "b".into())];
+        for r in run([7, 7]) {
+            assert_eq!(r.unwrap(), want);
+        }
+        for r in run([7, 8]) {
+            let e = r.unwrap_err();
+            assert!(e.contains("differs"), "{e}");
+        }
+    }
 }
