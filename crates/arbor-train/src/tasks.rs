@@ -51,6 +51,9 @@ pub struct EnvEpisode {
     /// harness closes a turn the policy closed with `<|im_end|>` itself
     /// instead of adding a second one).
     pub keep_special: bool,
+    /// What the latest observation asks the policy for next (a task
+    /// action, or a compaction summary).
+    pub next: arbor_rl::TokenKind,
 }
 
 impl EnvEpisode {
@@ -78,6 +81,7 @@ impl TokenEpisode for EnvEpisode {
         let out = self.env.step(&act)?;
         let reward = out.done.then_some(out.reward);
         let (restart, next) = (out.observation.restart, out.observation.next);
+        self.next = next;
         Ok(StepOut {
             observation: self.observation_tokens(out.observation)?,
             reward,
@@ -88,6 +92,10 @@ impl TokenEpisode for EnvEpisode {
 
     fn tool_calls(&self) -> usize {
         self.env.tool_calls()
+    }
+
+    fn next_kind(&self) -> arbor_rl::TokenKind {
+        self.next
     }
 
     fn context_stats(&self) -> Option<arbor_env::context::ContextStats> {
@@ -119,6 +127,7 @@ impl TokenEpisode for EnvEpisode {
             env,
             tokenizer: self.tokenizer.clone(),
             keep_special: self.keep_special,
+            next: self.next,
         }))
     }
 }
@@ -641,6 +650,7 @@ impl TaskSampler {
             env,
             tokenizer: self.tokenizer.clone(),
             keep_special: matches!(self.cfg, TaskConfig::Swe { .. }),
+            next: first.next,
         };
         let prompt = ep.observation_tokens(first)?;
         Ok(TaskInstance {

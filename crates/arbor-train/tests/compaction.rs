@@ -114,6 +114,16 @@ fn focus_forks_and_credits_through_compactions() {
         }
         if n.is_restart() {
             restarts += 1;
+            // The segment that restarts the context is the summary, also
+            // when a continuation forked at the summary request wrote it.
+            let seg = n.segment().expect("a restart has a segment");
+            assert!(
+                seg.kinds
+                    .iter()
+                    .filter(|k| k.is_trained())
+                    .all(|k| *k == TokenKind::ContextManagement),
+                "{id}: a summary trained as an action"
+            );
             // Below a restart the context starts with the task again.
             assert_eq!(ctx[..2], tree.episodes()[n.episode()].prompt[..2]);
             if n.children().len() > 1 {
@@ -198,4 +208,34 @@ fn harness_keys_are_checked() {
         e.to_string().contains("harness.context_tokens") || e.to_string().contains("reserve"),
         "{e}"
     );
+}
+
+/// An episode asked for a compaction summary says so, and so does a fork of
+/// it: a continuation forked at that state (FOCUS, VinePPO) trains its first
+/// segment as context management, as the unforked episode would.
+#[test]
+fn a_fork_at_a_summary_request_knows_what_is_asked() {
+    let cfg = TrainConfig::from_toml(&config("grpo", "free_form"), "test").unwrap();
+    let sampler =
+        TaskSampler::with_harness(cfg.task.clone(), 99, None, Vec::new(), cfg.harness).unwrap();
+    let mut ep = sampler.train_task(0).unwrap().episode;
+    assert_eq!(ep.next_kind(), TokenKind::Action);
+    let answer = [0, arbor_env::vocab::EOS];
+    let mut asked = false;
+    for _ in 0..16 {
+        let out = ep.step(&answer).unwrap();
+        assert_eq!(ep.next_kind(), out.next);
+        if out.reward.is_some() {
+            break;
+        }
+        if out.next == TokenKind::ContextManagement {
+            asked = true;
+            assert_eq!(ep.fork().unwrap().next_kind(), TokenKind::ContextManagement);
+            let summary = ep.step(&answer).unwrap();
+            assert!(summary.restart);
+            assert_eq!(ep.next_kind(), TokenKind::Action);
+            break;
+        }
+    }
+    assert!(asked, "the context never filled");
 }

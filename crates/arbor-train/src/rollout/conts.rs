@@ -91,13 +91,15 @@ pub(crate) struct Cont {
 
 impl Cont {
     /// A continuation from `from` with `context` and environment `env`
-    /// (`ticket`: the tree's in-flight record, where the tree tracks it).
+    /// (`ticket`: the tree's in-flight record, where the tree tracks it);
+    /// its first segment is of the kind `env` asks for next.
     pub(crate) fn new(
         ticket: Option<arbor_rl::Ticket>,
         from: NodeId,
         context: Vec<u32>,
         env: Box<dyn TokenEpisode>,
     ) -> Self {
+        let next = env.next_kind();
         Cont {
             ticket,
             from,
@@ -107,7 +109,7 @@ impl Cont {
             head: Vec::new(),
             steps: Vec::new(),
             seed: 0,
-            next: TokenKind::Action,
+            next,
         }
     }
 

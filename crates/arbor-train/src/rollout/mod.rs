@@ -85,6 +85,12 @@ pub trait TokenEpisode: Send {
     fn tool_calls(&self) -> usize {
         0
     }
+    /// The kind of the policy's next segment in this state: a task action,
+    /// or context management where the environment asked for a compaction
+    /// summary (a continuation forked here trains it as such).
+    fn next_kind(&self) -> TokenKind {
+        TokenKind::Action
+    }
     /// Context-management counts of this episode (environments with a
     /// bounded context).
     fn context_stats(&self) -> Option<arbor_env::context::ContextStats> {
