@@ -129,31 +129,27 @@ impl GradAccum {
         vars: &[(String, Var)],
         group: &mut dyn crate::dist::Collective,
     ) -> Result<(), TrainError> {
-        // Everything is allocated before the first exchange, so a rank that
-        // fails here fails before the others wait on it.
         let mut present = Vec::with_capacity(vars.len());
         let mut grads = Vec::with_capacity(vars.len());
         for (_, v) in vars {
-            let g = match self.sums.remove(&v.as_tensor().id()) {
-                Some(g) => {
-                    present.push(1.0);
-                    g.to_dtype(candle_core::DType::F32)?
-                }
-                None => {
-                    present.push(0.0);
-                    Tensor::zeros(v.shape(), candle_core::DType::F32, v.device())?
-                }
-            };
+            let g = self.sums.remove(&v.as_tensor().id());
+            present.push(if g.is_some() { 1.0 } else { 0.0 });
             grads.push(g);
         }
         group.all_reduce_sum_f64(&mut present)?;
-        let (anywhere, tensors): (Vec<&Var>, Vec<Tensor>) = vars
-            .iter()
-            .zip(&present)
-            .zip(grads)
-            .filter(|((_, &p), _)| p > 0.0)
-            .map(|(((_, v), _), g)| (v, g))
-            .unzip();
+        // Zeros stand in where another rank has a gradient and this one
+        // has none; variables without one anywhere are left out.
+        let mut anywhere = Vec::new();
+        let mut tensors = Vec::new();
+        for (((_, v), &p), g) in vars.iter().zip(&present).zip(grads) {
+            if p > 0.0 {
+                tensors.push(match g {
+                    Some(g) => g.to_dtype(candle_core::DType::F32)?,
+                    None => Tensor::zeros(v.shape(), candle_core::DType::F32, v.device())?,
+                });
+                anywhere.push(v);
+            }
+        }
         let summed = group.all_reduce_sum_tensors(tensors)?;
         for (v, t) in anywhere.into_iter().zip(summed) {
             self.sums.insert(v.as_tensor().id(), t.to_dtype(v.dtype())?);

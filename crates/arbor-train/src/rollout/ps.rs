@@ -254,6 +254,9 @@ struct Accounts {
     no_group: BTreeMap<Bucket, u64>,
     rerollouts: usize,
     reroll_wins: usize,
+    /// A digest of every wave launched (search, cut, members), the same on
+    /// every rank while they agree.
+    trace: u64,
 }
 
 /// The environment, context and masked prefix a re-rollout starts from.
@@ -778,6 +781,7 @@ impl PsStep {
                 acct.committed,
                 acct.rerollouts as u64,
                 report.reroll_groups as u64,
+                acct.trace,
             ]);
             for (key, c) in ranks.gather(check, done)? {
                 let i = acct
@@ -1019,6 +1023,7 @@ impl PsStep {
             return Ok(false);
         }
         acct.committed += cost;
+        acct.trace = check_of(&[acct.trace, index as u64, s.cuts.cut() as u64, k as u64]);
         s.reserved = cost;
         s.wave_start = s.launched;
         let here = ranks.owns(s.group);

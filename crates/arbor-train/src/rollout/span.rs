@@ -47,6 +47,9 @@ pub(crate) struct SpanLoop<'a> {
     /// snapshots), until the tree gives their new states ids.
     records: HashMap<usize, Vec<SegmentRecord>>,
     launched: usize,
+    /// A digest of every launch so far (launch index and node), the same
+    /// on every rank while they agree.
+    trace: u64,
 }
 
 impl<'a> SpanLoop<'a> {
@@ -67,6 +70,7 @@ impl<'a> SpanLoop<'a> {
             tickets: HashMap::new(),
             records: HashMap::new(),
             launched: 0,
+            trace: 0,
         })
     }
 
@@ -91,6 +95,7 @@ impl<'a> SpanLoop<'a> {
         };
         self.tickets.insert(key, ticket);
         self.launched += 1;
+        self.trace = check_of(&[self.trace, key as u64, u64::from(ticket.node().0)]);
         Ok(())
     }
 
@@ -136,6 +141,7 @@ impl<'a> SpanLoop<'a> {
             self.launched as u64,
             tree.len() as u64,
             tree.in_flight() as u64,
+            self.trace,
         ]);
         exchange(&mut *self.group, check, local)?
             .into_iter()
@@ -177,9 +183,10 @@ pub(crate) fn owner(task: usize, n: usize, world: usize) -> usize {
 
 /// Every rank's `local` items (launch index, item), in launch order, on
 /// every rank. `check` sums up the state the ranks must share (counts of
-/// launches, nodes, ...): a rank whose `check` differs from rank 0's has
-/// drifted from the others, and the exchange fails naming it instead of
-/// going on with ranks that decide differently.
+/// launches and nodes, a digest of every launch): a rank whose `check`
+/// differs from rank 0's has drifted from the others, and the exchange
+/// fails on every rank naming it instead of going on with ranks that
+/// decide differently.
 pub(crate) fn exchange<T: serde::Serialize + serde::de::DeserializeOwned>(
     group: &mut dyn Collective,
     check: u64,
@@ -189,26 +196,33 @@ pub(crate) fn exchange<T: serde::Serialize + serde::de::DeserializeOwned>(
         let mine = crate::dist::encode(&(check, &local))
             .map_err(|e| TrainError::Rollout(format!("cannot encode ended continuations: {e}")))?;
         local = Vec::new();
+        let mut checks = Vec::new();
         for (rank, part) in group.all_gather(&mine)?.iter().enumerate() {
             let (theirs_check, theirs): (u64, Vec<(usize, T)>) = crate::dist::decode(part)
                 .map_err(|e| {
                     TrainError::Rollout(format!("rank {rank} sent unreadable continuations: {e}"))
                 })?;
-            if theirs_check != check {
-                return Err(TrainError::Rollout(format!(
-                    "rank {rank}'s rollout state ({theirs_check:#x}) differs from rank {}'s \
-                     ({check:#x}): the ranks no longer make the same decisions",
-                    group.rank()
-                )));
-            }
+            checks.push(theirs_check);
             local.extend(theirs);
+        }
+        let drifted: Vec<String> = (1..checks.len())
+            .filter(|&r| checks[r] != checks[0])
+            .map(|r| r.to_string())
+            .collect();
+        if !drifted.is_empty() {
+            return Err(TrainError::Rollout(format!(
+                "the rollout state of rank(s) {} differs from rank 0's: the ranks no longer \
+                 make the same decisions",
+                drifted.join(", ")
+            )));
         }
     }
     local.sort_by_key(|(k, _)| *k);
     Ok(local)
 }
 
-/// A check value for [`exchange`] from counts the ranks must agree on.
+/// A check value for [`exchange`] from counts (and digests) the ranks must
+/// agree on.
 pub(crate) fn check_of(counts: &[u64]) -> u64 {
     counts
         .iter()
