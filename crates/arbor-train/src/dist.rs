@@ -206,7 +206,9 @@ pub use nccl::NcclGroup;
 /// Gradient sums over NCCL; see the module docs.
 #[cfg(feature = "nccl")]
 mod nccl {
-    use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, ReduceOp};
+    use candle_core::cuda_backend::cudarc::nccl::safe::{
+        group_end, group_start, Comm, Id, ReduceOp,
+    };
     use candle_core::cuda_backend::{CudaDevice, CudaStorage};
     use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Tensor};
 
@@ -279,8 +281,9 @@ mod nccl {
         }
 
         /// Each tensor summed in place on its GPU (one NCCL all-reduce per
-        /// tensor, no copy of the gradients), then the stream is waited
-        /// for, so a failure surfaces here and the time is the sum's.
+        /// tensor, launched together as one NCCL group; no copy of the
+        /// gradients), then the stream is waited for, so a failure
+        /// surfaces here and the time is the sum's.
         fn all_reduce_sum_tensors(&mut self, ts: Vec<Tensor>) -> Result<Vec<Tensor>, DistError> {
             let on_gpu = ts.iter().all(|t| matches!(t.device(), Device::Cuda(_)));
             let Some((comm, dev)) = self.comm.as_ref().filter(|_| on_gpu) else {
@@ -288,22 +291,30 @@ mod nccl {
             };
             let rank = self.host.rank();
             let err = |msg: String| DistError::Device { rank, msg };
-            let mut out = Vec::with_capacity(ts.len());
-            for t in ts {
-                // An f32 contiguous tensor is summed where it is; others go
-                // through an f32 copy.
-                let t = if t.dtype() == DType::F32 && t.is_contiguous() {
-                    t
-                } else {
-                    t.to_dtype(DType::F32)
-                        .and_then(|x| x.contiguous())
-                        .and_then(|x| x.copy())
-                        .map_err(|e| err(e.to_string()))?
-                };
-                t.inplace_op1(&NcclSum(&comm.0))
-                    .map_err(|e| err(e.to_string()))?;
-                out.push(t);
-            }
+            // An f32 contiguous tensor is summed where it is; others go
+            // through an f32 copy.
+            let out = ts
+                .into_iter()
+                .map(|t| {
+                    if t.dtype() == DType::F32 && t.is_contiguous() {
+                        Ok(t)
+                    } else {
+                        t.to_dtype(DType::F32)
+                            .and_then(|x| x.contiguous())
+                            .and_then(|x| x.copy())
+                            .map_err(|e| err(e.to_string()))
+                    }
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            group_start().map_err(|e| err(format!("ncclGroupStart: {e:?}")))?;
+            let summed = out
+                .iter()
+                .try_for_each(|t| t.inplace_op1(&NcclSum(&comm.0)))
+                .map_err(|e| err(e.to_string()));
+            // The group is closed even after a failed call.
+            let ended = group_end().map_err(|e| err(format!("ncclGroupEnd: {e:?}")));
+            summed?;
+            ended?;
             dev.cuda_stream()
                 .synchronize()
                 .map_err(|e| err(format!("waiting for the NCCL sums: {e:?}")))?;
