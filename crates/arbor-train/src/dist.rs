@@ -816,6 +816,45 @@ mod tests {
         }
     }
 
+    /// Tensor sums through host memory keep each tensor's shape and device
+    /// and add in rank order, as the flat sums do.
+    #[test]
+    fn tensor_sums_keep_shapes_and_rank_order() {
+        use candle_core::{Device, Tensor};
+        let got = on_ranks(3, |g| {
+            let r = g.rank() as f32;
+            let a = Tensor::new(
+                &[[1e8 * (r - 1.0), 1.0 + r, 0.5], [r, 2.0, 3.0]],
+                &Device::Cpu,
+            )
+            .unwrap();
+            let b = Tensor::new(&[0.1 * r], &Device::Cpu).unwrap();
+            let out = g.all_reduce_sum_tensors(vec![a, b]).unwrap();
+            let dims: Vec<Vec<usize>> = out.iter().map(|t| t.dims().to_vec()).collect();
+            let a: Vec<Vec<f32>> = out[0].to_vec2().unwrap();
+            let b: Vec<f32> = out[1].to_vec1().unwrap();
+            (dims, a, b)
+        });
+        let mut want = [0.0f32; 3];
+        let mut tenth = 0.0f32;
+        for r in 0..3 {
+            let r = r as f32;
+            for (w, x) in want.iter_mut().zip([1e8 * (r - 1.0), 1.0 + r, 0.5]) {
+                *w += x;
+            }
+            tenth += 0.1 * r;
+        }
+        for (dims, a, b) in got {
+            assert_eq!(dims, vec![vec![2, 3], vec![1]]);
+            assert_eq!(a, vec![want.to_vec(), vec![3.0, 6.0, 9.0]]);
+            assert_eq!(b, vec![tenth]);
+        }
+        // A group of one returns its input.
+        let t = Tensor::new(&[1.0f32, 2.0], &Device::Cpu).unwrap();
+        let same = Single.all_reduce_sum_tensors(vec![t.clone()]).unwrap();
+        assert_eq!(same[0].to_vec1::<f32>().unwrap(), vec![1.0, 2.0]);
+    }
+
     #[test]
     fn gather_broadcast_and_many_rounds_keep_rank_order() {
         let got = on_ranks(3, |g| {
