@@ -31,17 +31,30 @@
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-/// `x` as bytes for another rank (CBOR: compact, and exact for every
-/// float, NaN and infinities included).
-pub(crate) fn encode<T: serde::Serialize>(x: &T) -> Result<Vec<u8>, String> {
-    let mut out = Vec::new();
-    ciborium::into_writer(x, &mut out).map_err(|e| e.to_string())?;
-    Ok(out)
-}
-
-/// What [`encode`] wrote.
-pub(crate) fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
-    ciborium::from_reader(bytes).map_err(|e| e.to_string())
+/// Every rank's `item` (any serde value: records, lists), in rank order,
+/// on every rank. Items travel as CBOR: compact, and exact for every float,
+/// NaN and infinities included.
+pub(crate) fn all_gather_items<T: serde::Serialize + serde::de::DeserializeOwned>(
+    group: &mut dyn Collective,
+    item: &T,
+) -> Result<Vec<T>, DistError> {
+    let rank = group.rank();
+    let mut mine = Vec::new();
+    ciborium::into_writer(item, &mut mine).map_err(|e| DistError::Mismatch {
+        rank,
+        msg: format!("cannot encode a record for the other ranks: {e}"),
+    })?;
+    group
+        .all_gather(&mine)?
+        .iter()
+        .enumerate()
+        .map(|(r, part)| {
+            ciborium::from_reader(part.as_slice()).map_err(|e| DistError::Mismatch {
+                rank,
+                msg: format!("rank {r} sent an unreadable record: {e}"),
+            })
+        })
+        .collect()
 }
 
 /// Why a collective operation failed.
@@ -114,6 +127,17 @@ pub trait Collective: Send {
     /// Returns once every rank has called it.
     fn barrier(&mut self) -> Result<(), DistError> {
         self.all_gather(&[]).map(|_| ())
+    }
+
+    /// Every rank's `xs`, concatenated in rank order.
+    fn all_gather_f64(&mut self, xs: &[f64]) -> Result<Vec<f64>, DistError> {
+        let mine: Vec<u8> = xs.iter().flat_map(|x| x.to_le_bytes()).collect();
+        Ok(self
+            .all_gather(&mine)?
+            .iter()
+            .flat_map(|p| p.chunks_exact(8))
+            .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect())
     }
 
     /// The device this rank computes on. A group that moves device buffers

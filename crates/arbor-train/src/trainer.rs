@@ -405,6 +405,8 @@ impl Trainer {
             r.effective_groups as f64,
             groups as f64,
         ];
+        // The first seven are what each rank's own engine and environments
+        // counted; the rest are whole-step values where `replicated`.
         let summed = if replicated { 7 } else { c.len() };
         self.group.all_reduce_sum_f64(&mut c[..summed])?;
         (s.continuations, s.generated_tokens) = (c[0] as usize, c[1] as u64);
@@ -420,7 +422,7 @@ impl Trainer {
         s.episodes = c[7] as usize;
         r.effective_groups = c[8] as usize;
         r.effective_group_fraction = c[8] / c[9].max(1.0);
-        r.rewards = self.gather_f64(&r.rewards)?;
+        r.rewards = self.group.all_gather_f64(&r.rewards)?;
         // The critic's (value, target) pairs of every rank (PPO).
         let flat: Vec<f64> = r
             .critic_vs_target
@@ -428,7 +430,8 @@ impl Trainer {
             .flat_map(|&(v, g)| [v, g])
             .collect();
         r.critic_vs_target = self
-            .gather_f64(&flat)?
+            .group
+            .all_gather_f64(&flat)?
             .chunks_exact(2)
             .map(|p| (p[0], p[1]))
             .collect();
@@ -453,31 +456,15 @@ impl Trainer {
         if self.group.world() == 1 {
             return Ok(mine.into_iter().map(|(_, v)| v).collect());
         }
-        let bytes = crate::dist::encode(&mine)
-            .map_err(|e| TrainError::Rollout(format!("cannot encode value targets: {e}")))?;
-        let mut all = Vec::new();
-        for (rank, part) in self.group.all_gather(&bytes)?.iter().enumerate() {
-            let theirs: Vec<(u32, ValueRow)> = crate::dist::decode(part).map_err(|e| {
-                TrainError::Rollout(format!("rank {rank} sent unreadable value targets: {e}"))
-            })?;
-            all.extend(theirs);
-        }
+        let mut all: Vec<(u32, ValueRow)> =
+            crate::dist::all_gather_items(self.group.as_mut(), &mine)?
+                .into_iter()
+                .flatten()
+                .collect();
         if spans {
             all.sort_by_key(|(leaf, _)| *leaf);
         }
         Ok(all.into_iter().map(|(_, v)| v).collect())
-    }
-
-    /// Every rank's `xs`, concatenated in rank order.
-    fn gather_f64(&mut self, xs: &[f64]) -> Result<Vec<f64>, TrainError> {
-        let mine: Vec<u8> = xs.iter().flat_map(|x| x.to_le_bytes()).collect();
-        Ok(self
-            .group
-            .all_gather(&mine)?
-            .iter()
-            .flat_map(|p| p.chunks_exact(8))
-            .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
-            .collect())
     }
 
     /// One RL step: tasks, rollouts and credit, the update, evaluation.

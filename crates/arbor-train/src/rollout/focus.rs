@@ -56,14 +56,7 @@ impl RolloutPolicy for FocusPolicy {
             root_values(learner, &tasks)?
         } else {
             let mine = root_values(learner, &tasks[owned.clone()])?;
-            let bytes: Vec<u8> = mine.iter().flat_map(|v| v.to_le_bytes()).collect();
-            let all: Vec<f64> = ctx
-                .group
-                .all_gather(&bytes)?
-                .iter()
-                .flat_map(|p| p.chunks_exact(8))
-                .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
-                .collect();
+            let all = ctx.group.all_gather_f64(&mine)?;
             if all.len() != tasks.len() {
                 return Err(TrainError::Rollout(format!(
                     "the ranks scored {} roots of {} tasks",

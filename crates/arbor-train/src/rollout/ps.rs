@@ -585,14 +585,7 @@ impl PsStep {
                 }
             }
         }
-        let mut ran = Vec::new();
-        loop {
-            let done = sched.wait()?;
-            if done.is_empty() {
-                break;
-            }
-            ran.extend(done);
-        }
+        let ran = sched.drain()?;
         let mut stats = sched.finish();
         stats.episodes = tasks.len() * n;
         let check = check_of(&[(tasks.len() * n) as u64]);

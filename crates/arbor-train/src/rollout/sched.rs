@@ -309,23 +309,38 @@ impl<'a> Scheduler<'a> {
         for c in conts {
             self.launch(c)?;
         }
-        let mut out: Vec<Option<Cont>> = (0..n).map(|_| None).collect();
-        let mut got = 0;
-        while got < n {
+        let out: Vec<Cont> = self
+            .drain()?
+            .into_iter()
+            .filter(|(k, _)| (first..first + n).contains(k))
+            .map(|(_, c)| c)
+            .collect();
+        if out.len() != n {
+            return Err(TrainError::Rollout(
+                "the scheduler lost a continuation".into(),
+            ));
+        }
+        Ok(out)
+    }
+
+    /// Run every continuation in flight to the end of its episode; returns
+    /// them with their launch indices, in launch order.
+    pub(crate) fn drain(&mut self) -> Result<Vec<(usize, Cont)>, TrainError> {
+        let mut out = Vec::new();
+        loop {
             let done = self.wait()?;
             if done.is_empty() {
-                return Err(TrainError::Rollout(
-                    "the scheduler lost a continuation".into(),
-                ));
+                out.sort_by_key(|(k, _)| *k);
+                return Ok(out);
             }
-            for (k, c) in done {
-                if k >= first && k < first + n {
-                    out[k - first] = Some(c);
-                    got += 1;
-                }
-            }
+            out.extend(done);
         }
-        Ok(out.into_iter().flatten().collect())
+    }
+
+    /// Continuations launched so far (the next launch index), those another
+    /// rank runs included.
+    pub(crate) fn launched(&self) -> usize {
+        self.launched
     }
 
     /// The engine's context length (prompt and generated tokens).

@@ -46,7 +46,6 @@ pub(crate) struct SpanLoop<'a> {
     /// This rank's ended continuations' segment records (their environment
     /// snapshots), until the tree gives their new states ids.
     records: HashMap<usize, Vec<SegmentRecord>>,
-    launched: usize,
     /// A digest of every launch so far (launch index and node), the same
     /// on every rank while they agree.
     trace: u64,
@@ -69,7 +68,6 @@ impl<'a> SpanLoop<'a> {
             owned: ctx.owned,
             tickets: HashMap::new(),
             records: HashMap::new(),
-            launched: 0,
             trace: 0,
         })
     }
@@ -94,7 +92,6 @@ impl<'a> SpanLoop<'a> {
             self.sched.skip_launch()
         };
         self.tickets.insert(key, ticket);
-        self.launched += 1;
         self.trace = check_of(&[self.trace, key as u64, u64::from(ticket.node().0)]);
         Ok(())
     }
@@ -115,7 +112,7 @@ impl<'a> SpanLoop<'a> {
 
     /// Continuations launched so far by the whole group.
     pub(crate) fn launched(&self) -> usize {
-        self.launched
+        self.sched.launched()
     }
 
     /// One turn of the event loop on every rank: the whole group's
@@ -138,7 +135,7 @@ impl<'a> SpanLoop<'a> {
             self.records.insert(key, c.steps);
         }
         let check = check_of(&[
-            self.launched as u64,
+            self.sched.launched() as u64,
             tree.len() as u64,
             tree.in_flight() as u64,
             self.trace,
@@ -193,20 +190,9 @@ pub(crate) fn exchange<T: serde::Serialize + serde::de::DeserializeOwned>(
     mut local: Vec<(usize, T)>,
 ) -> Result<Vec<(usize, T)>, TrainError> {
     if group.world() > 1 {
-        let mine = crate::dist::encode(&(check, &local))
-            .map_err(|e| TrainError::Rollout(format!("cannot encode ended continuations: {e}")))?;
-        local = Vec::new();
-        let mut checks = Vec::new();
-        for (rank, part) in group.all_gather(&mine)?.iter().enumerate() {
-            let (theirs_check, theirs): (u64, Vec<(usize, T)>) = crate::dist::decode(part)
-                .map_err(|e| {
-                    TrainError::Rollout(format!("rank {rank} sent unreadable continuations: {e}"))
-                })?;
-            checks.push(theirs_check);
-            local.extend(theirs);
-        }
-        let drifted: Vec<String> = (1..checks.len())
-            .filter(|&r| checks[r] != checks[0])
+        let parts = crate::dist::all_gather_items(group, &(check, local))?;
+        let drifted: Vec<String> = (1..parts.len())
+            .filter(|&r| parts[r].0 != parts[0].0)
             .map(|r| r.to_string())
             .collect();
         if !drifted.is_empty() {
@@ -216,6 +202,7 @@ pub(crate) fn exchange<T: serde::Serialize + serde::de::DeserializeOwned>(
                 drifted.join(", ")
             )));
         }
+        local = parts.into_iter().flat_map(|(_, items)| items).collect();
     }
     local.sort_by_key(|(k, _)| *k);
     Ok(local)
