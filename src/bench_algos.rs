@@ -319,6 +319,7 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
             "heldout_samples" => cfg.critic.heldout_samples = int()?,
             "critic" => cfg.learner.critic = variant(kv, v)?,
             "critic_init" => cfg.critic.init = variant(kv, v)?,
+            "surprise" => cfg.critic.surprise = flag(kv, v)?,
             "reserve" => cfg.ps.reserve = num()?,
             "band" => cfg.ps.band = num()?,
             "eta" => cfg.ps.controller.eta = num()?,
@@ -335,7 +336,8 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
             "context_tokens" => cfg.harness.context_tokens = Some(int()?),
             _ => anyhow::bail!(
                 "row setting `{kv}`: unknown key (lambda, kappa, score, evidence, \
-                 prune_settled, critic_targets, critic, critic_init, critic_lr; PS: reserve, \
+                 prune_settled, critic_targets, critic, critic_init, critic_lr, critic_epochs, \
+                 critic_minibatches, critic_replay, heldout_tasks, heldout_samples, surprise; PS: reserve, \
                  band, eta, cut, replay, rerollouts, sources, attempts, probe, anchor, keep_skewed, \
                  match_budget; context: compaction, context_tokens)"
             ),

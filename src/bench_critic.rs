@@ -35,6 +35,10 @@ pub struct CriticBenchArgs {
     /// critic is probed as the RL steps left it.
     #[arg(long, default_value = "policy", value_parser = ["policy", "own"])]
     pub critic_init: String,
+    /// The critic also reads the policy's surprise along the context
+    /// (`[critic] surprise`).
+    #[arg(long)]
+    pub surprise: bool,
     /// Training tasks, one trajectory each (every state on it is a sample).
     #[arg(long, default_value_t = 256)]
     pub train_tasks: usize,
@@ -71,6 +75,7 @@ struct Output<'a> {
     rl_steps: u64,
     critic: &'a str,
     critic_init: &'a str,
+    surprise: bool,
     /// Greedy held-out pass rate of the probed policy.
     policy_pass_rate: f64,
     options: &'a ProbeOptions,
@@ -106,6 +111,9 @@ pub fn run(a: CriticBenchArgs) -> Result<()> {
     };
     if a.critic_init == "own" {
         cfg.critic.init = arbor_train::CriticInit::Own;
+    }
+    if a.surprise {
+        cfg.critic.surprise = true;
     }
     cfg.validate("bench critic")?;
     std::fs::create_dir_all(&a.out)?;
@@ -182,6 +190,7 @@ pub fn run(a: CriticBenchArgs) -> Result<()> {
         rl_steps: a.rl_steps,
         critic: &a.critic,
         critic_init: &a.critic_init,
+        surprise: a.surprise,
         policy_pass_rate: pass,
         options: &o,
         report: &r,

@@ -163,7 +163,7 @@ fn one_step(
         .map(|c| [c.prompt.as_slice(), c.tokens.as_slice()].concat())
         .collect();
     let pos: Vec<Vec<usize>> = done.iter().map(|c| vec![c.prompt.len() - 1]).collect();
-    learner.values_at(&seqs, &pos)?;
+    learner.values_at(&seqs, &[], &pos)?;
     p.value_pass = t.elapsed().as_secs_f64();
 
     // GRPO rows: a random outcome per response, normalised in its group.

@@ -163,11 +163,12 @@ fn kill_9_then_resume_is_bit_exact_with_prefix_sampling() {
 
 #[test]
 fn kill_9_then_resume_is_bit_exact_with_critic_passes_and_replay() {
-    // The replayed value targets and the critic's own optimizer step count
-    // are checkpointed too.
+    // The replayed value targets (with the logprobs the surprise features
+    // read), the critic's own optimizer step count and its surprise
+    // weights are checkpointed too.
     let passes = CONFIG.replace(
         "[learner]",
-        "[critic]\nepochs = 2\nminibatches = 2\nreplay_steps = 2\n\n[learner]",
+        "[critic]\nepochs = 2\nminibatches = 2\nreplay_steps = 2\nsurprise = true\n\n[learner]",
     );
     kill_and_resume(&passes, &[KillAt::Checkpoint(2), KillAt::Line(3)]);
 }

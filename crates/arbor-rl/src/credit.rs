@@ -307,6 +307,9 @@ pub struct LossRow {
     /// `1.0` where the policy loss trains the token in this row.
     pub mask: Vec<f32>,
     pub advantages: Vec<f32>,
+    /// The behaviour log-probability of every policy token of the row,
+    /// trained in this row or not (`0.0` for prompt and observation
+    /// tokens).
     pub behaviour_logprobs: Vec<f32>,
     /// `(position, target)`: the value head's output at `position` (the last
     /// token of state `s`'s context) regresses onto `target` (`Gbar(s)`).
@@ -396,12 +399,14 @@ pub fn loss_rows(
                 row.mask.resize(row.tokens.len(), 0.0);
                 row.advantages.resize(row.tokens.len(), 0.0);
                 row.behaviour_logprobs.resize(row.tokens.len(), 0.0);
-                if let Some(a) = a {
-                    for (j, pos) in n.span().enumerate() {
-                        if seg.kinds[j].is_trained() {
+                for (j, pos) in n.span().enumerate() {
+                    if seg.kinds[j].is_trained() {
+                        // Every policy token's logprob, trained here or
+                        // not: the critic's surprise features read them.
+                        row.behaviour_logprobs[pos] = seg.logprobs[j];
+                        if let Some(a) = a {
                             row.mask[pos] = 1.0;
                             row.advantages[pos] = a[j] as f32;
-                            row.behaviour_logprobs[pos] = seg.logprobs[j];
                             row.trained = true;
                         }
                     }
@@ -555,6 +560,19 @@ mod tests {
         let every = loss_rows(&t, &cr.tokens, None, Sharing::EveryPath).unwrap();
         let trained_every: f32 = every.iter().map(|x| x.mask.iter().sum::<f32>()).sum();
         assert!(trained_every > trained);
+        // Every row carries the behaviour logprob of every policy token on
+        // its path, trained in that row or not: the state's context's.
+        for x in &rows {
+            assert_eq!(x.behaviour_logprobs, t.context_logprobs(x.leaf).unwrap());
+        }
+        assert!(
+            rows.iter().any(|x| x
+                .mask
+                .iter()
+                .zip(&x.behaviour_logprobs)
+                .any(|(&m, &l)| m == 0.0 && l != 0.0)),
+            "a policy token another row trains keeps its logprob"
+        );
     }
 
     #[test]

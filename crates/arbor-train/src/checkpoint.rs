@@ -226,7 +226,7 @@ pub(crate) fn restore(
         Some(&critic),
         cfg.seed,
         dev,
-        cfg.learner,
+        cfg.learner_config(),
         ocfg,
         lora,
     )?;

@@ -257,6 +257,14 @@ pub struct CriticSettings {
     /// earlier steps (a replay of recent trees, their targets as computed
     /// then; kept in checkpoints). Needs `epochs >= 1`.
     pub replay_steps: usize,
+    /// The critic also reads the policy's surprise along the state's
+    /// context: per threshold of 0.5, 1 and 2 nats, `ln(1 + n)` with `n`
+    /// the policy tokens so far whose sampled logprob fell below minus the
+    /// threshold, each weighted by a learnt coefficient (starting at 0)
+    /// added to the value head's output. A state's value often hinges on
+    /// an earlier mistake, and a token the policy rarely picks is more
+    /// often one (`arbor bench critic --surprise` measures it).
+    pub surprise: bool,
 }
 
 impl Default for CriticSettings {
@@ -270,6 +278,7 @@ impl Default for CriticSettings {
             epochs: 0,
             minibatches: 4,
             replay_steps: 0,
+            surprise: false,
         }
     }
 }
@@ -585,6 +594,14 @@ fn open_device(spec: &str) -> Result<Device, String> {
 }
 
 impl TrainConfig {
+    /// The learner's settings: `[learner]` with what `[critic]` adds to it.
+    pub fn learner_config(&self) -> crate::learner::LearnerConfig {
+        crate::learner::LearnerConfig {
+            surprise: self.critic.surprise && self.algo.has_critic(),
+            ..self.learner
+        }
+    }
+
     /// Prompts of a budget-matched PS step's first pass:
     /// `floor((1 - reserve) * prompts_per_step)`.
     pub fn ps_first_pass_prompts(&self) -> usize {
@@ -866,6 +883,20 @@ impl TrainConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `[critic] surprise` reaches the learner for a method with a critic
+    /// and not for one without.
+    #[test]
+    fn critic_surprise_reaches_the_learner_only_with_a_critic() {
+        let text = "seed = 0\nsteps = 1\nalgo = \"focus\"\nprompts_per_step = 1\n\
+                    samples_per_prompt = 1\n[critic]\nsurprise = true\n";
+        let mut c = TrainConfig::from_toml(text, "s.toml").unwrap();
+        assert!(c.critic.surprise && c.learner_config().surprise);
+        assert!(!c.learner.surprise, "not a [learner] key");
+        c.algo = Algo::Grpo;
+        assert!(!c.learner_config().surprise);
+        assert!(TrainConfig::from_toml(&text.replace("true", "1"), "s.toml").is_err());
+    }
 
     /// The defaults are a valid run; a file with only the required keys
     /// is the defaults, and a file without one of them names it.

@@ -56,6 +56,10 @@ pub struct LearnerConfig {
     /// `shared`: the value head reads the policy's hidden state; `separate`:
     /// the critic has its own backbone (FOCUS and PPO only).
     pub critic: CriticMode,
+    /// The critic also reads the policy's surprise along the context
+    /// ([`surprise_features`]); set from `[critic] surprise`.
+    #[serde(skip)]
+    pub surprise: bool,
 }
 
 impl Default for LearnerConfig {
@@ -67,8 +71,46 @@ impl Default for LearnerConfig {
             epochs: 1,
             recompute: Recompute::Off,
             critic: CriticMode::Shared,
+            surprise: false,
         }
     }
+}
+
+/// Surprisal thresholds (nats) of the critic's surprise features.
+pub const SURPRISE_NATS: [f32; 3] = [0.5, 1.0, 2.0];
+
+/// Scale of the surprise features. AdamW moves each parameter by about the
+/// learning rate per step whatever its gradient's size, so the three
+/// feature weights would change the value no faster than any one trunk
+/// weight; scaled by 10, they learn at ten times that rate (`arbor bench
+/// critic --surprise`: held-out rank correlation 0.47 after 5 epochs on
+/// 640 states, against 0.35 unscaled).
+pub const SURPRISE_SCALE: f32 = 10.0;
+
+/// The critic's surprise features of one sequence, `[n, F]` row-major with
+/// `F = SURPRISE_NATS.len()`: at position `t`, for each threshold `c`,
+/// `SURPRISE_SCALE ln(1 + #{i <= t : -logprobs[i] > c})`, with the number of tokens so far the
+/// policy sampled against its own odds (`logprobs` aligned with the
+/// tokens, `0.0` for tokens it did not generate; missing entries count as
+/// `0.0`).
+///
+/// Why: a state's value often hinges on whether an earlier action was a
+/// mistake, which the trunk has to re-derive from the tokens, while the
+/// policy's own logprob of that action says it directly: a token the
+/// policy rarely picks is more often wrong. The critic's value is
+/// `w . h_t + b + u . features_t` with `u` learnt (starting at 0, so the
+/// critic starts as it would without them).
+pub fn surprise_features(logprobs: &[f32], n: usize) -> Vec<f32> {
+    let mut counts = [0u32; SURPRISE_NATS.len()];
+    let mut out = Vec::with_capacity(n * counts.len());
+    for i in 0..n {
+        let s = -logprobs.get(i).copied().unwrap_or(0.0);
+        for (c, &th) in counts.iter_mut().zip(&SURPRISE_NATS) {
+            *c += u32::from(s > th);
+        }
+        out.extend(counts.iter().map(|&c| SURPRISE_SCALE * (c as f32).ln_1p()));
+    }
+    out
 }
 
 /// Activation recomputation ([`LearnerConfig::recompute`]).
@@ -126,6 +168,9 @@ pub struct Learner {
     pub critic_vars: VarMap,
     pub opt: AdamW,
     pub cfg: LearnerConfig,
+    /// `value_head.surprise` `[F, 1]`, the weights `u` of the surprise
+    /// features, when `cfg.surprise` is on.
+    pub surprise: Option<Tensor>,
 }
 
 impl Learner {
@@ -219,15 +264,26 @@ pub struct ValueRow {
     pub tokens: Vec<u32>,
     /// `(position, target)`, as in [`LossRow::value_targets`].
     pub value_targets: Vec<(usize, f32)>,
+    /// The behaviour logprobs of the policy's tokens (the critic's surprise
+    /// features), as in [`LossRow::behaviour_logprobs`]; empty when not
+    /// kept (every entry `0.0`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub logprobs: Vec<f32>,
 }
 
 impl ValueRow {
     /// `row` cut after its last value target (`None` without targets).
     pub fn of(row: &LossRow) -> Option<Self> {
         let end = row.value_targets.iter().map(|&(p, _)| p + 1).max()?;
+        let logprobs = &row.behaviour_logprobs[..end];
         Some(ValueRow {
             tokens: row.tokens[..end].to_vec(),
             value_targets: row.value_targets.clone(),
+            logprobs: if logprobs.iter().all(|&l| l == 0.0) {
+                Vec::new()
+            } else {
+                logprobs.to_vec()
+            },
         })
     }
 
@@ -240,7 +296,11 @@ impl ValueRow {
             tokens: self.tokens.clone(),
             mask: vec![0.0; n],
             advantages: vec![0.0; n],
-            behaviour_logprobs: vec![0.0; n],
+            behaviour_logprobs: if self.logprobs.len() == n {
+                self.logprobs.clone()
+            } else {
+                vec![0.0; n]
+            },
             value_targets: self.value_targets.clone(),
         }
     }
@@ -272,6 +332,8 @@ struct Packed {
     /// Flat index and target of each value regression.
     v_rows: Vec<u32>,
     v_targets: Vec<f32>,
+    /// `[N, F]` surprise features, when the critic reads them.
+    surprise: Option<Tensor>,
 }
 
 /// [`Learner::forward_micro`]'s result: `h: [N, H]`, `values: [N]`, and
@@ -304,8 +366,10 @@ impl MicroSums {
 
 /// Pack `rows` (with their per-token policy weights `w[row][i]`, aligned
 /// with the row's tokens; missing weights are 0) into one token stream.
-fn pack(rows: &[(&LossRow, &[f64])], dev: &Device) -> Result<Packed, TrainError> {
+/// With `surprise`, also each row's [`surprise_features`].
+fn pack(rows: &[(&LossRow, &[f64])], surprise: bool, dev: &Device) -> Result<Packed, TrainError> {
     let mut ids = Vec::new();
+    let mut feats = Vec::new();
     let mut p = Packed {
         ids: Tensor::zeros(1, DType::U32, dev)?,
         seq_lens: Vec::with_capacity(rows.len()),
@@ -316,10 +380,14 @@ fn pack(rows: &[(&LossRow, &[f64])], dev: &Device) -> Result<Packed, TrainError>
         lp_w: Vec::new(),
         v_rows: Vec::new(),
         v_targets: Vec::new(),
+        surprise: None,
     };
     for (r, w) in rows {
         let at = ids.len();
         ids.extend_from_slice(&r.tokens);
+        if surprise {
+            feats.extend(surprise_features(&r.behaviour_logprobs, r.tokens.len()));
+        }
         p.seq_lens.push(r.tokens.len());
         for i in 1..r.tokens.len() {
             if r.mask[i] > 0.0 {
@@ -337,6 +405,9 @@ fn pack(rows: &[(&LossRow, &[f64])], dev: &Device) -> Result<Packed, TrainError>
     }
     let n = ids.len();
     p.ids = Tensor::from_vec(ids, n, dev)?;
+    if surprise {
+        p.surprise = Some(Tensor::from_vec(feats, (n, SURPRISE_NATS.len()), dev)?);
+    }
     Ok(p)
 }
 
@@ -450,6 +521,15 @@ impl Learner {
             cv.clone(),
         );
         let model = ActorCritic::load(cfg, lcfg.critic, &pl, &cl)?;
+        let surprise = if lcfg.surprise {
+            Some(cl.get_or_init(
+                "value_head.surprise",
+                &[SURPRISE_NATS.len(), 1],
+                arbor_model::Init::Zeros,
+            )?)
+        } else {
+            None
+        };
         let mut vars = named_vars(&pv, "policy.");
         vars.extend(named_vars(&cv, "critic."));
         let opt = AdamW::new(vars, ocfg)?;
@@ -459,6 +539,7 @@ impl Learner {
             critic_vars: cv,
             opt,
             cfg: lcfg,
+            surprise,
         })
     }
 
@@ -471,12 +552,19 @@ impl Learner {
     /// `Beta(kappa v, kappa (1 - v))` is improper at `v = 0` or `1`, where its
     /// gain `g` would vanish and the node could never be sampled again
     /// (project choice).
+    ///
+    /// `logprobs[i]` holds the behaviour logprobs aligned with `seqs[i]`
+    /// (for the critic's surprise features; a missing sequence or entry
+    /// counts as `0.0`, a token the policy did not generate).
     pub fn values_at(
         &self,
         seqs: &[Vec<u32>],
+        logprobs: &[Vec<f32>],
         positions: &[Vec<usize>],
     ) -> Result<Vec<Vec<f64>>, TrainError> {
-        arbor_ops::in_pool(&self.device(), || self.values_here(seqs, positions))
+        arbor_ops::in_pool(&self.device(), || {
+            self.values_here(seqs, logprobs, positions)
+        })
     }
 
     /// [`Learner::values_at`] on the calling thread: contexts packed into
@@ -484,9 +572,14 @@ impl Learner {
     fn values_here(
         &self,
         seqs: &[Vec<u32>],
+        logprobs: &[Vec<f32>],
         positions: &[Vec<usize>],
     ) -> Result<Vec<Vec<f64>>, TrainError> {
         let dev = self.device();
+        let u: Option<Vec<f32>> = match &self.surprise {
+            Some(u) => Some(u.flatten_all()?.to_vec1()?),
+            None => None,
+        };
         let wanted: Vec<(usize, &Vec<u32>)> = seqs
             .iter()
             .enumerate()
@@ -505,9 +598,23 @@ impl Learner {
                 .to_vec1()?;
             let mut at = 0;
             for (i, s) in mb {
+                let f = u
+                    .as_ref()
+                    .map(|_| surprise_features(logprobs.get(*i).map_or(&[][..], |l| l), s.len()));
                 out[*i] = positions[*i]
                     .iter()
-                    .map(|&p| (v[at + p] as f64).clamp(VALUE_EPS, 1.0 - VALUE_EPS))
+                    .map(|&p| {
+                        let mut x = v[at + p];
+                        if let (Some(u), Some(f)) = (&u, &f) {
+                            let k = u.len();
+                            x += f[p * k..(p + 1) * k]
+                                .iter()
+                                .zip(u)
+                                .map(|(a, b)| a * b)
+                                .sum::<f32>();
+                        }
+                        (x as f64).clamp(VALUE_EPS, 1.0 - VALUE_EPS)
+                    })
                     .collect();
                 at += s.len();
             }
@@ -588,7 +695,7 @@ impl Learner {
         // Packed once, for every epoch.
         let packs = micro_batches(&items, self.cfg.micro_batch_tokens, |(r, _)| r.tokens.len())
             .into_iter()
-            .map(|mb| pack(mb, &dev))
+            .map(|mb| pack(mb, self.surprise.is_some(), &dev))
             .collect::<Result<Vec<_>, _>>()?;
         for epoch in 0..self.cfg.epochs.max(1) {
             let (mut acc, mut sums) = arbor_ops::in_pool(&dev, || {
@@ -596,7 +703,7 @@ impl Learner {
                 let mut sums = MicroSums::default();
                 for p in &packs {
                     let t0 = std::time::Instant::now();
-                    let fwd = self.forward_micro(p)?;
+                    let fwd = self.with_surprise(self.forward_micro(p)?, p)?;
                     let total = self.micro_loss(
                         p,
                         &fwd.h,
@@ -701,8 +808,8 @@ impl Learner {
                     for chunk in
                         micro_batches(&mb, self.cfg.micro_batch_tokens, |(r, _)| r.tokens.len())
                     {
-                        let p = pack(chunk, &dev)?;
-                        let fwd = self.forward_values(&p)?;
+                        let p = pack(chunk, self.surprise.is_some(), &dev)?;
+                        let fwd = self.with_surprise(self.forward_values(&p)?, &p)?;
                         let total = self.micro_loss(
                             &p,
                             &fwd.h,
@@ -759,6 +866,19 @@ impl Learner {
             }
         }
         Ok(())
+    }
+
+    /// `fwd` with the surprise term `features . u` added to its values,
+    /// when the critic reads the features.
+    fn with_surprise<'m>(
+        &self,
+        mut fwd: MicroForward<'m>,
+        p: &Packed,
+    ) -> Result<MicroForward<'m>, TrainError> {
+        if let (Some(u), Some(f)) = (&self.surprise, &p.surprise) {
+            fwd.values = (fwd.values + f.matmul(u)?.squeeze(1)?)?;
+        }
+        Ok(fwd)
     }
 
     /// The critic's forward alone: its values (with `recompute =
@@ -912,7 +1032,7 @@ impl Learner {
         // No policy-loss weights: the supervised loss is its own.
         let items: Vec<(&LossRow, &[f64])> = rows.iter().map(|r| (r, &[][..])).collect();
         for mb in micro_batches(&items, self.cfg.micro_batch_tokens, |(r, _)| r.tokens.len()) {
-            let p = pack(mb, &dev)?;
+            let p = pack(mb, false, &dev)?;
             if p.lp_rows.is_empty() {
                 continue;
             }

@@ -208,6 +208,7 @@ fn value_rows(states: &[StateSample], target: ProbeTarget) -> Vec<LossRow> {
             ValueRow {
                 tokens: s.context.clone(),
                 value_targets: vec![(s.context.len() - 1, t as f32)],
+                logprobs: s.logprobs.clone(),
             }
             .to_loss_row()
         })
@@ -334,6 +335,7 @@ mod tests {
             depth,
             context: vec![1, 2, 3],
             outcomes: outcomes.to_vec(),
+            logprobs: Vec::new(),
         }
     }
 

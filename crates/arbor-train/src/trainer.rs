@@ -141,7 +141,7 @@ impl Trainer {
                     None,
                     cfg.seed,
                     &dev,
-                    cfg.learner,
+                    cfg.learner_config(),
                     ocfg,
                     cfg.model.lora.as_ref(),
                 )?;

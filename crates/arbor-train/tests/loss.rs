@@ -8,7 +8,10 @@
 use arbor_model::{Arch, CriticMode, ModelConfig, RopeScaling};
 use arbor_rl::credit::LossRow;
 use arbor_rl::ppo::{Aggregation, PolicyLossConfig};
-use arbor_train::learner::{Learner, LearnerConfig, Recompute, UpdateStats, ValueRow};
+use arbor_train::learner::{
+    named_vars, surprise_features, Learner, LearnerConfig, Recompute, UpdateStats, ValueRow,
+    SURPRISE_NATS, SURPRISE_SCALE,
+};
 use arbor_train::optim::AdamWConfig;
 use candle_core::{DType, Device, Tensor};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -49,7 +52,7 @@ fn learner_with(
     critic: CriticMode,
     recompute: Recompute,
 ) -> Learner {
-    let lcfg = LearnerConfig {
+    learner_from(LearnerConfig {
         policy: PolicyLossConfig {
             eps_low: CLIP.0,
             eps_high: CLIP.1,
@@ -60,7 +63,11 @@ fn learner_with(
         micro_batch_tokens,
         epochs: 1,
         recompute,
-    };
+        surprise: false,
+    })
+}
+
+fn learner_from(lcfg: LearnerConfig) -> Learner {
     Learner::new(
         &cfg(),
         None,
@@ -331,4 +338,126 @@ fn critic_passes_fit_the_values_and_move_only_the_critic() {
             }
         }
     }
+}
+
+/// The critic's surprise features (`[critic] surprise`): the value at a
+/// position is the head's plus `features . u`. `u` starts at 0, so a fresh
+/// critic's values are those of one without the features; with `u` set,
+/// `values_at` (allocation) and the value loss (training) both read
+/// `head + features . u`, and the loss's gradient moves `u`.
+#[test]
+fn surprise_features_add_to_the_critics_values() {
+    for critic in [CriticMode::Shared, CriticMode::Separate] {
+        let plain = learner_with(Aggregation::TokenMean, 4096, critic, Recompute::Off);
+        let with = |recompute| {
+            learner_from(LearnerConfig {
+                surprise: true,
+                recompute,
+                ..plain.cfg
+            })
+        };
+        let mut l = with(Recompute::Off);
+        let rows = rows(&plain);
+        let seqs: Vec<Vec<u32>> = rows.iter().map(|r| r.tokens.clone()).collect();
+        let lps: Vec<Vec<f32>> = rows.iter().map(|r| r.behaviour_logprobs.clone()).collect();
+        let pos: Vec<Vec<usize>> = seqs.iter().map(|s| (0..s.len()).collect()).collect();
+        let values = |l: &Learner, lps: &[Vec<f32>]| l.values_at(&seqs, lps, &pos).unwrap();
+        assert_eq!(values(&l, &lps), values(&plain, &lps), "{critic:?}: u = 0");
+
+        let u = [0.002f32, -0.003, 0.001];
+        let var = named_vars(&l.critic_vars, "")
+            .into_iter()
+            .find(|(n, _)| n == "value_head.surprise")
+            .expect("the surprise weights are a critic parameter")
+            .1;
+        var.set(&Tensor::from_vec(u.to_vec(), (SURPRISE_NATS.len(), 1), &Device::Cpu).unwrap())
+            .unwrap();
+        let got = values(&l, &lps);
+        let mut vloss = 0.0;
+        let n_val: usize = rows.iter().map(|r| r.value_targets.len()).sum();
+        for (i, r) in rows.iter().enumerate() {
+            let f = surprise_features(&r.behaviour_logprobs, r.tokens.len());
+            let (_, v) = reference_row(&plain, &r.tokens);
+            let k = SURPRISE_NATS.len();
+            let fu = |p: usize| -> f64 {
+                f[p * k..(p + 1) * k]
+                    .iter()
+                    .zip(&u)
+                    .map(|(a, b)| f64::from(a * b))
+                    .sum()
+            };
+            for p in 0..r.tokens.len() {
+                let want = (v[p] + fu(p)).clamp(0.01, 0.99);
+                assert!(
+                    (got[i][p] - want).abs() < 1e-5,
+                    "{critic:?}: row {i} position {p}: {} vs {want}",
+                    got[i][p]
+                );
+            }
+            for &(p, t) in &r.value_targets {
+                vloss += 0.5 * (v[p] + fu(p) - f64::from(t)).powi(2) / n_val as f64;
+            }
+        }
+        // Without the logprobs every feature is 0.
+        assert_eq!(
+            values(&l, &[]),
+            values(&plain, &lps),
+            "{critic:?}: no logprobs"
+        );
+
+        let before: Vec<f32> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+        let s = l.update(&rows).unwrap();
+        assert!(
+            (s.value_loss - vloss).abs() < 1e-5 * (1.0 + vloss),
+            "{critic:?}: value loss {} vs {vloss}",
+            s.value_loss
+        );
+        let after: Vec<f32> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+        assert!(
+            before.iter().zip(&after).all(|(a, b)| a != b),
+            "{critic:?}: the value loss moves every surprise weight: {before:?} -> {after:?}"
+        );
+        // Recomputation and the critic's own passes read the same values.
+        let mut r = with(Recompute::Layers);
+        named_vars(&r.critic_vars, "")
+            .into_iter()
+            .find(|(n, _)| n == "value_head.surprise")
+            .unwrap()
+            .1
+            .set(&Tensor::from_vec(u.to_vec(), (SURPRISE_NATS.len(), 1), &Device::Cpu).unwrap())
+            .unwrap();
+        let sr = r.update(&rows).unwrap();
+        assert!(
+            (sr.value_loss - s.value_loss).abs() < 1e-6,
+            "{critic:?}: recompute"
+        );
+    }
+}
+
+#[test]
+fn surprise_features_count_the_policys_unlikely_tokens() {
+    // Surprisals 0.1, 0.7, 3.0, 0 (not the policy's), 1.5 nats.
+    let f = surprise_features(&[-0.1, -0.7, -3.0, 0.0, -1.5], 6);
+    let k = SURPRISE_NATS.len();
+    assert_eq!(SURPRISE_NATS, [0.5, 1.0, 2.0]);
+    let counts: Vec<Vec<f32>> = f
+        .chunks(k)
+        .map(|c| {
+            c.iter()
+                .map(|x| (x / SURPRISE_SCALE).exp_m1().round())
+                .collect()
+        })
+        .collect();
+    assert_eq!(
+        counts,
+        vec![
+            vec![0.0, 0.0, 0.0],
+            vec![1.0, 0.0, 0.0],
+            vec![2.0, 1.0, 1.0],
+            vec![2.0, 1.0, 1.0],
+            vec![3.0, 2.0, 1.0],
+            vec![3.0, 2.0, 1.0],
+        ]
+    );
+    assert!((f[k * 4] - SURPRISE_SCALE * 3f32.ln_1p()).abs() < 1e-6);
 }

@@ -256,27 +256,37 @@ pub(crate) fn segment_values(
     tree: &RolloutTree,
 ) -> Result<Vec<Vec<f64>>, TrainError> {
     let mut seqs = Vec::new();
+    let mut lps = Vec::new();
     let mut pos = Vec::new();
     // The sequences of continuation i are seqs[owner[i]..owner[i + 1]].
     let mut owner = vec![0];
     for c in conts {
         let mut ctx = tree.context_tokens(c.from)?;
+        let mut lp = tree.context_logprobs(c.from)?;
         let mut p = Vec::new();
         for (k, r) in c.steps.iter().enumerate() {
             if r.restart {
                 seqs.push(std::mem::take(&mut ctx));
+                lps.push(std::mem::take(&mut lp));
                 pos.push(std::mem::take(&mut p));
             }
             advance(&mut ctx, &r.action, &r.observation, r.restart);
+            if r.restart {
+                lp.clear();
+            } else {
+                lp.extend_from_slice(&r.logprobs);
+            }
+            lp.resize(ctx.len(), 0.0);
             if k + 1 < c.steps.len() {
                 p.push(ctx.len() - 1);
             }
         }
         seqs.push(ctx);
+        lps.push(lp);
         pos.push(p);
         owner.push(seqs.len());
     }
-    let values = learner.values_at(&seqs, &pos)?;
+    let values = learner.values_at(&seqs, &lps, &pos)?;
     Ok(owner
         .windows(2)
         .map(|w| values[w[0]..w[1]].concat())
@@ -365,7 +375,7 @@ pub(crate) fn root_values(
     let prompts: Vec<Vec<u32>> = tasks.iter().map(|t| t.prompt.clone()).collect();
     let pos: Vec<Vec<usize>> = prompts.iter().map(|p| vec![p.len() - 1]).collect();
     Ok(learner
-        .values_at(&prompts, &pos)?
+        .values_at(&prompts, &[], &pos)?
         .into_iter()
         .map(|v| v[0])
         .collect())

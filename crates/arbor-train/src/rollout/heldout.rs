@@ -31,6 +31,9 @@ pub struct StateSample {
     /// The trajectory's own outcome first, then the outcomes of the `k`
     /// continuations launched from the state.
     pub outcomes: Vec<f64>,
+    /// The behaviour logprobs aligned with `context` (`0.0` for tokens the
+    /// policy did not generate): the critic's surprise features read them.
+    pub logprobs: Vec<f32>,
 }
 
 impl StateSample {
@@ -81,6 +84,7 @@ pub fn sample_states(
             depth: node.depth(),
             context: tree.context_tokens(s)?,
             outcomes: vec![rewards[task]],
+            logprobs: tree.context_logprobs(s)?,
         });
     }
     let from: Vec<NodeId> = states
@@ -106,12 +110,13 @@ pub fn critic_vs_states(
     states: &[StateSample],
 ) -> Result<Vec<(f64, f64)>, TrainError> {
     let seqs: Vec<Vec<u32>> = states.iter().map(|s| s.context.clone()).collect();
+    let lps: Vec<Vec<f32>> = states.iter().map(|s| s.logprobs.clone()).collect();
     let pos: Vec<Vec<usize>> = seqs
         .iter()
         .map(|s| s.len().checked_sub(1).into_iter().collect())
         .collect();
     Ok(learner
-        .values_at(&seqs, &pos)?
+        .values_at(&seqs, &lps, &pos)?
         .into_iter()
         .zip(states)
         .filter_map(|(v, s)| Some((*v.first()?, s.monte_carlo())))
