@@ -89,10 +89,10 @@ pub const SURPRISE_SCALE: f32 = 10.0;
 
 /// The critic's surprise features of one sequence, `[n, F]` row-major with
 /// `F = SURPRISE_NATS.len()`: at position `t`, for each threshold `c`,
-/// `SURPRISE_SCALE ln(1 + #{i <= t : -logprobs[i] > c})`, with the number of tokens so far the
-/// policy sampled against its own odds (`logprobs` aligned with the
-/// tokens, `0.0` for tokens it did not generate; missing entries count as
-/// `0.0`).
+/// `SURPRISE_SCALE ln(1 + #{i <= t : -logprobs[i] > c})`, from the number
+/// of tokens so far the policy sampled against its own odds (`logprobs`
+/// aligned with the tokens, `0.0` for tokens it did not generate; missing
+/// entries count as `0.0`).
 ///
 /// Why: a state's value often hinges on whether an earlier action was a
 /// mistake, which the trunk has to re-derive from the tokens, while the
