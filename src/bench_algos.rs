@@ -282,6 +282,9 @@ pub(crate) fn row_config(
     } else {
         cfg.learner.critic = CriticMode::Shared;
         cfg.focus = FocusConfig::default();
+        // The base's surprise features are FOCUS's setting; a PPO row
+        // takes them with `+surprise=true`.
+        cfg.critic.surprise = false;
     }
     apply_row(&mut cfg, settings)?;
     cfg.validate("bench algos")?;

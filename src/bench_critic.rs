@@ -36,9 +36,10 @@ pub struct CriticBenchArgs {
     #[arg(long, default_value = "policy", value_parser = ["policy", "own"])]
     pub critic_init: String,
     /// The critic also reads the policy's surprise along the context
-    /// (`[critic] surprise`).
-    #[arg(long)]
-    pub surprise: bool,
+    /// (`[critic] surprise`; default: the config's, on in the quickstart).
+    /// `--surprise` alone means `true`.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub surprise: Option<bool>,
     /// Training tasks, one trajectory each (every state on it is a sample).
     #[arg(long, default_value_t = 256)]
     pub train_tasks: usize,
@@ -112,10 +113,11 @@ pub fn run(a: CriticBenchArgs) -> Result<()> {
     if a.critic_init == "own" {
         cfg.critic.init = arbor_train::CriticInit::Own;
     }
-    if a.surprise {
-        cfg.critic.surprise = true;
+    if let Some(on) = a.surprise {
+        cfg.critic.surprise = on;
     }
     cfg.validate("bench critic")?;
+    let surprise = cfg.learner_config().surprise;
     std::fs::create_dir_all(&a.out)?;
     let mut t = Trainer::new(cfg, &a.out.join("run"), false)?;
     eprintln!(
@@ -190,7 +192,7 @@ pub fn run(a: CriticBenchArgs) -> Result<()> {
         rl_steps: a.rl_steps,
         critic: &a.critic,
         critic_init: &a.critic_init,
-        surprise: a.surprise,
+        surprise,
         policy_pass_rate: pass,
         options: &o,
         report: &r,

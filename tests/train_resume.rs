@@ -173,6 +173,35 @@ fn kill_9_then_resume_is_bit_exact_with_critic_passes_and_replay() {
     kill_and_resume(&passes, &[KillAt::Checkpoint(2), KillAt::Line(3)]);
 }
 
+/// A run checkpointed without the critic's surprise features resumes with
+/// them switched on: the new weights start at zero with zero optimizer
+/// moments, and the next checkpoint holds them.
+#[test]
+fn a_resume_can_switch_the_critics_surprise_features_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (cfg, out) = (tmp.path().join("cfg.toml"), tmp.path().join("out"));
+    std::fs::write(&cfg, CONFIG.replace("steps = 6", "steps = 2")).unwrap();
+    run_to_end(&cfg, &out, false);
+    let critic = |step: u64| {
+        std::fs::read(out.join(format!("checkpoints/step-{step:08}/critic.safetensors"))).unwrap()
+    };
+    let has = |bytes: &[u8]| bytes.windows(19).any(|w| w == b"value_head.surprise");
+    assert!(!has(&critic(2)));
+    std::fs::write(
+        &cfg,
+        CONFIG
+            .replace("steps = 6", "steps = 4")
+            .replace("[learner]", "[critic]\nsurprise = true\n\n[learner]"),
+    )
+    .unwrap();
+    run_to_end(&cfg, &out, true);
+    assert_eq!(metrics(&out).len(), 4);
+    assert!(
+        has(&critic(4)),
+        "the resumed run checkpoints the new weights"
+    );
+}
+
 #[test]
 fn bad_configs_name_the_key() {
     let tmp = tempfile::tempdir().unwrap();

@@ -239,7 +239,21 @@ pub(crate) fn restore(
     let text = std::fs::read_to_string(&sp)?;
     let saved: Saved = serde_json::from_str(&text)
         .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", sp.display())))?;
-    let opt = candle_core::safetensors::load(dir.join("optimizer.safetensors"), dev)?;
+    let mut opt = candle_core::safetensors::load(dir.join("optimizer.safetensors"), dev)?;
+    // A critic parameter the checkpoint predates (the surprise weights of
+    // `[critic] surprise`, switched on at the resume) starts as it would
+    // in a fresh run: initialised by `Learner::new`, with zero moments.
+    for (name, var) in learner.opt.vars() {
+        let Some(own) = name.strip_prefix("critic.") else {
+            continue;
+        };
+        if !critic.contains(own) {
+            for m in ["m", "v"] {
+                opt.entry(format!("{m}.{name}"))
+                    .or_insert(var.as_tensor().zeros_like()?);
+            }
+        }
+    }
     learner.opt.load_state(&opt, saved.trainer.optimizer_step)?;
     if let Some(n) = saved.trainer.critic_optimizer_step {
         learner.opt.set_group_steps(n);

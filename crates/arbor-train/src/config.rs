@@ -263,7 +263,9 @@ pub struct CriticSettings {
     /// threshold, each weighted by a learnt coefficient (starting at 0)
     /// added to the value head's output. A state's value often hinges on
     /// an earlier mistake, and a token the policy rarely picks is more
-    /// often one (`arbor bench critic --surprise` measures it).
+    /// often one (`arbor bench critic --surprise` measures it). Chosen on
+    /// contexts of tens of tokens: over long responses the counts grow
+    /// large.
     pub surprise: bool,
 }
 

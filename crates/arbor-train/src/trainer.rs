@@ -449,9 +449,18 @@ impl Trainer {
         spans: bool,
     ) -> Result<Vec<crate::learner::ValueRow>, TrainError> {
         use crate::learner::ValueRow;
+        // The logprobs only where the critic reads them (they are kept in
+        // the replay and its checkpoints).
+        let surprise = self.learner.surprise.is_some();
         let mine: Vec<(u32, ValueRow)> = rows
             .iter()
-            .filter_map(|r| ValueRow::of(r).map(|v| (r.leaf.0, v)))
+            .filter_map(|r| {
+                let mut v = ValueRow::of(r)?;
+                if !surprise {
+                    v.logprobs.clear();
+                }
+                Some((r.leaf.0, v))
+            })
             .collect();
         if self.group.world() == 1 {
             return Ok(mine.into_iter().map(|(_, v)| v).collect());
