@@ -194,6 +194,7 @@ fn one_step(
                 mask,
                 advantages,
                 behaviour_logprobs: behaviour,
+                history_logprobs: Vec::new(),
                 value_targets: vec![(np - 1, reward)],
             });
         }

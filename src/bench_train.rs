@@ -97,6 +97,7 @@ fn rows(cfg: &ModelConfig, batch: usize, seq: usize) -> Vec<LossRow> {
                 mask,
                 advantages: (0..seq).map(|_| rng.random_range(-1.0f32..1.0)).collect(),
                 behaviour_logprobs: vec![uniform; seq],
+                history_logprobs: Vec::new(),
                 value_targets: (0..seq)
                     .step_by(16)
                     .map(|p| (p, rng.random_range(0.0f32..1.0)))

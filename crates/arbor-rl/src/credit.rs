@@ -311,6 +311,11 @@ pub struct LossRow {
     /// trained in this row or not (`0.0` for prompt and observation
     /// tokens).
     pub behaviour_logprobs: Vec<f32>,
+    /// The same for every token on the path before the row's context
+    /// (empty unless the context restarted: a compaction); the critic's
+    /// surprise features count them too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub history_logprobs: Vec<f32>,
     /// `(position, target)`: the value head's output at `position` (the last
     /// token of state `s`'s context) regresses onto `target` (`Gbar(s)`).
     /// A root with an empty prompt has no position and gets no target.
@@ -323,6 +328,8 @@ struct Window {
     mask: Vec<f32>,
     advantages: Vec<f32>,
     behaviour_logprobs: Vec<f32>,
+    /// The path's logprobs before this window (a context restart).
+    history: Vec<f32>,
     value_targets: Vec<(usize, f32)>,
     trained: bool,
 }
@@ -335,6 +342,7 @@ impl Window {
             mask: vec![0.0; n],
             advantages: vec![0.0; n],
             behaviour_logprobs: vec![0.0; n],
+            history: Vec::new(),
             value_targets: Vec::new(),
             trained: false,
         }
@@ -348,6 +356,7 @@ impl Window {
             mask: self.mask,
             advantages: self.advantages,
             behaviour_logprobs: self.behaviour_logprobs,
+            history_logprobs: self.history,
             value_targets: self.value_targets,
         }
     }
@@ -388,6 +397,8 @@ pub fn loss_rows(
         let path = tree.path(leaf)?;
         let episode = tree.node(leaf)?.episode();
         let root = tree.episodes()[episode].prompt.clone();
+        // Every token's behaviour logprob on the path so far.
+        let mut path_lp = vec![0.0; root.len()];
         let mut row = Window::new(root);
         for &s in &path {
             let n = tree.node(s)?;
@@ -414,12 +425,15 @@ pub fn loss_rows(
                 if w < seg.len() {
                     // A context restart: the row so far is one sequence the
                     // policy saw; the state's context starts a new one.
-                    let next = Window::new(seg.tokens[w..].to_vec());
+                    let mut next = Window::new(seg.tokens[w..].to_vec());
+                    next.history = path_lp.clone();
+                    next.history.extend_from_slice(&seg.logprobs[..w]);
                     let done = std::mem::replace(&mut row, next);
                     if done.trained || !done.value_targets.is_empty() {
                         rows.push(done.into_row(episode, leaf));
                     }
                 }
+                path_lp.extend_from_slice(&seg.logprobs);
             }
             debug_assert_eq!(row.tokens.len(), n.context_len());
             if let (true, Some(t), Some(pos)) = (
@@ -563,7 +577,8 @@ mod tests {
         // Every row carries the behaviour logprob of every policy token on
         // its path, trained in that row or not: the state's context's.
         for x in &rows {
-            assert_eq!(x.behaviour_logprobs, t.context_logprobs(x.leaf).unwrap());
+            assert_eq!(x.behaviour_logprobs, t.path_logprobs(x.leaf).unwrap());
+            assert!(x.history_logprobs.is_empty(), "no restart here");
         }
         assert!(
             rows.iter().any(|x| x
@@ -627,6 +642,18 @@ mod tests {
         assert_eq!(w1.mask, vec![0.0, 0.0, 1.0]);
         assert_eq!(w2.tokens, vec![6, 7, 0]);
         assert_eq!(w2.mask, vec![0.0, 0.0, 1.0]);
+        // A window after the restart keeps the path's logprobs before it
+        // (the first window's, summary included); history and window
+        // together are the path's.
+        assert!(w0.history_logprobs.is_empty());
+        let before = vec![0.0, 0.0, -0.1, -0.2, 0.0, -0.4, -0.5];
+        assert_eq!(w1.history_logprobs, before);
+        assert_eq!(w2.history_logprobs, before);
+        for w in [w1, w2] {
+            let mut path = w.history_logprobs.clone();
+            path.extend_from_slice(&w.behaviour_logprobs);
+            assert_eq!(path, t.path_logprobs(w.leaf).unwrap());
+        }
         // Targets at the end of each state's own context: r and a in the
         // first window, b (the post-compaction state) in the second.
         let gb = |n: NodeId| cr.backup.gbar[n.index()].unwrap() as f32;

@@ -801,37 +801,36 @@ impl RolloutTree {
     /// root down; below a context restart, the latest restart context
     /// followed by the segments after it.
     pub fn context_tokens(&self, id: NodeId) -> Result<Vec<u32>> {
-        self.context_of(id, <[u32]>::to_vec, |s| &s.tokens)
-    }
-
-    /// The behaviour log-probabilities aligned with
-    /// [`RolloutTree::context_tokens`]: each policy token's, `0.0` for the
-    /// prompt, observations and other masked tokens.
-    pub fn context_logprobs(&self, id: NodeId) -> Result<Vec<f32>> {
-        self.context_of(id, |p| vec![0.0; p.len()], |s| &s.logprobs)
-    }
-
-    /// One per-token column of the context at `id`: the prompt's entries
-    /// from `prompt`, each segment's from `column`.
-    fn context_of<T: Clone>(
-        &self,
-        id: NodeId,
-        prompt: impl FnOnce(&[u32]) -> Vec<T>,
-        column: impl Fn(&Segment) -> &[T],
-    ) -> Result<Vec<T>> {
         let path = self.path(id)?;
         let root = &self.st.nodes[path[0].index()];
-        let mut out = prompt(&self.st.episodes[root.episode as usize].prompt);
+        let mut out = Vec::with_capacity(self.node(id)?.end);
+        out.extend_from_slice(&self.st.episodes[root.episode as usize].prompt);
         for p in &path[1..] {
             if let Some(seg) = &self.st.nodes[p.index()].segment {
-                let col = column(seg);
                 match seg.restart_at() {
                     Some(at) => {
                         out.clear();
-                        out.extend_from_slice(&col[at..]);
+                        out.extend_from_slice(&seg.tokens[at..]);
                     }
-                    None => out.extend_from_slice(col),
+                    None => out.extend_from_slice(&seg.tokens),
                 }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The behaviour log-probabilities of every token on the path from the
+    /// root to `id`: each policy token's, `0.0` for the prompt,
+    /// observations and other masked tokens. Below a context restart the
+    /// path is longer than the context; its last [`Node::context_len`]
+    /// entries are aligned with [`RolloutTree::context_tokens`].
+    pub fn path_logprobs(&self, id: NodeId) -> Result<Vec<f32>> {
+        let path = self.path(id)?;
+        let root = &self.st.nodes[path[0].index()];
+        let mut out = vec![0.0; self.st.episodes[root.episode as usize].prompt.len()];
+        for p in &path[1..] {
+            if let Some(seg) = &self.st.nodes[p.index()].segment {
+                out.extend_from_slice(&seg.logprobs);
             }
         }
         Ok(out)
@@ -1098,13 +1097,14 @@ pub(crate) mod tests {
         assert_eq!(t.node(ids[0]).unwrap().context_len(), 2);
         assert!(t.node(ids[0]).unwrap().is_restart());
         assert_eq!(t.context_tokens(ids[1]).unwrap(), vec![6, 7, 0, 1]);
-        // The logprobs follow the tokens: the restart context is not the
-        // policy's, the segment after it is.
+        // The path's logprobs go on through the restart: the prompt, the
+        // summary, the restart context (not the policy's), the segment
+        // after it; the last entries are the context's.
         assert_eq!(
-            t.context_logprobs(ids[1]).unwrap(),
-            vec![0.0, 0.0, -0.5, -0.5]
+            t.path_logprobs(ids[1]).unwrap(),
+            vec![0.0, 0.0, 0.0, -0.1, 0.0, 0.0, -0.5, -0.5]
         );
-        assert_eq!(t.context_logprobs(root).unwrap(), vec![0.0; 3]);
+        assert_eq!(t.path_logprobs(root).unwrap(), vec![0.0; 3]);
         let json = serde_json::to_string(&t).unwrap();
         assert_eq!(serde_json::from_str::<RolloutTree>(&json).unwrap(), t);
         // A restart needs a restart context after policy tokens.

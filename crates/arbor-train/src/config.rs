@@ -257,10 +257,10 @@ pub struct CriticSettings {
     /// earlier steps (a replay of recent trees, their targets as computed
     /// then; kept in checkpoints). Needs `epochs >= 1`.
     pub replay_steps: usize,
-    /// The critic also reads the policy's surprise along the state's
-    /// context: per threshold of 0.5, 1 and 2 nats, `ln(1 + n)` with `n`
-    /// the policy tokens so far whose sampled logprob fell below minus the
-    /// threshold, each weighted by a learnt coefficient (starting at 0)
+    /// The critic also reads the policy's surprise along the episode's
+    /// path to the state (through compactions): per threshold of 0.5, 1
+    /// and 2 nats, `ln(1 + n)` with `n` the policy tokens so far whose
+    /// sampled logprob fell below minus the threshold, each weighted by a learnt coefficient (starting at 0)
     /// added to the value head's output. A state's value often hinges on
     /// an earlier mistake, and a token the policy rarely picks is more
     /// often one (`arbor bench critic --surprise` measures it). Chosen on

@@ -87,12 +87,14 @@ pub const SURPRISE_NATS: [f32; 3] = [0.5, 1.0, 2.0];
 /// 640 states, against 0.35 unscaled).
 pub const SURPRISE_SCALE: f32 = 10.0;
 
-/// The critic's surprise features of one sequence, `[n, F]` row-major with
-/// `F = SURPRISE_NATS.len()`: at position `t`, for each threshold `c`,
-/// `SURPRISE_SCALE ln(1 + #{i <= t : -logprobs[i] > c})`, from the number
-/// of tokens so far the policy sampled against its own odds (`logprobs`
-/// aligned with the tokens, `0.0` for tokens it did not generate; missing
-/// entries count as `0.0`).
+/// The critic's surprise features of one sequence of `n` tokens, `[n, F]`
+/// row-major with `F = SURPRISE_NATS.len()`: at position `t`, for each
+/// threshold `c`, `SURPRISE_SCALE ln(1 + #{i <= t : -logprobs[i] > c})`,
+/// from the number of tokens so far on the episode's path the policy
+/// sampled against its own odds. `logprobs` ends aligned with the
+/// sequence (`0.0` for tokens the policy did not generate); entries
+/// before the sequence's are the path's before a context restart, counted
+/// from the start; missing entries count as `0.0`.
 ///
 /// Why: a state's value often hinges on whether an earlier action was a
 /// mistake, which the trunk has to re-derive from the tokens, while the
@@ -102,12 +104,21 @@ pub const SURPRISE_SCALE: f32 = 10.0;
 /// critic starts as it would without them).
 pub fn surprise_features(logprobs: &[f32], n: usize) -> Vec<f32> {
     let mut counts = [0u32; SURPRISE_NATS.len()];
+    let count = |counts: &mut [u32; SURPRISE_NATS.len()], lp: f32| {
+        for (c, &th) in counts.iter_mut().zip(&SURPRISE_NATS) {
+            *c += u32::from(-lp > th);
+        }
+    };
+    let history = logprobs.len().saturating_sub(n);
+    for &lp in &logprobs[..history] {
+        count(&mut counts, lp);
+    }
     let mut out = Vec::with_capacity(n * counts.len());
     for i in 0..n {
-        let s = -logprobs.get(i).copied().unwrap_or(0.0);
-        for (c, &th) in counts.iter_mut().zip(&SURPRISE_NATS) {
-            *c += u32::from(s > th);
-        }
+        count(
+            &mut counts,
+            logprobs.get(history + i).copied().unwrap_or(0.0),
+        );
         out.extend(counts.iter().map(|&c| SURPRISE_SCALE * (c as f32).ln_1p()));
     }
     out
@@ -264,9 +275,10 @@ pub struct ValueRow {
     pub tokens: Vec<u32>,
     /// `(position, target)`, as in [`LossRow::value_targets`].
     pub value_targets: Vec<(usize, f32)>,
-    /// The behaviour logprobs of the policy's tokens (the critic's surprise
-    /// features), as in [`LossRow::behaviour_logprobs`]; empty when not
-    /// kept (every entry `0.0`).
+    /// The behaviour logprobs of the policy's tokens on the path (the
+    /// critic's surprise features): [`LossRow::history_logprobs`] then
+    /// [`LossRow::behaviour_logprobs`], the last `tokens.len()` aligned
+    /// with the tokens; empty when not kept (every entry `0.0`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub logprobs: Vec<f32>,
 }
@@ -275,15 +287,15 @@ impl ValueRow {
     /// `row` cut after its last value target (`None` without targets).
     pub fn of(row: &LossRow) -> Option<Self> {
         let end = row.value_targets.iter().map(|&(p, _)| p + 1).max()?;
-        let logprobs = &row.behaviour_logprobs[..end];
+        let mut logprobs = row.history_logprobs.clone();
+        logprobs.extend_from_slice(&row.behaviour_logprobs[..end]);
+        if logprobs.iter().all(|&l| l == 0.0) {
+            logprobs.clear();
+        }
         Some(ValueRow {
             tokens: row.tokens[..end].to_vec(),
             value_targets: row.value_targets.clone(),
-            logprobs: if logprobs.iter().all(|&l| l == 0.0) {
-                Vec::new()
-            } else {
-                logprobs.to_vec()
-            },
+            logprobs,
         })
     }
 
@@ -296,10 +308,13 @@ impl ValueRow {
             tokens: self.tokens.clone(),
             mask: vec![0.0; n],
             advantages: vec![0.0; n],
-            behaviour_logprobs: if self.logprobs.len() == n {
-                self.logprobs.clone()
-            } else {
-                vec![0.0; n]
+            behaviour_logprobs: match self.logprobs.len().checked_sub(n) {
+                Some(h) => self.logprobs[h..].to_vec(),
+                None => vec![0.0; n],
+            },
+            history_logprobs: match self.logprobs.len().checked_sub(n) {
+                Some(h) => self.logprobs[..h].to_vec(),
+                None => Vec::new(),
             },
             value_targets: self.value_targets.clone(),
         }
@@ -386,7 +401,8 @@ fn pack(rows: &[(&LossRow, &[f64])], surprise: bool, dev: &Device) -> Result<Pac
         let at = ids.len();
         ids.extend_from_slice(&r.tokens);
         if surprise {
-            feats.extend(surprise_features(&r.behaviour_logprobs, r.tokens.len()));
+            let path = [&r.history_logprobs[..], &r.behaviour_logprobs[..]].concat();
+            feats.extend(surprise_features(&path, r.tokens.len()));
         }
         p.seq_lens.push(r.tokens.len());
         for i in 1..r.tokens.len() {
@@ -553,9 +569,10 @@ impl Learner {
     /// gain `g` would vanish and the node could never be sampled again
     /// (project choice).
     ///
-    /// `logprobs[i]` holds the behaviour logprobs aligned with `seqs[i]`
-    /// (for the critic's surprise features; a missing sequence or entry
-    /// counts as `0.0`, a token the policy did not generate).
+    /// `logprobs[i]` holds the behaviour logprobs of the path ending with
+    /// `seqs[i]` (for the critic's surprise features, see
+    /// [`surprise_features`]; a missing sequence or entry counts as `0.0`,
+    /// a token the policy did not generate).
     pub fn values_at(
         &self,
         seqs: &[Vec<u32>],

@@ -730,6 +730,7 @@ impl TaskSampler {
                 mask,
                 advantages: vec![0.0; n],
                 behaviour_logprobs: vec![0.0; n],
+                history_logprobs: Vec::new(),
                 value_targets: Vec::new(),
             }
         };

@@ -139,6 +139,7 @@ fn rows(l: &Learner) -> Vec<LossRow> {
                     .collect(),
                 advantages: (0..len).map(|_| rng.random_range(-1.5f32..1.5)).collect(),
                 value_targets: vec![(masked - 1, 1.0), (len - 1, rng.random_range(0.0..1.0))],
+                history_logprobs: Vec::new(),
                 tokens,
                 mask,
             }
@@ -357,9 +358,14 @@ fn surprise_features_add_to_the_critics_values() {
             })
         };
         let mut l = with(Recompute::Off);
-        let rows = rows(&plain);
+        let mut rows = rows(&plain);
+        // One row is a context after a restart: the path before it counts.
+        rows[1].history_logprobs = vec![-3.0, -0.1, -1.5];
         let seqs: Vec<Vec<u32>> = rows.iter().map(|r| r.tokens.clone()).collect();
-        let lps: Vec<Vec<f32>> = rows.iter().map(|r| r.behaviour_logprobs.clone()).collect();
+        let lps: Vec<Vec<f32>> = rows
+            .iter()
+            .map(|r| [&r.history_logprobs[..], &r.behaviour_logprobs[..]].concat())
+            .collect();
         let pos: Vec<Vec<usize>> = seqs.iter().map(|s| (0..s.len()).collect()).collect();
         let values = |l: &Learner, lps: &[Vec<f32>]| l.values_at(&seqs, lps, &pos).unwrap();
         assert_eq!(values(&l, &lps), values(&plain, &lps), "{critic:?}: u = 0");
@@ -376,7 +382,7 @@ fn surprise_features_add_to_the_critics_values() {
         let mut vloss = 0.0;
         let n_val: usize = rows.iter().map(|r| r.value_targets.len()).sum();
         for (i, r) in rows.iter().enumerate() {
-            let f = surprise_features(&r.behaviour_logprobs, r.tokens.len());
+            let f = surprise_features(&lps[i], r.tokens.len());
             let (_, v) = reference_row(&plain, &r.tokens);
             let k = SURPRISE_NATS.len();
             let fu = |p: usize| -> f64 {
@@ -460,4 +466,8 @@ fn surprise_features_count_the_policys_unlikely_tokens() {
         ]
     );
     assert!((f[k * 4] - SURPRISE_SCALE * 3f32.ln_1p()).abs() < 1e-6);
+    // Entries before the sequence's (the path before a context restart)
+    // are counted from the start: the last 3 of these 5 are the sequence.
+    let g = surprise_features(&[-0.1, -0.7, -3.0, 0.0, -1.5], 3);
+    assert_eq!(g, f[2 * k..5 * k]);
 }

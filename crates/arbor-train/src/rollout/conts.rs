@@ -262,21 +262,18 @@ pub(crate) fn segment_values(
     let mut owner = vec![0];
     for c in conts {
         let mut ctx = tree.context_tokens(c.from)?;
-        let mut lp = tree.context_logprobs(c.from)?;
+        // The path's logprobs: the context's are their last entries.
+        let mut lp = tree.path_logprobs(c.from)?;
         let mut p = Vec::new();
         for (k, r) in c.steps.iter().enumerate() {
             if r.restart {
                 seqs.push(std::mem::take(&mut ctx));
-                lps.push(std::mem::take(&mut lp));
+                lps.push(lp.clone());
                 pos.push(std::mem::take(&mut p));
             }
             advance(&mut ctx, &r.action, &r.observation, r.restart);
-            if r.restart {
-                lp.clear();
-            } else {
-                lp.extend_from_slice(&r.logprobs);
-            }
-            lp.resize(ctx.len(), 0.0);
+            lp.extend_from_slice(&r.logprobs);
+            lp.resize(lp.len() + r.observation.len(), 0.0);
             if k + 1 < c.steps.len() {
                 p.push(ctx.len() - 1);
             }

@@ -31,8 +31,9 @@ pub struct StateSample {
     /// The trajectory's own outcome first, then the outcomes of the `k`
     /// continuations launched from the state.
     pub outcomes: Vec<f64>,
-    /// The behaviour logprobs aligned with `context` (`0.0` for tokens the
-    /// policy did not generate): the critic's surprise features read them.
+    /// The behaviour logprobs of the path to the state (`0.0` for tokens
+    /// the policy did not generate), ending aligned with `context`: the
+    /// critic's surprise features read them.
     pub logprobs: Vec<f32>,
 }
 
@@ -84,7 +85,7 @@ pub fn sample_states(
             depth: node.depth(),
             context: tree.context_tokens(s)?,
             outcomes: vec![rewards[task]],
-            logprobs: tree.context_logprobs(s)?,
+            logprobs: tree.path_logprobs(s)?,
         });
     }
     let from: Vec<NodeId> = states
