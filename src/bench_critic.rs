@@ -35,7 +35,7 @@ pub struct CriticBenchArgs {
     /// critic is probed as the RL steps left it.
     #[arg(long, default_value = "policy", value_parser = ["policy", "own"])]
     pub critic_init: String,
-    /// The critic also reads the policy's surprise along the context
+    /// The critic also reads the policy's surprise along the episode's path
     /// (`[critic] surprise`; default: the config's, on in the quickstart).
     /// `--surprise` alone means `true`.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]

@@ -56,7 +56,7 @@ pub struct LearnerConfig {
     /// `shared`: the value head reads the policy's hidden state; `separate`:
     /// the critic has its own backbone (FOCUS and PPO only).
     pub critic: CriticMode,
-    /// The critic also reads the policy's surprise along the context
+    /// The critic also reads the policy's surprise along the episode's path
     /// ([`surprise_features`]); set from `[critic] surprise`.
     #[serde(skip)]
     pub surprise: bool,
