@@ -272,6 +272,7 @@ pub(crate) fn segment_values(
                 pos.push(std::mem::take(&mut p));
             }
             advance(&mut ctx, &r.action, &r.observation, r.restart);
+            debug_assert_eq!(r.logprobs.len(), r.action.len());
             lp.extend_from_slice(&r.logprobs);
             lp.resize(lp.len() + r.observation.len(), 0.0);
             if k + 1 < c.steps.len() {
