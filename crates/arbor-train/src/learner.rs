@@ -278,20 +278,23 @@ pub struct ValueRow {
     /// The behaviour logprobs of the policy's tokens on the path (the
     /// critic's surprise features): [`LossRow::history_logprobs`] then
     /// [`LossRow::behaviour_logprobs`], the last `tokens.len()` aligned
-    /// with the tokens; empty when not kept (every entry `0.0`).
+    /// with the tokens; empty when not kept (the critic does not read
+    /// them: every entry counts as `0.0`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub logprobs: Vec<f32>,
 }
 
 impl ValueRow {
-    /// `row` cut after its last value target (`None` without targets).
-    pub fn of(row: &LossRow) -> Option<Self> {
+    /// `row` cut after its last value target (`None` without targets),
+    /// with its path's logprobs when `with_logprobs` (the critic reads
+    /// them).
+    pub fn of(row: &LossRow, with_logprobs: bool) -> Option<Self> {
         let end = row.value_targets.iter().map(|&(p, _)| p + 1).max()?;
-        let mut logprobs = row.history_logprobs.clone();
-        logprobs.extend_from_slice(&row.behaviour_logprobs[..end]);
-        if logprobs.iter().all(|&l| l == 0.0) {
-            logprobs.clear();
-        }
+        let logprobs = if with_logprobs {
+            [&row.history_logprobs[..], &row.behaviour_logprobs[..end]].concat()
+        } else {
+            Vec::new()
+        };
         Some(ValueRow {
             tokens: row.tokens[..end].to_vec(),
             value_targets: row.value_targets.clone(),
@@ -302,20 +305,19 @@ impl ValueRow {
     /// As a loss row that trains no policy token.
     pub fn to_loss_row(&self) -> LossRow {
         let n = self.tokens.len();
+        // The path's logprobs: the history, then the last `n`, the tokens'.
+        let (history, behaviour) = match self.logprobs.len().checked_sub(n) {
+            Some(h) => (self.logprobs[..h].to_vec(), self.logprobs[h..].to_vec()),
+            None => (Vec::new(), vec![0.0; n]),
+        };
         LossRow {
             episode: 0,
             leaf: arbor_rl::NodeId(0),
             tokens: self.tokens.clone(),
             mask: vec![0.0; n],
             advantages: vec![0.0; n],
-            behaviour_logprobs: match self.logprobs.len().checked_sub(n) {
-                Some(h) => self.logprobs[h..].to_vec(),
-                None => vec![0.0; n],
-            },
-            history_logprobs: match self.logprobs.len().checked_sub(n) {
-                Some(h) => self.logprobs[..h].to_vec(),
-                None => Vec::new(),
-            },
+            behaviour_logprobs: behaviour,
+            history_logprobs: history,
             value_targets: self.value_targets.clone(),
         }
     }
@@ -615,6 +617,9 @@ impl Learner {
                 .to_vec1()?;
             let mut at = 0;
             for (i, s) in mb {
+                // The surprise term at the wanted positions only, on the
+                // host (`features . u`, as `with_surprise` adds it in
+                // training).
                 let f = u
                     .as_ref()
                     .map(|_| surprise_features(logprobs.get(*i).map_or(&[][..], |l| l), s.len()));

@@ -454,13 +454,7 @@ impl Trainer {
         let surprise = self.learner.surprise.is_some();
         let mine: Vec<(u32, ValueRow)> = rows
             .iter()
-            .filter_map(|r| {
-                let mut v = ValueRow::of(r)?;
-                if !surprise {
-                    v.logprobs.clear();
-                }
-                Some((r.leaf.0, v))
-            })
+            .filter_map(|r| ValueRow::of(r, surprise).map(|v| (r.leaf.0, v)))
             .collect();
         if self.group.world() == 1 {
             return Ok(mine.into_iter().map(|(_, v)| v).collect());

@@ -293,7 +293,10 @@ fn critic_passes_fit_the_values_and_move_only_the_critic() {
         let run = |recompute| {
             let mut l = learner_with(Aggregation::TokenMean, 12, critic, recompute);
             l.set_critic_optimizer(1e-2, 1.0);
-            let rows: Vec<ValueRow> = rows(&l).iter().filter_map(ValueRow::of).collect();
+            let rows: Vec<ValueRow> = rows(&l)
+                .iter()
+                .filter_map(|r| ValueRow::of(r, false))
+                .collect();
             let params = |l: &Learner| -> Vec<(String, Vec<f32>)> {
                 l.opt
                     .vars()
