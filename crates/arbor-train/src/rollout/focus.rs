@@ -2,7 +2,9 @@
 //! tree state where one more sample cuts the expected critic MSE most;
 //! Eq. 1 backups, TD(lambda) advantages and critic targets.
 
-use arbor_rl::credit::{backup, focus_credit, loss_rows, CreditConfig, Sharing};
+use arbor_rl::credit::{
+    backup, descent_weights, focus_credit, weighted_loss_rows, CreditConfig, LossRow, Sharing,
+};
 use arbor_rl::diagnostics::AllocationLog;
 use arbor_rl::focus::{Allocator, AllocatorConfig, AsyncGain, Budget, Focus};
 use arbor_rl::RolloutTree;
@@ -10,7 +12,7 @@ use arbor_rl::RolloutTree;
 use super::conts::{root_values, Snapshots};
 use super::span::SpanLoop;
 use super::{RolloutPolicy, StepContext, StepRollouts, TaskInstance};
-use crate::config::{CriticTargets, FocusConfig};
+use crate::config::{CriticTargets, FocusConfig, LossWeights};
 use crate::TrainError;
 
 /// `tasks` roots a step and `budget` continuations among their states (or
@@ -146,7 +148,21 @@ impl RolloutPolicy for FocusPolicy {
             }
         };
         // Each rank trains its own tasks' trees (episode i is task i).
-        let mut rows = loss_rows(&tree, &credit.tokens, Some(targets), Sharing::Once)?;
+        let weights = match fcfg.loss_weights {
+            LossWeights::Tokens => None,
+            LossWeights::Descent => Some(descent_weights(&tree)),
+        };
+        let mut rows = weighted_loss_rows(
+            &tree,
+            &credit.tokens,
+            Some(targets),
+            Sharing::Once,
+            weights.as_deref(),
+        )?;
+        if fcfg.center_advantages {
+            // Every rank holds the whole forest: the mean is the step's.
+            center_advantages(&mut rows);
+        }
         rows.retain(|r| owned.contains(&r.episode));
         let mut critic_vs_target = Vec::new();
         for (id, node) in tree.nodes() {
@@ -160,5 +176,74 @@ impl RolloutPolicy for FocusPolicy {
         let mut r = StepRollouts::new(tree, rows, stats, critic_vs_target);
         r.allocation = Some(allocation);
         Ok(r)
+    }
+}
+
+/// Subtract the loss-weighted mean advantage of the trained tokens of
+/// `rows` (mask > 0) from each of them.
+fn center_advantages(rows: &mut [LossRow]) {
+    let (mut sum, mut weight) = (0.0f64, 0.0f64);
+    for r in rows.iter() {
+        for (&m, &a) in r.mask.iter().zip(&r.advantages) {
+            if m > 0.0 {
+                sum += f64::from(m) * f64::from(a);
+                weight += f64::from(m);
+            }
+        }
+    }
+    if weight == 0.0 {
+        return;
+    }
+    let mean = (sum / weight) as f32;
+    for r in rows.iter_mut() {
+        for (&m, a) in r.mask.iter().zip(r.advantages.iter_mut()) {
+            if m > 0.0 {
+                *a -= mean;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(mask: Vec<f32>, advantages: Vec<f32>) -> LossRow {
+        let n = mask.len();
+        LossRow {
+            episode: 0,
+            leaf: arbor_rl::NodeId(0),
+            tokens: vec![0; n],
+            mask,
+            advantages,
+            behaviour_logprobs: vec![0.0; n],
+            history_logprobs: Vec::new(),
+            value_targets: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn centred_advantages_have_zero_weighted_mean() {
+        let mut rows = vec![
+            row(vec![0.0, 1.0, 1.0], vec![0.0, -0.5, -0.3]),
+            row(vec![0.0, 0.0, 2.0], vec![9.0, 9.0, 0.4]),
+        ];
+        center_advantages(&mut rows);
+        // Mean: (-0.5 - 0.3 + 2 * 0.4) / 4 = 0.
+        assert_eq!(rows[0].advantages, vec![0.0, -0.5, -0.3]);
+        rows[1].advantages[2] = 1.2;
+        center_advantages(&mut rows);
+        // Mean: (-0.5 - 0.3 + 2 * 1.2) / 4 = 0.4; untrained tokens keep theirs.
+        let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-6);
+        assert!(
+            close(&rows[0].advantages, &[0.0, -0.9, -0.7]),
+            "{:?}",
+            rows[0].advantages
+        );
+        assert!(
+            close(&rows[1].advantages, &[9.0, 9.0, 0.8]),
+            "{:?}",
+            rows[1].advantages
+        );
     }
 }
