@@ -27,7 +27,7 @@ pub struct AlgosArgs {
     /// optionally with settings joined by `+`: `lambda=X`, `kappa=X`,
     /// `score=spec|bias|propagated`, `evidence=on_policy|subtree`,
     /// `prune_settled=K`, `critic_targets=gbar|monte_carlo`,
-    /// `loss_weights=tokens|descent`, `center=B` (centred advantages),
+    /// `center=B` (centred advantages),
     /// `critic=shared|separate`, `critic_init=policy|own`, `critic_lr=X`,
     /// `critic_epochs=E`, `critic_minibatches=M`, `critic_replay=R`, `heldout_tasks=N`,
     /// `heldout_samples=K`;
@@ -313,7 +313,6 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
             "kappa" => cfg.focus.kappa = num()?,
             "prune_settled" => cfg.focus.prune_settled = u32::try_from(int()?).with_context(|| format!("row setting `{kv}`: too large"))?,
             "critic_targets" => cfg.focus.critic_targets = variant(kv, v)?,
-            "loss_weights" => cfg.focus.loss_weights = variant(kv, v)?,
             "center" => cfg.focus.center_advantages = flag(kv, v)?,
             "score" => cfg.focus.score = variant(kv, v)?,
             "evidence" => cfg.focus.evidence = variant(kv, v)?,
@@ -342,7 +341,7 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
             "context_tokens" => cfg.harness.context_tokens = Some(int()?),
             _ => anyhow::bail!(
                 "row setting `{kv}`: unknown key (lambda, kappa, score, evidence, \
-                 prune_settled, critic_targets, loss_weights, center, critic, critic_init, critic_lr, critic_epochs, \
+                 prune_settled, critic_targets, center, critic, critic_init, critic_lr, critic_epochs, \
                  critic_minibatches, critic_replay, heldout_tasks, heldout_samples, surprise; PS: reserve, \
                  band, eta, cut, replay, rerollouts, sources, attempts, probe, anchor, keep_skewed, \
                  match_budget; context: compaction, context_tokens)"
@@ -717,7 +716,7 @@ fn plot(
 mod tests {
     use super::*;
     use arbor_rl::focus::Score;
-    use arbor_train::config::{CriticTargets, LossWeights};
+    use arbor_train::config::CriticTargets;
     use arbor_train::CriticInit;
 
     #[test]
@@ -755,12 +754,12 @@ mod tests {
             &[
                 "critic_targets=monte_carlo",
                 "prune_settled=2",
-                "loss_weights=descent",
+                "center=true",
             ],
         )
         .unwrap();
         assert_eq!(cfg.focus.critic_targets, CriticTargets::MonteCarlo);
-        assert_eq!(cfg.focus.loss_weights, LossWeights::Descent);
+        assert!(cfg.focus.center_advantages);
         assert_eq!(cfg.focus.prune_settled, 2);
         let e = apply_row(&mut cfg, &["gamma=1"]).unwrap_err().to_string();
         assert!(e.contains("gamma=1"), "{e}");

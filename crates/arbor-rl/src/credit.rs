@@ -377,63 +377,11 @@ pub fn loss_rows(
     value_targets: Option<&[Option<f64>]>,
     sharing: Sharing,
 ) -> Result<Vec<LossRow>> {
-    weighted_loss_rows(tree, adv, value_targets, sharing, None)
-}
-
-/// The probability that uniform descent reaches each node: 1 at an
-/// episode's root, `p(c) = p(s) / |C(s)|` for a child `c` of `s`.
-///
-/// A path followed by picking a child uniformly at every branching state
-/// is distributed as one on-policy trajectory from the root (each child is
-/// a continuation the policy sampled from its parent), so weighting an
-/// edge's tokens by `p` makes an episode's tree weigh in the loss as one
-/// trajectory whose advantages the forks below it refine, wherever the
-/// allocator chose to fork.
-pub fn descent_weights(tree: &RolloutTree) -> Vec<f64> {
-    let mut p = vec![1.0; tree.len()];
-    // Children have larger ids than their parents.
-    for (id, node) in tree.nodes() {
-        let n = node.children().len() as f64;
-        for &c in node.children() {
-            p[c.index()] = p[id.index()] / n;
-        }
-    }
-    p
-}
-
-/// [`loss_rows`] with a loss weight per node (e.g. [`descent_weights`]):
-/// the mask of a trained token of the edge into `s` is `edge_weights[s]`
-/// instead of 1 (the policy loss reads the mask as the token's weight).
-pub fn weighted_loss_rows(
-    tree: &RolloutTree,
-    adv: &EdgeAdvantages,
-    value_targets: Option<&[Option<f64>]>,
-    sharing: Sharing,
-    edge_weights: Option<&[f64]>,
-) -> Result<Vec<LossRow>> {
     if let Some(v) = value_targets {
         if v.len() != tree.len() {
             return Err(RlError::input(
                 "value_targets",
                 format!("{} entries for {} nodes", v.len(), tree.len()),
-            ));
-        }
-    }
-    if let Some(w) = edge_weights {
-        if w.len() != tree.len() {
-            return Err(RlError::input(
-                "edge_weights",
-                format!("{} entries for {} nodes", w.len(), tree.len()),
-            ));
-        }
-        if let Some((i, x)) = w
-            .iter()
-            .enumerate()
-            .find(|(_, x)| !(x.is_finite() && **x > 0.0))
-        {
-            return Err(RlError::input(
-                "edge_weights",
-                format!("node {i}: weight {x} is not finite and > 0"),
             ));
         }
     }
@@ -468,7 +416,7 @@ pub fn weighted_loss_rows(
                         // not: the critic's surprise features read them.
                         row.behaviour_logprobs[pos] = seg.logprobs[j];
                         if let Some(a) = a {
-                            row.mask[pos] = edge_weights.map_or(1.0, |w| w[s.index()] as f32);
+                            row.mask[pos] = 1.0;
                             row.advantages[pos] = a[j] as f32;
                             row.trained = true;
                         }
@@ -643,48 +591,6 @@ mod tests {
     }
 
     #[test]
-    fn descent_weights_split_each_branch_evenly() {
-        let (t, [r, a, t1, b, t2, c]) = hand_tree();
-        let p = descent_weights(&t);
-        for (id, want) in [
-            (r, 1.0),
-            (a, 0.5),
-            (b, 0.5),
-            (t1, 1.0 / 6.0),
-            (t2, 1.0 / 6.0),
-            (c, 1.0 / 6.0),
-        ] {
-            assert!((p[id.index()] - want).abs() < 1e-15, "{id:?}");
-        }
-        // The leaves of an episode carry its whole weight.
-        let leaves: f64 = t.leaves().into_iter().map(|l| p[l.index()]).sum();
-        assert!((leaves - 1.0).abs() < 1e-12);
-        // Weighted rows: the same tokens trained, each with its edge's weight.
-        let cr = focus_credit(&t, &CreditConfig::default()).unwrap();
-        let plain = loss_rows(&t, &cr.tokens, None, Sharing::Once).unwrap();
-        let rows = weighted_loss_rows(&t, &cr.tokens, None, Sharing::Once, Some(&p)).unwrap();
-        for (x, y) in plain.iter().zip(&rows) {
-            assert_eq!(x.advantages, y.advantages);
-            let span = t.node(y.leaf).unwrap().span();
-            let w = p[y.leaf.index()] as f32;
-            for i in span {
-                assert_eq!(y.mask[i], x.mask[i] * w);
-            }
-        }
-        let row_a = rows.iter().find(|x| x.leaf == t1).unwrap();
-        let span_a = t.node(a).unwrap().span();
-        assert!(row_a.mask[span_a].iter().all(|&m| m == 0.0 || m == 0.5));
-        let bad = vec![0.0; t.len()];
-        assert!(matches!(
-            weighted_loss_rows(&t, &cr.tokens, None, Sharing::Once, Some(&bad)),
-            Err(RlError::Input {
-                what: "edge_weights",
-                ..
-            })
-        ));
-    }
-
-    #[test]
     fn loss_rows_split_at_context_restarts() {
         // prompt [9, 9] -> a: act [1, 2] obs [3] -> b: summary [4, 5],
         // restart context [6, 7] -> {c: act [8], R=1; d: act [2], R=0}.
@@ -756,6 +662,65 @@ mod tests {
         assert!(w2.value_targets.is_empty());
         // Values back up through the compaction: Gbar(b) averages c and d.
         assert!((cr.backup.gbar[b.index()].unwrap() - 0.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn loss_rows_carry_the_path_through_two_restarts() {
+        // prompt [9] -> a: act [1] obs [2] -> b: summary [3], restart [4]
+        // -> c: act [5] obs [6] -> d: summary [7], restart [8] -> e: act
+        // [10], R=1.
+        let restart = |summary: u32, lp: f32, context: u32| {
+            let mut s = Segment::new();
+            s.push(TokenKind::ContextManagement, &[summary], Some(&[lp]))
+                .unwrap();
+            s.push(TokenKind::Observation, &[context], None).unwrap();
+            s.restarting()
+        };
+        let act = |a: u32, lp: f32, obs: u32| {
+            let mut s = Segment::new();
+            s.push(TokenKind::Action, &[a], Some(&[lp])).unwrap();
+            s.push(TokenKind::Observation, &[obs], None).unwrap();
+            s
+        };
+        let mut t = RolloutTree::new();
+        let r = t.add_episode("t", vec![9], Some(0.5)).unwrap();
+        let mut last = Segment::new();
+        last.push(TokenKind::Action, &[10], Some(&[-1.0])).unwrap();
+        let ids = t
+            .add_path(
+                r,
+                vec![
+                    Step::new(act(1, -0.1, 2)).value(0.5),
+                    Step::new(restart(3, -0.3, 4)).value(0.5),
+                    Step::new(act(5, -0.5, 6)).value(0.5),
+                    Step::new(restart(7, -0.7, 8)).value(0.5),
+                    Step::new(last).terminal(1.0),
+                ],
+            )
+            .unwrap();
+        t.validate().unwrap();
+        let e = ids[4];
+        let cr = focus_credit(&t, &CreditConfig::default()).unwrap();
+        let rows = loss_rows(&t, &cr.tokens, Some(&cr.backup.gbar), Sharing::Once).unwrap();
+        let tokens: Vec<&[u32]> = rows.iter().map(|w| w.tokens.as_slice()).collect();
+        assert_eq!(tokens, [&[9, 1, 2, 3][..], &[4, 5, 6, 7], &[8, 10]]);
+        assert!(rows.iter().all(|w| w.leaf == e));
+        // Each window's history is everything on the path before it, so
+        // history and window together are the path up to the window's end.
+        let path = t.path_logprobs(e).unwrap();
+        assert_eq!(
+            path,
+            vec![0.0, -0.1, 0.0, -0.3, 0.0, -0.5, 0.0, -0.7, 0.0, -1.0]
+        );
+        let mut seen = 0;
+        for w in &rows {
+            assert_eq!(w.history_logprobs, path[..seen]);
+            seen += w.tokens.len();
+            let mut joined = w.history_logprobs.clone();
+            joined.extend_from_slice(&w.behaviour_logprobs);
+            assert_eq!(joined, path[..seen]);
+        }
+        assert_eq!(seen, path.len());
     }
 
     /// A random tree: node i > 0 hangs under a random earlier non-terminal

@@ -184,31 +184,12 @@ pub struct FocusConfig {
     /// below each state, recursively, with no critic in it). Allocation
     /// and advantages are unchanged.
     pub critic_targets: CriticTargets,
-    /// How the policy loss weighs the tree's tokens: `tokens` (default,
-    /// the spec: every trained token the same) or `descent` (each edge's
-    /// tokens by the probability that uniform descent from the root
-    /// reaches it, so an episode's tree weighs as one trajectory however
-    /// many continuations the allocator forked from it).
-    pub loss_weights: LossWeights,
     /// Subtract the step's mean advantage (over every trained token of the
     /// forest, weighted as the loss weighs them) from each trained token's
     /// advantage, so a critic that over- or underestimates every state
     /// does not push all sampled tokens down or up (default false: the
     /// spec's residuals as they are).
     pub center_advantages: bool,
-}
-
-/// How FOCUS's policy loss weighs the tokens of a tree (`[focus]
-/// loss_weights`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum LossWeights {
-    /// Every trained token weighs the same (the spec).
-    #[default]
-    Tokens,
-    /// [`arbor_rl::credit::descent_weights`]: the state distribution of the
-    /// gradient is the policy's own, and forks refine its advantages.
-    Descent,
 }
 
 /// What FOCUS's critic regresses onto (`[focus] critic_targets`).
@@ -231,7 +212,6 @@ impl Default for FocusConfig {
             evidence: arbor_rl::focus::Evidence::OnPolicy,
             prune_settled: 0,
             critic_targets: CriticTargets::Gbar,
-            loss_weights: LossWeights::Tokens,
             center_advantages: false,
         }
     }

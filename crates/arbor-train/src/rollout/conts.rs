@@ -255,40 +255,59 @@ pub(crate) fn segment_values(
     conts: &[Cont],
     tree: &RolloutTree,
 ) -> Result<Vec<Vec<f64>>, TrainError> {
-    let mut seqs = Vec::new();
-    let mut lps = Vec::new();
-    let mut pos = Vec::new();
-    // The sequences of continuation i are seqs[owner[i]..owner[i + 1]].
-    let mut owner = vec![0];
-    for c in conts {
-        let mut ctx = tree.context_tokens(c.from)?;
-        // The path's logprobs: the context's are their last entries.
-        let mut lp = tree.path_logprobs(c.from)?;
-        let mut p = Vec::new();
-        for (k, r) in c.steps.iter().enumerate() {
-            if r.restart {
-                seqs.push(std::mem::take(&mut ctx));
-                lps.push(lp.clone());
-                pos.push(std::mem::take(&mut p));
-            }
-            advance(&mut ctx, &r.action, &r.observation, r.restart);
-            debug_assert_eq!(r.logprobs.len(), r.action.len());
-            lp.extend_from_slice(&r.logprobs);
-            lp.resize(lp.len() + r.observation.len(), 0.0);
-            if k + 1 < c.steps.len() {
-                p.push(ctx.len() - 1);
-            }
-        }
-        seqs.push(ctx);
-        lps.push(lp);
-        pos.push(p);
-        owner.push(seqs.len());
-    }
-    let values = learner.values_at(&seqs, &lps, &pos)?;
-    Ok(owner
+    let v = ValueInputs::of(conts, tree)?;
+    let values = learner.values_at(&v.seqs, &v.logprobs, &v.positions)?;
+    Ok(v.owner
         .windows(2)
         .map(|w| values[w[0]..w[1]].concat())
         .collect())
+}
+
+/// What [`segment_values`] asks the critic: one sequence per context a
+/// continuation's states see (a compaction starts a new one), the path's
+/// logprobs up to its end (the history before the context first), and the
+/// positions of the states' last tokens in it.
+#[derive(Debug, Default, PartialEq)]
+struct ValueInputs {
+    seqs: Vec<Vec<u32>>,
+    logprobs: Vec<Vec<f32>>,
+    positions: Vec<Vec<usize>>,
+    /// The sequences of continuation `i` are `seqs[owner[i]..owner[i + 1]]`.
+    owner: Vec<usize>,
+}
+
+impl ValueInputs {
+    fn of(conts: &[Cont], tree: &RolloutTree) -> Result<Self, TrainError> {
+        let mut v = ValueInputs {
+            owner: vec![0],
+            ..Default::default()
+        };
+        for c in conts {
+            let mut ctx = tree.context_tokens(c.from)?;
+            // The path's logprobs: the context's are their last entries.
+            let mut lp = tree.path_logprobs(c.from)?;
+            let mut p = Vec::new();
+            for (k, r) in c.steps.iter().enumerate() {
+                if r.restart {
+                    v.seqs.push(std::mem::take(&mut ctx));
+                    v.logprobs.push(lp.clone());
+                    v.positions.push(std::mem::take(&mut p));
+                }
+                advance(&mut ctx, &r.action, &r.observation, r.restart);
+                debug_assert_eq!(r.logprobs.len(), r.action.len());
+                lp.extend_from_slice(&r.logprobs);
+                lp.resize(lp.len() + r.observation.len(), 0.0);
+                if k + 1 < c.steps.len() {
+                    p.push(ctx.len() - 1);
+                }
+            }
+            v.seqs.push(ctx);
+            v.logprobs.push(lp);
+            v.positions.push(p);
+            v.owner.push(v.seqs.len());
+        }
+        Ok(v)
+    }
 }
 
 /// Environment states kept at tree nodes, where later continuations fork.
@@ -377,4 +396,69 @@ pub(crate) fn root_values(
         .into_iter()
         .map(|v| v[0])
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(kind: TokenKind, action: u32, lp: f32, obs: &[u32], restart: bool) -> SegmentRecord {
+        SegmentRecord {
+            head: Vec::new(),
+            kind,
+            action: vec![action],
+            logprobs: vec![lp],
+            observation: obs.to_vec(),
+            restart,
+            next: TokenKind::Action,
+            env_after: None,
+            reward: None,
+        }
+    }
+
+    /// The critic reads each new state of a continuation where the tree
+    /// will hold it: the state's own context, and the path's logprobs up to
+    /// it, through a compaction before the continuation and one inside it.
+    #[test]
+    fn value_inputs_match_the_tree_through_compactions() {
+        let mut t = RolloutTree::new();
+        let r = t.add_episode("t", vec![9], Some(0.5)).unwrap();
+        let mut summary = Segment::new();
+        summary
+            .push(TokenKind::ContextManagement, &[1], Some(&[-0.1]))
+            .unwrap();
+        summary.push(TokenKind::Observation, &[2], None).unwrap();
+        let a = t
+            .add_path(r, vec![Step::new(summary.restarting()).value(0.5)])
+            .unwrap()[0];
+        let mut c = Cont::new(None, a, t.context_tokens(a).unwrap(), Box::new(Elsewhere));
+        c.steps = vec![
+            record(TokenKind::Action, 3, -0.3, &[4], false),
+            record(TokenKind::ContextManagement, 5, -0.5, &[6], true),
+            record(TokenKind::Action, 7, -0.7, &[8], false),
+            record(TokenKind::Action, 10, -1.0, &[], false),
+        ];
+        c.steps[3].reward = Some(1.0);
+        let v = ValueInputs::of(std::slice::from_ref(&c), &t).unwrap();
+        assert_eq!(v.seqs, vec![vec![2, 3, 4], vec![6, 7, 8, 10]]);
+        assert_eq!(v.positions, vec![vec![2], vec![0, 2]]);
+        assert_eq!(v.owner, vec![0, 2]);
+        let ids = t
+            .add_path(a, to_steps(&c, Some(&[0.5, 0.5, 0.5])).unwrap())
+            .unwrap();
+        t.validate().unwrap();
+        let states = [(0, 2), (1, 0), (1, 2)];
+        for (k, &(w, p)) in states.iter().enumerate() {
+            let (seq, lp) = (&v.seqs[w], &v.logprobs[w]);
+            assert_eq!(t.context_tokens(ids[k]).unwrap(), seq[..=p], "state {k}");
+            let upto = lp.len() - (seq.len() - (p + 1));
+            assert_eq!(t.path_logprobs(ids[k]).unwrap(), lp[..upto], "state {k}");
+        }
+        // The last window's logprobs are the leaf's whole path.
+        assert_eq!(t.path_logprobs(ids[3]).unwrap(), v.logprobs[1]);
+        assert_eq!(
+            v.logprobs[1],
+            vec![0.0, -0.1, 0.0, -0.3, 0.0, -0.5, 0.0, -0.7, 0.0, -1.0]
+        );
+    }
 }

@@ -2,9 +2,7 @@
 //! tree state where one more sample cuts the expected critic MSE most;
 //! Eq. 1 backups, TD(lambda) advantages and critic targets.
 
-use arbor_rl::credit::{
-    backup, descent_weights, focus_credit, weighted_loss_rows, CreditConfig, LossRow, Sharing,
-};
+use arbor_rl::credit::{backup, focus_credit, loss_rows, CreditConfig, LossRow, Sharing};
 use arbor_rl::diagnostics::AllocationLog;
 use arbor_rl::focus::{Allocator, AllocatorConfig, AsyncGain, Budget, Focus};
 use arbor_rl::RolloutTree;
@@ -12,7 +10,7 @@ use arbor_rl::RolloutTree;
 use super::conts::{root_values, Snapshots};
 use super::span::SpanLoop;
 use super::{RolloutPolicy, StepContext, StepRollouts, TaskInstance};
-use crate::config::{CriticTargets, FocusConfig, LossWeights};
+use crate::config::{CriticTargets, FocusConfig};
 use crate::TrainError;
 
 /// `tasks` roots a step and `budget` continuations among their states (or
@@ -148,17 +146,7 @@ impl RolloutPolicy for FocusPolicy {
             }
         };
         // Each rank trains its own tasks' trees (episode i is task i).
-        let weights = match fcfg.loss_weights {
-            LossWeights::Tokens => None,
-            LossWeights::Descent => Some(descent_weights(&tree)),
-        };
-        let mut rows = weighted_loss_rows(
-            &tree,
-            &credit.tokens,
-            Some(targets),
-            Sharing::Once,
-            weights.as_deref(),
-        )?;
+        let mut rows = loss_rows(&tree, &credit.tokens, Some(targets), Sharing::Once)?;
         if fcfg.center_advantages {
             // Every rank holds the whole forest: the mean is the step's.
             center_advantages(&mut rows);
