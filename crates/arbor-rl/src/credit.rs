@@ -397,8 +397,6 @@ pub fn loss_rows(
         let path = tree.path(leaf)?;
         let episode = tree.node(leaf)?.episode();
         let root = tree.episodes()[episode].prompt.clone();
-        // Every token's behaviour logprob on the path so far.
-        let mut path_lp = vec![0.0; root.len()];
         let mut row = Window::new(root);
         for &s in &path {
             let n = tree.node(s)?;
@@ -426,14 +424,14 @@ pub fn loss_rows(
                     // A context restart: the row so far is one sequence the
                     // policy saw; the state's context starts a new one.
                     let mut next = Window::new(seg.tokens[w..].to_vec());
-                    next.history = path_lp.clone();
-                    next.history.extend_from_slice(&seg.logprobs[..w]);
+                    // The path's logprobs up to the restart context.
+                    next.history = tree.path_logprobs(s)?;
+                    next.history.truncate(next.history.len() - (seg.len() - w));
                     let done = std::mem::replace(&mut row, next);
                     if done.trained || !done.value_targets.is_empty() {
                         rows.push(done.into_row(episode, leaf));
                     }
                 }
-                path_lp.extend_from_slice(&seg.logprobs);
             }
             debug_assert_eq!(row.tokens.len(), n.context_len());
             if let (true, Some(t), Some(pos)) = (
