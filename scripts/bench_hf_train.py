@@ -9,11 +9,17 @@ position, backward, torch AdamW. Prints tokens/s, the time of each phase
 and peak memory (whole-process peak RSS on the CPU, torch's allocator peak
 on CUDA).
 
+--dtype: f32; bf16 (every parameter and activation bf16, plain torch
+AdamW on bf16 weights); or amp (f32 parameters and AdamW state, forward
+under torch.autocast to bf16, the loss in f32: mixed precision, the peer of
+`arbor bench train --precision bf16`).
+
 With --arbor (default target/release/arbor, when present) it first runs
-`arbor bench train` with the same shape and prints both side by side.
+`arbor bench train` with the same shape (f32 for --dtype f32, mixed bf16
+for bf16 and amp) and prints both side by side.
 
     python scripts/bench_hf_train.py --preset smollm2-135m --batch 4 --seq 256
-    python scripts/bench_hf_train.py --device cuda --dtype bf16 --preset qwen3-0.6b \
+    python scripts/bench_hf_train.py --device cuda --dtype amp --preset qwen3-0.6b \
         --batch 8 --seq 1024 --arbor dist/arbor
 
 Needs torch and transformers.
@@ -60,9 +66,10 @@ def run_torch(a):
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "amp": torch.float32}[a.dtype]
     dev = torch.device(a.device)
     cfg, model, head = build(a.preset, dtype, dev, a.attn)
+    amp = a.dtype == "amp"
     params = list(model.parameters()) + list(head.parameters())
     n_params = sum(p.numel() for p in params)
     opt = torch.optim.AdamW(params, lr=1e-6)
@@ -79,12 +86,14 @@ def run_torch(a):
 
     def step():
         t0 = time.perf_counter()
-        h = model.model(input_ids=ids).last_hidden_state
-        logits = model.lm_head(h[:, :-1]).float()
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+            h = model.model(input_ids=ids).last_hidden_state
+            logits = model.lm_head(h[:, :-1])
+            v = head(h[:, vpos]).squeeze(-1)
+        logits, v = logits.float(), v.float()
         lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         ratio = torch.exp(lp - old)
         pl = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv).mean()
-        v = head(h[:, vpos]).squeeze(-1).float()
         loss = pl + 0.5 * (0.5 * (v - vtarget) ** 2).mean()
         sync()
         t1 = time.perf_counter()
@@ -134,7 +143,8 @@ def run_torch(a):
 
 def run_arbor(a):
     cmd = [a.arbor, "bench", "train", "--preset", a.preset, "--batch", str(a.batch),
-           "--seq", str(a.seq), "--steps", str(a.steps), "--device", a.device, "--json"]
+           "--seq", str(a.seq), "--steps", str(a.steps), "--device", a.device, "--json",
+           "--precision", "f32" if a.dtype == "f32" else "bf16"]
     if a.peak_tflops:
         cmd += ["--peak-tflops", str(a.peak_tflops)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -148,7 +158,7 @@ def main():
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
+    ap.add_argument("--dtype", default="f32", choices=["f32", "bf16", "amp"])
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     ap.add_argument("--peak-tflops", type=float, default=None)

@@ -155,18 +155,22 @@ run)
   tail -12 "$OUT/gpu-smoke.txt"
   # The whole RL step on one GPU (Qwen3-0.6B shape, random weights, 8
   # prompts x 8 samples, 128 + 256 tokens): generation (bf16 rollouts of the
-  # f32 policy), value pass, update and weight sync, generated and trained
-  # tokens/s.
-  timeout 120 "$bin" bench step --device cuda --preset qwen3-0.6b --bf16-rollouts --prompts 8 \
+  # f32 policy), value pass, update in mixed precision and weight sync,
+  # generated and trained tokens/s.
+  timeout 120 "$bin" bench step --device cuda --preset qwen3-0.6b --bf16-rollouts --precision bf16 --prompts 8 \
     --samples 8 --prompt-len 128 --response-len 256 --steps 1 --json > "$OUT/bench-step.json" \
     2> "$OUT/bench-step.err"
   echo "gpu-check: bench step exit $? (bench-step.json)"
   # The learner step (forward, backward, AdamW) against PyTorch eager, HF
-  # model + torch AdamW, Qwen3-0.6B shape, 8 x 1,024 tokens: arbor (f32),
-  # then torch in f32 and in bf16. One JSON line per engine.
+  # model + torch AdamW, Qwen3-0.6B shape, 8 x 1,024 tokens: arbor in mixed
+  # precision (bf16 over f32 master weights) against torch autocast (the
+  # same), then arbor and torch in f32, then torch all-bf16. One JSON line
+  # per engine.
   if [ -n "$peer" ]; then
     timeout 150 "$peer" scripts/bench_hf_train.py --device cuda --preset qwen3-0.6b --batch 8 --seq 1024 \
-      --dtype f32 --peak-tflops 989 --arbor "$bin" --json > "$OUT/bench-train.jsonl" 2> "$OUT/bench-train.err"
+      --dtype amp --peak-tflops 989 --arbor "$bin" --json > "$OUT/bench-train.jsonl" 2> "$OUT/bench-train.err"
+    timeout 150 "$peer" scripts/bench_hf_train.py --device cuda --preset qwen3-0.6b --batch 8 --seq 1024 \
+      --dtype f32 --peak-tflops 989 --arbor "$bin" --json >> "$OUT/bench-train.jsonl" 2>> "$OUT/bench-train.err"
     timeout 90 "$peer" scripts/bench_hf_train.py --device cuda --preset qwen3-0.6b --batch 8 --seq 1024 \
       --dtype bf16 --peak-tflops 989 --arbor '' --json >> "$OUT/bench-train.jsonl" 2>> "$OUT/bench-train.err"
     echo "gpu-check: learner step vs PyTorch (bench-train.jsonl):"

@@ -14,7 +14,7 @@ use anyhow::{bail, Result};
 use arbor_engine::{Engine, EngineConfig, SamplingParams};
 use arbor_model::CriticMode;
 use arbor_rl::credit::LossRow;
-use arbor_train::learner::{Learner, LearnerConfig};
+use arbor_train::learner::{Learner, LearnerConfig, Precision};
 use arbor_train::optim::AdamWConfig;
 use clap::Args;
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -56,6 +56,10 @@ pub struct StepBenchArgs {
     /// of the f32 policy (refreshed at the weight sync).
     #[arg(long)]
     pub bf16_rollouts: bool,
+    /// The learner's arithmetic: `f32`, or `bf16` (mixed precision over
+    /// f32 master weights; `[learner] precision`).
+    #[arg(long, default_value = "f32")]
+    pub precision: Precision,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Print the result as JSON.
@@ -72,6 +76,8 @@ struct StepBenchResult {
     device: String,
     critic: String,
     bf16_rollouts: bool,
+    /// The learner's arithmetic (`f32` or mixed `bf16`).
+    precision: &'static str,
     fused_decode: bool,
     prompts: usize,
     samples: usize,
@@ -237,6 +243,7 @@ pub fn run(a: StepBenchArgs) -> Result<()> {
     let lcfg = LearnerConfig {
         critic,
         micro_batch_tokens: a.micro_batch_tokens.max(1),
+        precision: a.precision,
         ..Default::default()
     };
     let mut learner = Learner::new(
@@ -296,6 +303,7 @@ pub fn run(a: StepBenchArgs) -> Result<()> {
         device: a.device.clone(),
         critic: a.critic.clone(),
         bf16_rollouts: a.bf16_rollouts,
+        precision: a.precision.name(),
         fused_decode,
         prompts: a.prompts,
         samples: a.samples,

@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use arbor_model::{CriticMode, ModelConfig};
 use arbor_rl::credit::LossRow;
-use arbor_train::learner::{Learner, LearnerConfig, Recompute, UpdateStats};
+use arbor_train::learner::{Learner, LearnerConfig, Precision, Recompute, UpdateStats};
 use arbor_train::optim::AdamWConfig;
 use clap::Args;
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -41,6 +41,11 @@ pub struct TrainBenchArgs {
     /// `cpu`, or `cuda` / `cuda:N` (a build with `--features cuda`).
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// The training forward's arithmetic: `f32`, or `bf16` (mixed
+    /// precision: bf16 activations over f32 master weights, f32 AdamW
+    /// state, logprobs and losses summed in f32; `[learner] precision`).
+    #[arg(long, default_value = "f32")]
+    pub precision: Precision,
     /// The device's peak dense TFLOP/s in the compute dtype, to print model
     /// FLOPs utilisation (H100 / H200 SXM bf16: 989).
     #[arg(long)]
@@ -126,6 +131,7 @@ pub fn run(a: TrainBenchArgs) -> Result<()> {
         critic: CriticMode::Shared,
         micro_batch_tokens: mbt,
         recompute,
+        precision: a.precision,
         ..Default::default()
     };
     let mut learner = Learner::new(
@@ -161,7 +167,7 @@ pub fn run(a: TrainBenchArgs) -> Result<()> {
         engine: "arbor",
         model: format!("{} (random weights)", a.preset),
         parameters: params,
-        dtype: "f32",
+        dtype: a.precision.name(),
         device: a.device.clone(),
         batch: a.batch,
         seq: a.seq,
@@ -184,8 +190,15 @@ pub fn run(a: TrainBenchArgs) -> Result<()> {
         println!("{}", serde_json::to_string(&r)?);
     } else {
         println!(
-            "{} {} x {} tokens on {} ({} parameters, f32, micro-batches of {} tokens, recompute {})",
-            r.model, r.batch, r.seq, r.device, r.parameters, r.micro_batch_tokens, r.recompute
+            "{} {} x {} tokens on {} ({} parameters, {}, micro-batches of {} tokens, recompute {})",
+            r.model,
+            r.batch,
+            r.seq,
+            r.device,
+            r.parameters,
+            r.dtype,
+            r.micro_batch_tokens,
+            r.recompute
         );
         println!(
             "  {:.1} tokens/s, {:.3} s per update: forward {:.3} s, backward {:.3} s, AdamW {:.3} s",

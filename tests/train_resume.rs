@@ -173,6 +173,14 @@ fn kill_9_then_resume_is_bit_exact_with_critic_passes_and_replay() {
     kill_and_resume(&passes, &[KillAt::Checkpoint(2), KillAt::Line(3)]);
 }
 
+#[test]
+fn kill_9_then_resume_is_bit_exact_in_mixed_precision() {
+    // bf16 activations over f32 master weights: the checkpoint holds the
+    // f32 weights and AdamW state, and the bf16 forward replays exactly.
+    let mixed = CONFIG.replace("[learner]", "[learner]\nprecision = \"bf16\"");
+    kill_and_resume(&mixed, &[KillAt::Checkpoint(2), KillAt::Line(3)]);
+}
+
 /// A run checkpointed without the critic's surprise features resumes with
 /// them switched on: the new weights start at zero with zero optimizer
 /// moments, and the next checkpoint holds them.

@@ -133,12 +133,21 @@ pub fn train_check(dev: &Device, quick: bool, rng: &mut Rng, out: &mut Vec<Check
     let ids: Vec<u32> = rng.below(b * t, cfg.vocab_size as u64);
     let adv = rng.uniform(b * (t - 1), -1.0, 1.0);
     let mut grads: Vec<Vec<(String, Tensor)>> = Vec::new();
+    let mut logprobs: Vec<Tensor> = Vec::new();
     let mut losses = Vec::new();
     let naive_reference = dev.is_cpu();
-    for (d, steps, naive) in [(Device::Cpu, 1, naive_reference), (dev.clone(), 4, false)] {
+    // The CPU reference, the device step in f32 (then AdamW steps), and the
+    // device step in mixed precision (bf16 activations over the f32 master
+    // weights, as `[learner] precision = "bf16"` trains).
+    for (d, steps, naive, mixed) in [
+        (Device::Cpu, 1, naive_reference, None),
+        (dev.clone(), 4, false, None),
+        (dev.clone(), 1, false, Some(DType::BF16)),
+    ] {
         let vm = candle_nn::VarMap::new();
         let p = ParamLoader::trainable(ParamSource::Random { seed: 3 }, DType::F32, &d, vm.clone());
-        let m = Transformer::load(&cfg, &p)?;
+        let mut m = Transformer::load(&cfg, &p)?;
+        m.set_train_dtype(mixed);
         let x = Tensor::from_vec(ids.clone(), (b, t), &d)?;
         let inputs = x.narrow(1, 0, t - 1)?;
         let targets = x.narrow(1, 1, t - 1)?.flatten_all()?;
@@ -152,9 +161,7 @@ pub fn train_check(dev: &Device, quick: bool, rng: &mut Rng, out: &mut Vec<Check
                     .gather(&targets.unsqueeze(1)?, 1)?
                     .squeeze(1)?
             } else {
-                arbor_ops::fused_logprobs(&hid, &m.lm_head, &targets, 1 << 16)?
-                    .narrow(1, 0, 1)?
-                    .squeeze(1)?
+                arbor_model::logprobs::token_logprobs(&hid, &m.lm_head, &targets, 256)?
             };
             let old = old.cloned().unwrap_or_else(|| lp.detach());
             let w = vec![1.0f32 / (b * (t - 1)) as f32; b * (t - 1)];
@@ -173,6 +180,7 @@ pub fn train_check(dev: &Device, quick: bool, rng: &mut Rng, out: &mut Vec<Check
             Ok((l, old))
         };
         let (l0, old) = loss_of(&m, None)?;
+        logprobs.push(old.clone());
         let g = l0.backward()?;
         let mut named: Vec<(String, Tensor)> = vm
             .data()
@@ -224,6 +232,39 @@ pub fn train_check(dev: &Device, quick: bool, rng: &mut Rng, out: &mut Vec<Check
         },
         DType::F32,
         rel_err(&flat(dg)?, &flat(cg)?)?,
+    );
+    // Mixed precision against the f32 reference: bf16's 8-bit mantissa
+    // through every layer (`arbor-model`'s gradient test sees 3-4% on tiny
+    // models with large weights).
+    let (mg, ml) = (&grads[2], &logprobs[2]);
+    if names(mg) != names(cg) {
+        bail!(
+            "the bf16 step has gradients for {:?}, the reference step for {:?}",
+            names(mg),
+            names(cg)
+        );
+    }
+    if let Some((n, g)) = mg.iter().find(|(_, g)| g.dtype() != DType::F32) {
+        bail!(
+            "the bf16 step's gradient of {n} is {:?}, not f32",
+            g.dtype()
+        );
+    }
+    push_tol(
+        out,
+        "train",
+        "bf16 step logprobs vs f32",
+        DType::BF16,
+        rel_err(ml, &logprobs[0])?,
+        2e-2,
+    );
+    push_tol(
+        out,
+        "train",
+        &format!("bf16 step grads vs f32 ({} tensors)", mg.len()),
+        DType::BF16,
+        rel_err(&flat(mg)?, &flat(cg)?)?,
+        6e-2,
     );
     let fell = losses.last().copied().unwrap_or(0.0) < losses[0];
     eprintln!("  train    AdamW losses on device: {losses:?}");

@@ -54,11 +54,21 @@ pub fn token_logprobs(
     // Over a bf16 LM head with f32 hidden states (bf16 matrices): the
     // products the engine's bf16 LM head computes (hidden rounded to bf16;
     // the fused op upcasts the weight once), summed in another order.
-    let hidden = match (hidden.dtype(), lm_head.dtype()) {
-        (DType::F32, DType::BF16) => hidden.to_dtype(DType::BF16)?.to_dtype(DType::F32)?,
-        _ => hidden.clone(),
+    // Half-precision hidden states over an f32 LM head (mixed precision,
+    // [`crate::Transformer::set_train_dtype`]): the head is cast to their
+    // dtype inside the graph (its gradient arrives in f32); the fused op
+    // sums the log-softmax in f32 and returns f32.
+    let (hidden, lm_head) = match (hidden.dtype(), lm_head.dtype()) {
+        (DType::F32, DType::BF16) => (
+            hidden.to_dtype(DType::BF16)?.to_dtype(DType::F32)?,
+            lm_head.clone(),
+        ),
+        (DType::BF16 | DType::F16, DType::F32) => {
+            (hidden.clone(), lm_head.to_dtype(hidden.dtype())?)
+        }
+        _ => (hidden.clone(), lm_head.clone()),
     };
-    let out = arbor_ops::fused_logprobs(&hidden, lm_head, targets, chunk_rows * vocab as usize)?;
+    let out = arbor_ops::fused_logprobs(&hidden, &lm_head, targets, chunk_rows * vocab as usize)?;
     Ok(out.narrow(1, 0, 1)?.squeeze(1)?)
 }
 

@@ -185,7 +185,7 @@ impl Module for Linear {
             y = (y + (matmul_nt(&matmul_nt(&x2, &l.a)?, &l.b)? * l.scale)?)?;
         }
         let y = match &self.bias {
-            Some(b) => y.broadcast_add(b)?,
+            Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?)?,
             None => y,
         };
         let mut out_dims = dims.to_vec();
@@ -205,6 +205,11 @@ impl Module for Linear {
 /// through [`arbor_ops::matmul_nt_op`] on the CPU; the pair on another
 /// device gets the same exact products through candle in f32 (a per-call
 /// f32 copy of `w`; only the summation order differs).
+///
+/// bf16 (or f16) `x` with an f32 `w` (mixed precision: f32 master weights
+/// under a half-precision training forward, [`Transformer::train_dtype`])
+/// casts `w` to `x`'s dtype first, inside the autograd graph, so the
+/// gradient reaches the f32 weight as f32.
 pub fn matmul_nt(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     let cpu = x.device().is_cpu();
     match (x.dtype(), w.dtype()) {
@@ -213,6 +218,7 @@ pub fn matmul_nt(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
             .to_dtype(DType::BF16)?
             .to_dtype(DType::F32)?
             .matmul(&w.to_dtype(DType::F32)?.t()?),
+        (DType::BF16 | DType::F16, DType::F32) => x.matmul(&w.to_dtype(x.dtype())?.t()?),
         _ => x.matmul(&w.t()?),
     }
 }
@@ -730,6 +736,11 @@ pub struct Transformer {
     /// dtype, except f32 over bf16 matrices
     /// ([`ParamLoader::bf16_matrices`]).
     pub dtype: DType,
+    /// The dtype of the training forward's activations
+    /// ([`Transformer::forward_packed`], [`Transformer::forward_checkpoints`]),
+    /// when it differs from `dtype`: mixed precision, see
+    /// [`Transformer::set_train_dtype`]. Generation is not affected.
+    pub train_dtype: Option<DType>,
 }
 
 impl Transformer {
@@ -755,6 +766,7 @@ impl Transformer {
             lm_head_packed: None,
             rope: Rope::new(cfg),
             dtype: p.compute_dtype(),
+            train_dtype: None,
         })
     }
 
@@ -765,6 +777,25 @@ impl Transformer {
     /// The dtype of activations (see [`Transformer::dtype`](Self#structfield.dtype)).
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// Mixed precision for the training forward: activations in `dt`
+    /// (bf16) while the parameters stay in their own dtype (the f32 master
+    /// weights the optimizer updates). Each weight is cast to `dt` where it
+    /// is used, inside the autograd graph ([`matmul_nt`], the norms'
+    /// [`arbor_ops::rms_norm`]), so gradients reach the parameters in their
+    /// dtype; reductions (norms, softmax, the LM head's log-softmax in
+    /// [`crate::logprobs::token_logprobs`]) accumulate in f32. `None` (or
+    /// the parameters' dtype) is the plain forward. The generation forward
+    /// keeps [`Transformer::dtype`].
+    pub fn set_train_dtype(&mut self, dt: Option<DType>) {
+        self.train_dtype = dt.filter(|&d| d != self.dtype);
+    }
+
+    /// The dtype of the training forward's activations
+    /// ([`Transformer::set_train_dtype`]).
+    pub fn train_dtype(&self) -> DType {
+        self.train_dtype.unwrap_or(self.dtype)
     }
 
     /// Token embeddings: `ids: [B, T]` (u32) -> `[B, T, H]`.
@@ -923,14 +954,17 @@ impl Transformer {
             )));
         }
         let positions: Vec<u32> = seq_lens.iter().flat_map(|&l| 0..l as u32).collect();
-        self.rope.cos_sin(&positions, self.dtype(), self.device())
+        self.rope
+            .cos_sin(&positions, self.train_dtype(), self.device())
     }
 
-    /// Token embeddings of packed `ids: [N]` -> `[N, H]`.
+    /// Token embeddings of packed `ids: [N]` -> `[N, H]`, in the training
+    /// forward's dtype.
     fn embed_packed(&self, ids: &Tensor) -> Result<Tensor> {
         let n = ids.dims1()?;
         Ok(self
             .embed_tokens(&ids.reshape((1, n))?)?
+            .to_dtype(self.train_dtype())?
             .reshape((n, self.cfg.hidden_size))?)
     }
 

@@ -1,7 +1,7 @@
 //! The critic: a scalar value head on the final hidden state, either on the
 //! policy's own trunk or on a separate backbone copy.
 
-use candle_core::{Module, Tensor};
+use candle_core::{DType, Module, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::config::ModelConfig;
@@ -82,6 +82,16 @@ impl ActorCritic {
             critic_backbone,
             value_head: ValueHead::load(critic, cfg.hidden_size)?,
         })
+    }
+
+    /// Mixed precision for the training forward of the policy and the
+    /// critic's backbone ([`Transformer::set_train_dtype`]); the value head
+    /// reads the hidden states in that dtype and returns f32 values.
+    pub fn set_train_dtype(&mut self, dt: Option<DType>) {
+        self.policy.set_train_dtype(dt);
+        if let Some(c) = &mut self.critic_backbone {
+            c.set_train_dtype(dt);
+        }
     }
 
     pub fn mode(&self) -> CriticMode {

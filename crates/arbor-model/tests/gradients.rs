@@ -10,6 +10,7 @@ use arbor_model::logprobs::token_logprobs;
 use arbor_model::{
     ActorCritic, Arch, CriticMode, LoraConfig, ModelConfig, ParamLoader, ParamSource, RopeScaling,
 };
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -241,6 +242,38 @@ fn llama_tied_separate_critic_gradients() {
 /// The f32 path (on AVX-512 CPUs every `Linear` runs Arbor's row-invariant
 /// matmul kernel and its backward) gives, for every parameter, the f64
 /// gradients that the finite-difference checks above verify.
+/// `(|a - b|, |a|)` for the gradients of `va` in `ga` (the reference)
+/// and of `vb` in `gb`, as f64; `vb`'s gradient must exist and be
+/// `dtype`.
+fn grad_diff(
+    (ga, va): (&GradStore, &Var),
+    (gb, vb): (&GradStore, &Var),
+    dtype: DType,
+    what: &str,
+) -> (f64, f64) {
+    let flat = |g: &Tensor| -> Vec<f64> {
+        g.to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    let a = flat(ga.get(va.as_tensor()).unwrap());
+    let g = gb
+        .get(vb.as_tensor())
+        .unwrap_or_else(|| panic!("{what} got no gradient"));
+    assert_eq!(g.dtype(), dtype, "{what}'s gradient");
+    let b = flat(g);
+    let diff = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    (diff, a.iter().map(|x| x * x).sum::<f64>().sqrt())
+}
+
 #[test]
 fn f32_gradients_match_the_checked_f64_ones() {
     for (arch, mode) in [
@@ -256,34 +289,78 @@ fn f32_gradients_match_the_checked_f64_ones() {
             loss(&s32).backward().unwrap(),
         );
         for ((name, v64), (_, v32)) in s64.vars.iter().zip(&s32.vars) {
-            let a: Vec<f64> = g64
-                .get(v64.as_tensor())
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            let b: Vec<f64> = g32
-                .get(v32.as_tensor())
-                .unwrap_or_else(|| panic!("{arch:?}: f32 {name} got no gradient"))
-                .to_dtype(DType::F64)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            let diff: f64 = a
-                .iter()
-                .zip(&b)
-                .map(|(x, y)| (x - y).powi(2))
-                .sum::<f64>()
-                .sqrt();
-            let norm: f64 = a.iter().map(|x| x * x).sum::<f64>().sqrt();
+            let (diff, norm) = grad_diff(
+                (&g64, v64),
+                (&g32, v32),
+                DType::F32,
+                &format!("{arch:?}: f32 {name}"),
+            );
             assert!(
                 diff <= 1e-4 * norm + 1e-9,
                 "{arch:?}: {name}: |g32 - g64| = {diff:.3e}, |g64| = {norm:.3e}"
             );
         }
+    }
+}
+
+/// Mixed precision (bf16 activations over f32 master weights,
+/// `set_train_dtype`): the forward really runs in bf16, every parameter's
+/// gradient arrives in f32, and loss and gradients track the f64 reference
+/// to bf16's precision (a relative error of a few 2^-8 per op).
+#[test]
+fn bf16_mixed_precision_gradients_track_the_f64_ones() {
+    for (arch, mode) in [
+        (Arch::Qwen2, CriticMode::Shared),
+        (Arch::Qwen3, CriticMode::Shared),
+        (Arch::Llama, CriticMode::Separate),
+    ] {
+        let seed = 7 + arch as u64;
+        let s64 = setup_in(arch, mode, seed, None, DType::F64);
+        let mut smp = setup_in(arch, mode, seed, None, DType::F32);
+        smp.model.set_train_dtype(Some(DType::BF16));
+        let (b, t) = smp.ids.dims2().unwrap();
+        let h = smp.model.policy.forward_hidden(&smp.ids).unwrap();
+        assert_eq!(h.dtype(), DType::BF16, "{arch:?}: the forward is bf16");
+        assert_eq!(h.dims(), [b, t, smp.model.policy.cfg.hidden_size]);
+        let (l64, lmp) = (loss(&s64), loss(&smp));
+        assert_eq!(lmp.dtype(), DType::F32, "{arch:?}: the loss is f32");
+        let (x, y) = (
+            scalar(&l64),
+            lmp.to_dtype(DType::F64)
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap(),
+        );
+        assert!(
+            (x - y).abs() < 0.02 * x.abs().max(1.0),
+            "{arch:?}: loss {y} vs f64 {x}"
+        );
+        let (g64, gmp) = (l64.backward().unwrap(), lmp.backward().unwrap());
+        let (mut worst, mut diff2, mut norm2) = (0.0f64, 0.0f64, 0.0f64);
+        for ((name, v64), (_, vmp)) in s64.vars.iter().zip(&smp.vars) {
+            assert_eq!(vmp.dtype(), DType::F32, "{name}: master weights stay f32");
+            let (diff, norm) = grad_diff(
+                (&g64, v64),
+                (&gmp, vmp),
+                DType::F32,
+                &format!("{arch:?}: {name} under bf16"),
+            );
+            worst = worst.max(diff / (norm + 1e-9));
+            diff2 += diff * diff;
+            norm2 += norm * norm;
+            assert!(
+                diff <= 0.15 * norm + 1e-6,
+                "{arch:?}: {name}: |g_bf16 - g64| = {diff:.3e}, |g64| = {norm:.3e}"
+            );
+        }
+        let all = (diff2 / norm2).sqrt();
+        eprintln!("{arch:?}: relative gradient error under bf16: {all:.3e} overall, {worst:.3e} worst tensor");
+        assert!(
+            all <= 0.06,
+            "{arch:?}: relative gradient error {all:.3e} overall"
+        );
+        // bf16 arithmetic, not f32 under another name: f32 is within 1e-4.
+        assert!(worst > 1e-3, "{arch:?}: largest relative error {worst:.2e}");
     }
 }
 

@@ -190,7 +190,16 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     if !fused_here(x) || w.dtype() != x.dtype() {
         let xf = x.to_dtype(accum_dtype(x.dtype()))?;
         let r = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?;
-        return xf.broadcast_div(&r)?.to_dtype(x.dtype())?.broadcast_mul(w);
+        let normed = xf.broadcast_div(&r)?;
+        if w.dtype() == x.dtype() {
+            return normed.to_dtype(x.dtype())?.broadcast_mul(w);
+        }
+        // A weight of another dtype (an f32 master weight under bf16
+        // compute) scales in the accumulation dtype, so its gradient, a sum
+        // over every row, is summed there too; then the product is cast.
+        return normed
+            .broadcast_mul(&w.to_dtype(accum_dtype(x.dtype()))?)?
+            .to_dtype(x.dtype());
     }
     x.contiguous()?
         .apply_op2(&w.contiguous()?, RmsNormOp { eps })

@@ -529,7 +529,8 @@ pub struct TrainConfig {
     /// On a GPU, roll out an f32 policy through the engine's dedicated
     /// bf16 step (a bf16 copy of the weights refreshed in place after each
     /// update, a bf16 KV cache): `arbor_engine::EngineConfig::bf16_rollouts`.
-    /// The learner still computes in f32.
+    /// The learner computes as `[learner] precision` says (f32 by default,
+    /// or mixed bf16).
     #[serde(default)]
     pub bf16_rollouts: bool,
     /// Where the policy, critic, optimizer state and rollout KV live:
@@ -905,6 +906,27 @@ mod tests {
         c.algo = Algo::Grpo;
         assert!(!c.learner_config().surprise);
         assert!(TrainConfig::from_toml(&text.replace("true", "1"), "s.toml").is_err());
+    }
+
+    /// `[learner] precision` reaches the learner; a value that is not a
+    /// precision is refused naming the key's value and the file.
+    #[test]
+    fn learner_precision_is_read_and_checked() {
+        let text = "seed = 0\nsteps = 1\nalgo = \"grpo\"\nprompts_per_step = 1\n\
+                    samples_per_prompt = 2\n[learner]\nprecision = \"bf16\"\n";
+        let c = TrainConfig::from_toml(text, "p.toml").unwrap();
+        assert_eq!(
+            c.learner_config().precision,
+            crate::learner::Precision::Bf16
+        );
+        assert_eq!(
+            TrainConfig::default().learner.precision,
+            crate::learner::Precision::F32
+        );
+        let e = TrainConfig::from_toml(&text.replace("bf16", "fp8"), "p.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("p.toml") && e.contains("fp8"), "{e}");
     }
 
     /// The defaults are a valid run; a file with only the required keys

@@ -56,6 +56,12 @@ pub struct LearnerConfig {
     /// `shared`: the value head reads the policy's hidden state; `separate`:
     /// the critic has its own backbone (FOCUS and PPO only).
     pub critic: CriticMode,
+    /// The training forward's arithmetic: `f32`, or `bf16` (mixed
+    /// precision: bf16 activations and matmuls over f32 master weights,
+    /// f32 gradients and AdamW state, log-probabilities and losses summed
+    /// in f32). On a CPU bf16 runs through candle's bf16 kernels and is an
+    /// option, not a speed-up.
+    pub precision: Precision,
     /// The critic also reads the policy's surprise along the episode's path
     /// ([`surprise_features`]); set from `[critic] surprise`.
     #[serde(skip)]
@@ -71,6 +77,7 @@ impl Default for LearnerConfig {
             epochs: 1,
             recompute: Recompute::Off,
             critic: CriticMode::Shared,
+            precision: Precision::F32,
             surprise: false,
         }
     }
@@ -133,6 +140,48 @@ pub enum Recompute {
     Off,
     /// Keep each layer's input only; recompute the layer in the backward.
     Layers,
+}
+
+/// The training forward's arithmetic ([`LearnerConfig::precision`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Precision {
+    /// f32 throughout.
+    #[default]
+    F32,
+    /// bf16 activations over f32 master weights
+    /// ([`arbor_model::Transformer::set_train_dtype`]).
+    Bf16,
+}
+
+impl Precision {
+    /// The activations' dtype when it is not the parameters' (f32).
+    pub fn train_dtype(self) -> Option<DType> {
+        match self {
+            Precision::F32 => None,
+            Precision::Bf16 => Some(DType::BF16),
+        }
+    }
+
+    /// `f32` / `bf16`, as in the config.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+        }
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" => Ok(Precision::F32),
+            "bf16" => Ok(Precision::Bf16),
+            other => Err(format!("precision must be f32 or bf16, not `{other}`")),
+        }
+    }
 }
 
 /// What one update did.
@@ -538,7 +587,8 @@ impl Learner {
             device,
             cv.clone(),
         );
-        let model = ActorCritic::load(cfg, lcfg.critic, &pl, &cl)?;
+        let mut model = ActorCritic::load(cfg, lcfg.critic, &pl, &cl)?;
+        model.set_train_dtype(lcfg.precision.train_dtype());
         let surprise = if lcfg.surprise {
             Some(cl.get_or_init(
                 "value_head.surprise",

@@ -9,8 +9,8 @@ use arbor_model::{Arch, CriticMode, ModelConfig, RopeScaling};
 use arbor_rl::credit::LossRow;
 use arbor_rl::ppo::{Aggregation, PolicyLossConfig};
 use arbor_train::learner::{
-    named_vars, surprise_features, Learner, LearnerConfig, Recompute, UpdateStats, ValueRow,
-    SURPRISE_NATS, SURPRISE_SCALE,
+    named_vars, surprise_features, Learner, LearnerConfig, Precision, Recompute, UpdateStats,
+    ValueRow, SURPRISE_NATS, SURPRISE_SCALE,
 };
 use arbor_train::optim::AdamWConfig;
 use candle_core::{DType, Device, Tensor};
@@ -63,6 +63,7 @@ fn learner_with(
         micro_batch_tokens,
         epochs: 1,
         recompute,
+        precision: Precision::F32,
         surprise: false,
     })
 }
@@ -276,6 +277,72 @@ fn recomputation_gives_the_same_step() {
             );
         }
         for (x, y) in pa.iter().zip(&pb) {
+            for (u, w) in x.iter().zip(y) {
+                assert!((u - w).abs() < 1e-6, "{critic:?}: parameters {u} vs {w}");
+            }
+        }
+    }
+}
+
+/// Mixed precision (`precision = "bf16"`): the same step as f32 to bf16's
+/// precision (losses against the f64 reference of the f32 model, gradient
+/// norms against the f32 step), the master weights and their updates stay
+/// f32, and activation recomputation replays the bf16 forward exactly.
+#[test]
+fn bf16_mixed_precision_steps_track_the_f32_step() {
+    for critic in [CriticMode::Shared, CriticMode::Separate] {
+        let run = |precision, recompute| {
+            let mut l = learner_from(LearnerConfig {
+                precision,
+                ..learner_with(Aggregation::TokenMean, 4096, critic, recompute).cfg
+            });
+            let rows = rows(&l);
+            let want = reference(&l, &rows, Aggregation::TokenMean);
+            let s = l.update(&rows).unwrap();
+            let params: Vec<Vec<f32>> = l
+                .opt
+                .vars()
+                .iter()
+                .map(|(name, v)| {
+                    assert_eq!(v.dtype(), DType::F32, "{name} stays f32");
+                    v.as_tensor().flatten_all().unwrap().to_vec1().unwrap()
+                })
+                .collect();
+            (s, want, params)
+        };
+        let (f, _, _) = run(Precision::F32, Recompute::Off);
+        let (b, (loss, _, vloss), pb) = run(Precision::Bf16, Recompute::Off);
+        let (r, _, pr) = run(Precision::Bf16, Recompute::Layers);
+        assert!(
+            (b.policy_loss - loss).abs() < 0.02 * (0.1 + loss.abs()),
+            "{critic:?}: bf16 policy loss {} vs reference {loss}",
+            b.policy_loss
+        );
+        assert!(
+            (b.value_loss - vloss).abs() < 0.02 * vloss,
+            "{critic:?}: bf16 value loss {} vs reference {vloss}",
+            b.value_loss
+        );
+        assert!(
+            (b.grad_norm - f.grad_norm).abs() < 0.05 * f.grad_norm,
+            "{critic:?}: bf16 gradient norm {} vs f32 {}",
+            b.grad_norm,
+            f.grad_norm
+        );
+        assert_eq!(b.trained_tokens, f.trained_tokens);
+        // Not f32 under another name.
+        assert_ne!(b.policy_loss, f.policy_loss, "{critic:?}: bf16 ran in f32");
+        for (what, x, y) in [
+            ("policy loss", b.policy_loss, r.policy_loss),
+            ("value loss", b.value_loss, r.value_loss),
+            ("gradient norm", b.grad_norm, r.grad_norm),
+        ] {
+            assert!(
+                (x - y).abs() < 1e-5 * (1.0 + x.abs()),
+                "{critic:?}: bf16 {what} {x} without vs {y} with recomputation"
+            );
+        }
+        for (x, y) in pb.iter().zip(&pr) {
             for (u, w) in x.iter().zip(y) {
                 assert!((u - w).abs() < 1e-6, "{critic:?}: parameters {u} vs {w}");
             }
