@@ -15,6 +15,7 @@ const KERNELS: &[&str] = &[
     "paged_attention",
     "sample",
     "decode",
+    "fused",
 ];
 
 fn main() {

@@ -44,6 +44,10 @@ pub const MODULES: &[(&str, &[u8])] = &[
         "decode",
         include_bytes!(concat!(env!("OUT_DIR"), "/decode.fatbin")),
     ),
+    (
+        "fused",
+        include_bytes!(concat!(env!("OUT_DIR"), "/fused.fatbin")),
+    ),
 ];
 
 /// Loaded modules, by device and module name.

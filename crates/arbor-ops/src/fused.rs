@@ -31,8 +31,14 @@
 //! below 3e-7) or f64 (the finite-difference-tested reference): these
 //! kernels, multiversioned for AVX-512 / AVX2, parallel over rows or
 //! (sequence, head) tasks (rayon), with every sum in a fixed order: the same
-//! bits on every run and at any thread count. Other devices and dtypes: the
-//! same functions compose candle ops, which carry candle's own backward.
+//! bits on every run and at any thread count. CUDA (`cuda` feature), f32
+//! or bf16 storage with f32 arithmetic: RMSNorm, RoPE and SwiGLU run
+//! `kernels/fused.cu`, forward and backward (RMSNorm's weight gradient
+//! summed per block, then over the blocks in a fixed order); an RMSNorm
+//! weight of another dtype (an f32 master weight under bf16 compute) is
+//! cast to the activations' first. Attention on CUDA, and every other
+//! device and dtype: the same functions compose candle ops, which carry
+//! candle's own backward.
 
 use std::sync::Mutex;
 
@@ -112,6 +118,33 @@ fn fused_here(x: &Tensor) -> bool {
     x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64)
 }
 
+/// Widest RMSNorm row the CUDA backward takes (its block's weight-gradient
+/// share sits in shared memory, 4 bytes a column).
+const CUDA_RMS_MAX_D: usize = 8192;
+
+/// Whether RMSNorm, RoPE and SwiGLU run `kernels/fused.cu` for `x`: a CUDA
+/// tensor of f32 or bf16 with elements, in a build with the `cuda` feature.
+fn cuda_kernels_here(x: &Tensor) -> bool {
+    cfg!(feature = "cuda")
+        && x.device().is_cuda()
+        && matches!(x.dtype(), DType::F32 | DType::BF16)
+        && x.elem_count() > 0
+}
+
+/// `$go::<T>(args)` for a CUDA storage's dtype: `T` is `f32` or
+/// `half::bf16`.
+#[cfg(feature = "cuda")]
+macro_rules! by_dtype {
+    ($s:expr, $($go:ident)::+ ($($a:expr),*)) => {{
+        use candle_core::backend::BackendStorage;
+        match $s.dtype() {
+            DType::F32 => $($go)::+::<f32>($($a),*),
+            DType::BF16 => $($go)::+::<::half::bf16>($($a),*),
+            other => candle_core::bail!("arbor fused CUDA kernels take f32 or bf16, not {other:?}"),
+        }
+    }};
+}
+
 /// The contiguous elements of a CPU tensor of dtype `T`.
 fn slice<'a, T: Elem>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
     let all = s.as_slice::<T>()?;
@@ -186,6 +219,11 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let d = x.dim(D::Minus1)?;
     if w.dims() != [d] {
         candle_core::bail!("rms_norm: weight {:?} for rows of {d}", w.dims());
+    }
+    if cuda_kernels_here(x) && d <= CUDA_RMS_MAX_D {
+        return x
+            .contiguous()?
+            .apply_op2(&w.to_dtype(x.dtype())?.contiguous()?, RmsNormOp { eps });
     }
     if !fused_here(x) || w.dtype() != x.dtype() {
         let xf = x.to_dtype(accum_dtype(x.dtype()))?;
@@ -287,6 +325,20 @@ impl CustomOp2 for RmsNormOp {
         Ok((out, xl.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((
+            by_dtype!(x, gpu::rms_fwd(x, xl, w, wl, self.eps))?,
+            xl.shape().clone(),
+        ))
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -294,6 +346,10 @@ impl CustomOp2 for RmsNormOp {
         _res: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        if !x.device().is_cpu() {
+            let (dx, dw) = rms_norm_bwd_packed(x, w, dy, self.eps)?;
+            return Ok((Some(dx), Some(dw)));
+        }
         fn go<T: Elem>(x: &Tensor, w: &Tensor, dy: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
             let (dx, dw) = with2::<T, _>(x, w, |xs, ws| {
                 with1::<T, _>(dy, |dys| Ok(rms_bwd(xs, ws, dys, eps)))
@@ -308,6 +364,75 @@ impl CustomOp2 for RmsNormOp {
             _ => go::<f64>(x, w, dy, self.eps)?,
         };
         Ok((Some(dx), Some(dw)))
+    }
+}
+
+/// RMSNorm's backward as one op with one output, `[dx (x's elements) |
+/// dw (d)]` (the form the CUDA kernels write; the CPU computes the same
+/// with [`rms_bwd`]), split into `(dx, dw)`.
+fn rms_norm_bwd_packed(x: &Tensor, w: &Tensor, dy: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    let n = x.elem_count();
+    let packed = x.contiguous()?.apply_op3_no_bwd(
+        &w.contiguous()?,
+        &dy.contiguous()?,
+        &RmsNormBwd { eps },
+    )?;
+    Ok((
+        packed.narrow(0, 0, n)?.reshape(x.shape())?,
+        packed.narrow(0, n, w.elem_count())?.reshape(w.shape())?,
+    ))
+}
+
+/// See [`rms_norm_bwd_packed`].
+struct RmsNormBwd {
+    eps: f64,
+}
+
+impl CustomOp3 for RmsNormBwd {
+    fn name(&self) -> &'static str {
+        "arbor-rms-norm-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        w: &CpuStorage,
+        wl: &Layout,
+        dy: &CpuStorage,
+        dl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        fn go<T: Elem>(x: &[T], w: &[T], dy: &[T], eps: f64) -> Vec<T> {
+            let (mut dx, dw) = rms_bwd(x, w, dy, eps);
+            dx.extend(dw);
+            dx
+        }
+        let out = match x {
+            CpuStorage::F32(_) => {
+                CpuStorage::F32(go(slice(x, xl)?, slice(w, wl)?, slice(dy, dl)?, self.eps))
+            }
+            CpuStorage::F64(_) => {
+                CpuStorage::F64(go(slice(x, xl)?, slice(w, wl)?, slice(dy, dl)?, self.eps))
+            }
+            _ => candle_core::bail!("rms_norm backward: f32 or f64 expected"),
+        };
+        let len = xl.shape().elem_count() + wl.shape().elem_count();
+        Ok((out, Shape::from(len)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+        dy: &candle_core::CudaStorage,
+        dl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let len = xl.shape().elem_count() + wl.shape().elem_count();
+        let out = by_dtype!(x, gpu::rms_bwd(x, xl, w, wl, dy, dl, self.eps))?;
+        Ok((out, Shape::from(len)))
     }
 }
 
@@ -326,7 +451,8 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
             sin.dims()
         );
     }
-    if !fused_here(x) || cos.dtype() != x.dtype() || sin.dtype() != x.dtype() {
+    let kernels = fused_here(x) || cuda_kernels_here(x);
+    if !kernels || cos.dtype() != x.dtype() || sin.dtype() != x.dtype() {
         let half = d / 2;
         let (c, s) = (cos.unsqueeze(1)?, sin.unsqueeze(1)?);
         let x1 = x.narrow(D::Minus1, 0, half)?;
@@ -407,6 +533,20 @@ impl CustomOp3 for RopeOp {
         Ok((out, xl.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        c: &candle_core::CudaStorage,
+        cl: &Layout,
+        s: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let y = by_dtype!(x, gpu::rope(x, xl, c, cl, s, sl, self.inverse))?;
+        Ok((y, xl.shape().clone()))
+    }
+
     fn bwd(
         &self,
         _x: &Tensor,
@@ -433,7 +573,7 @@ pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
     if g.shape() != u.shape() {
         candle_core::bail!("swiglu: gate {:?} and up {:?}", g.dims(), u.dims());
     }
-    if !fused_here(g) || u.dtype() != g.dtype() {
+    if !(fused_here(g) || cuda_kernels_here(g)) || u.dtype() != g.dtype() {
         return g.silu()? * u;
     }
     g.contiguous()?.apply_op2(&u.contiguous()?, SwigluOp)
@@ -509,6 +649,20 @@ impl CustomOp2 for SwigluOp {
         Ok((out, gl.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+        u: &candle_core::CudaStorage,
+        ul: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((
+            by_dtype!(g, gpu::swiglu_fwd(g, gl, u, ul))?,
+            gl.shape().clone(),
+        ))
+    }
+
     fn bwd(
         &self,
         g: &Tensor,
@@ -516,6 +670,10 @@ impl CustomOp2 for SwigluOp {
         _res: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        if !g.device().is_cpu() {
+            let (dg, du) = swiglu_bwd_packed(g, u, dy)?;
+            return Ok((Some(dg), Some(du)));
+        }
         fn go<T: Elem>(g: &Tensor, u: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
             let (dg, du) = with2::<T, _>(g, u, |gs, us| {
                 with1::<T, _>(dy, |dys| Ok(swiglu_bwd(gs, us, dys)))
@@ -530,6 +688,260 @@ impl CustomOp2 for SwigluOp {
             _ => go::<f64>(g, u, dy)?,
         };
         Ok((Some(dg), Some(du)))
+    }
+}
+
+/// SwiGLU's backward as one op with one output, `[dg | du]` (the form the
+/// CUDA kernel writes; the CPU computes the same with [`swiglu_bwd`]),
+/// split into `(dg, du)`.
+fn swiglu_bwd_packed(g: &Tensor, u: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    let n = g.elem_count();
+    let packed =
+        g.contiguous()?
+            .apply_op3_no_bwd(&u.contiguous()?, &dy.contiguous()?, &SwigluBwd)?;
+    Ok((
+        packed.narrow(0, 0, n)?.reshape(g.shape())?,
+        packed.narrow(0, n, n)?.reshape(u.shape())?,
+    ))
+}
+
+/// See [`swiglu_bwd_packed`].
+struct SwigluBwd;
+
+impl CustomOp3 for SwigluBwd {
+    fn name(&self) -> &'static str {
+        "arbor-swiglu-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        g: &CpuStorage,
+        gl: &Layout,
+        u: &CpuStorage,
+        ul: &Layout,
+        dy: &CpuStorage,
+        dl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        fn go<T: Elem>(g: &[T], u: &[T], dy: &[T]) -> Vec<T> {
+            let (mut dg, du) = swiglu_bwd(g, u, dy);
+            dg.extend(du);
+            dg
+        }
+        let out = match g {
+            CpuStorage::F32(_) => CpuStorage::F32(go(slice(g, gl)?, slice(u, ul)?, slice(dy, dl)?)),
+            CpuStorage::F64(_) => CpuStorage::F64(go(slice(g, gl)?, slice(u, ul)?, slice(dy, dl)?)),
+            _ => candle_core::bail!("swiglu backward: f32 or f64 expected"),
+        };
+        Ok((out, Shape::from(2 * gl.shape().elem_count())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+        u: &candle_core::CudaStorage,
+        ul: &Layout,
+        dy: &candle_core::CudaStorage,
+        dl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let n = gl.shape().elem_count();
+        let out = by_dtype!(g, gpu::swiglu_bwd(g, gl, u, ul, dy, dl))?;
+        Ok((out, Shape::from(2 * n)))
+    }
+}
+
+/// Launches of `kernels/fused.cu` (f32 or bf16 storage, f32 arithmetic).
+#[cfg(feature = "cuda")]
+mod gpu {
+    use crate::cuda::{self, PushKernelArg, WrapErr};
+    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
+    use candle_core::cuda_backend::CudaDType;
+    use candle_core::{CudaStorage, Layout, Result};
+
+    /// Storage types of the kernels.
+    pub trait El: CudaDType + DeviceRepr + cuda::Poison {
+        const SUFFIX: &'static str;
+    }
+    impl El for f32 {
+        const SUFFIX: &'static str = "f32";
+    }
+    impl El for ::half::bf16 {
+        const SUFFIX: &'static str = "bf16";
+    }
+
+    /// Threads per block of the row kernels.
+    const THREADS: u32 = 256;
+    /// Blocks of the RMSNorm backward (each sums its rows' weight
+    /// gradient; the blocks' shares are then summed in order).
+    const RMS_BWD_BLOCKS: usize = 264;
+
+    fn kernel<T: El>(s: &CudaStorage, name: &str) -> Result<cuda::Kernel> {
+        cuda::Kernel::get(&s.device, "fused", &format!("fused_{name}_{}", T::SUFFIX))
+    }
+
+    fn grid(n: usize) -> LaunchConfig {
+        cuda::grid1d(n, THREADS)
+    }
+
+    pub fn rms_fwd<T: El>(
+        x: &CudaStorage,
+        xl: &Layout,
+        w: &CudaStorage,
+        wl: &Layout,
+        eps: f64,
+    ) -> Result<CudaStorage> {
+        let dev = x.device.clone();
+        let (n, d) = (xl.shape().elem_count(), wl.shape().elem_count());
+        let f = kernel::<T>(x, "rms_fwd")?;
+        let (xv, wv) = (cuda::view::<T>(x, xl)?, cuda::view::<T>(w, wl)?);
+        let mut y = cuda::alloc_out::<T>(&dev, n)?;
+        let (di, e) = (d as i32, eps as f32);
+        let mut b = f.builder();
+        b.arg(&xv).arg(&wv).arg(&mut y).arg(&di).arg(&e);
+        let cfg = LaunchConfig {
+            grid_dim: ((n / d) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches `fused_rms_fwd_*` in kernels/fused.cu; x and
+        // y hold n / d rows of d, w holds d.
+        #[allow(unsafe_code)]
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(cuda::wrap(y, &dev))
+    }
+
+    /// `[dx | dw]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_bwd<T: El>(
+        x: &CudaStorage,
+        xl: &Layout,
+        w: &CudaStorage,
+        wl: &Layout,
+        dy: &CudaStorage,
+        dl: &Layout,
+        eps: f64,
+    ) -> Result<CudaStorage> {
+        let dev = x.device.clone();
+        let (n, d) = (xl.shape().elem_count(), wl.shape().elem_count());
+        let rows = n / d;
+        let p = rows.clamp(1, RMS_BWD_BLOCKS);
+        let (xv, wv, gv) = (
+            cuda::view::<T>(x, xl)?,
+            cuda::view::<T>(w, wl)?,
+            cuda::view::<T>(dy, dl)?,
+        );
+        let mut out = cuda::alloc_out::<T>(&dev, n + d)?;
+        let mut part = dev.alloc_zeros::<f32>(p * d)?;
+        let (ri, di, pi, e) = (rows as i32, d as i32, p as i32, eps as f32);
+        {
+            let f = kernel::<T>(x, "rms_bwd")?;
+            let mut dx = out.slice_mut(0..n);
+            let mut b = f.builder();
+            b.arg(&xv).arg(&wv).arg(&gv).arg(&mut dx).arg(&mut part);
+            b.arg(&ri).arg(&di).arg(&e);
+            let cfg = LaunchConfig {
+                grid_dim: (p as u32, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: (4 * d) as u32,
+            };
+            // SAFETY: matches `fused_rms_bwd_*` in kernels/fused.cu: x,
+            // dy and dx hold rows x d, w d, part p x d; d floats of
+            // dynamic shared memory (d <= 8192: 32 KiB).
+            #[allow(unsafe_code)]
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        {
+            let f = kernel::<T>(x, "rms_dw")?;
+            let mut dw = out.slice_mut(n..n + d);
+            let mut b = f.builder();
+            b.arg(&part).arg(&mut dw).arg(&pi).arg(&di);
+            // SAFETY: matches `fused_rms_dw_*`: part p x d, dw d.
+            #[allow(unsafe_code)]
+            unsafe { b.launch(grid(d)) }.w()?;
+        }
+        Ok(cuda::wrap(out, &dev))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope<T: El>(
+        x: &CudaStorage,
+        xl: &Layout,
+        c: &CudaStorage,
+        cl: &Layout,
+        s: &CudaStorage,
+        sl: &Layout,
+        inverse: bool,
+    ) -> Result<CudaStorage> {
+        let dev = x.device.clone();
+        let (tokens, half) = cl.shape().dims2()?;
+        let n = xl.shape().elem_count();
+        let heads = n / (tokens * 2 * half).max(1);
+        let f = kernel::<T>(x, "rope")?;
+        let (xv, cv, sv) = (
+            cuda::view::<T>(x, xl)?,
+            cuda::view::<T>(c, cl)?,
+            cuda::view::<T>(s, sl)?,
+        );
+        let mut y = cuda::alloc_out::<T>(&dev, n)?;
+        let pairs = (n / 2) as i64;
+        let (hi, hf) = (heads as i32, half as i32);
+        let sign = if inverse { -1.0f32 } else { 1.0 };
+        let mut b = f.builder();
+        b.arg(&xv).arg(&cv).arg(&sv).arg(&mut y);
+        b.arg(&pairs).arg(&hi).arg(&hf).arg(&sign);
+        // SAFETY: matches `fused_rope_*` in kernels/fused.cu: x and y
+        // hold tokens x heads x 2 half, cos and sin tokens x half.
+        #[allow(unsafe_code)]
+        unsafe { b.launch(grid(n / 2)) }.w()?;
+        Ok(cuda::wrap(y, &dev))
+    }
+
+    pub fn swiglu_fwd<T: El>(
+        g: &CudaStorage,
+        gl: &Layout,
+        u: &CudaStorage,
+        ul: &Layout,
+    ) -> Result<CudaStorage> {
+        let dev = g.device.clone();
+        let n = gl.shape().elem_count();
+        let f = kernel::<T>(g, "swiglu_fwd")?;
+        let (gv, uv) = (cuda::view::<T>(g, gl)?, cuda::view::<T>(u, ul)?);
+        let mut y = cuda::alloc_out::<T>(&dev, n)?;
+        let ni = n as i64;
+        let mut b = f.builder();
+        b.arg(&gv).arg(&uv).arg(&mut y).arg(&ni);
+        // SAFETY: matches `fused_swiglu_fwd_*`: g, u and y hold n.
+        #[allow(unsafe_code)]
+        unsafe { b.launch(grid(n)) }.w()?;
+        Ok(cuda::wrap(y, &dev))
+    }
+
+    /// `[dg | du]`.
+    pub fn swiglu_bwd<T: El>(
+        g: &CudaStorage,
+        gl: &Layout,
+        u: &CudaStorage,
+        ul: &Layout,
+        dy: &CudaStorage,
+        dl: &Layout,
+    ) -> Result<CudaStorage> {
+        let dev = g.device.clone();
+        let n = gl.shape().elem_count();
+        let f = kernel::<T>(g, "swiglu_bwd")?;
+        let (gv, uv, dv) = (
+            cuda::view::<T>(g, gl)?,
+            cuda::view::<T>(u, ul)?,
+            cuda::view::<T>(dy, dl)?,
+        );
+        let mut out = cuda::alloc_out::<T>(&dev, 2 * n)?;
+        let ni = n as i64;
+        let mut b = f.builder();
+        b.arg(&gv).arg(&uv).arg(&dv).arg(&mut out).arg(&ni);
+        // SAFETY: matches `fused_swiglu_bwd_*`: g, u, dy hold n, out 2 n.
+        #[allow(unsafe_code)]
+        unsafe { b.launch(grid(n)) }.w()?;
+        Ok(cuda::wrap(out, &dev))
     }
 }
 
@@ -1227,6 +1639,42 @@ mod tests {
         check_fd(&[(g, vec![5, 8]), (u, vec![5, 8])], &|v| {
             swiglu(&v[0], &v[1])
         });
+    }
+
+    /// The packed backward ops the CUDA path runs (one output `[dx | dw]`,
+    /// `[dg | du]`, split) give the CPU backward's gradients exactly.
+    #[test]
+    fn packed_backward_ops_split_into_the_backwards_gradients() {
+        let (x, w, dy) = (rnd(6 * 9, 11), rnd(9, 12), rnd(6 * 9, 13));
+        let (x, w, dy) = (t(&x, &[2, 3, 9]), t(&w, &[9]), t(&dy, &[2, 3, 9]));
+        let (vx, vw) = (Var::from_tensor(&x).unwrap(), Var::from_tensor(&w).unwrap());
+        let g = (rms_norm(vx.as_tensor(), vw.as_tensor(), 1e-6).unwrap() * &dy)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let (dx, dw) = rms_norm_bwd_packed(&x, &w, &dy, 1e-6).unwrap();
+        assert_eq!((dx.dims(), dw.dims()), (x.dims(), w.dims()));
+        close(&dx, g.get(vx.as_tensor()).unwrap(), 0.0);
+        close(&dw, g.get(vw.as_tensor()).unwrap(), 0.0);
+
+        let (gt, ut) = (t(&rnd(40, 14), &[5, 8]), t(&rnd(40, 15), &[5, 8]));
+        let dy = t(&rnd(40, 16), &[5, 8]);
+        let (vg, vu) = (
+            Var::from_tensor(&gt).unwrap(),
+            Var::from_tensor(&ut).unwrap(),
+        );
+        let g = (swiglu(vg.as_tensor(), vu.as_tensor()).unwrap() * &dy)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let (dg, du) = swiglu_bwd_packed(&gt, &ut, &dy).unwrap();
+        assert_eq!((dg.dims(), du.dims()), (gt.dims(), ut.dims()));
+        close(&dg, g.get(vg.as_tensor()).unwrap(), 0.0);
+        close(&du, g.get(vu.as_tensor()).unwrap(), 0.0);
     }
 
     /// Brute-force float64 attention: each sequence on its own, GQA by
