@@ -992,7 +992,7 @@ pub fn packed_causal_attention(
     starts.push(at);
     let geom = Geom { nh, nkv, d, starts };
     if !fused_here(q) || k.dtype() != q.dtype() || v.dtype() != q.dtype() {
-        return composed_attention(q, k, v, &geom);
+        return recomputed_attention(q, k, v, &geom);
     }
     q.contiguous()?.apply_op3(
         &k.contiguous()?,
@@ -1004,52 +1004,210 @@ pub fn packed_causal_attention(
     )
 }
 
-/// Candle ops, one sequence at a time (devices without the fused kernel).
-fn composed_attention(q: &Tensor, k: &Tensor, v: &Tensor, g: &Geom) -> Result<Tensor> {
-    let (nh, nkv, d) = (g.nh, g.nkv, g.d);
-    let grp = g.group();
-    let dt = q.dtype();
-    let acc = accum_dtype(dt);
-    let mut outs = Vec::with_capacity(g.starts.len() - 1);
-    for w in g.starts.windows(2) {
-        let (s, l) = (w[0], w[1] - w[0]);
-        if l == 0 {
-            continue;
-        }
-        // [nkv, grp * l, D] queries against [nkv, D, l] keys.
-        let qs = q
-            .narrow(0, s, l)?
+impl Geom {
+    /// `(start, len)` of each sequence with tokens.
+    fn sequences(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.starts
+            .windows(2)
+            .map(|w| (w[0], w[1] - w[0]))
+            .filter(|&(_, l)| l > 0)
+    }
+
+    /// Rows `s..s + l` of `x: [N, nh, D]` grouped by KV head: `[nkv, grp
+    /// l, D]`, row `g l + t` holding query head `kvh grp + g` at `t`.
+    fn group_rows(&self, x: &Tensor, s: usize, l: usize) -> Result<Tensor> {
+        let (nkv, grp, d) = (self.nkv, self.group(), self.d);
+        x.narrow(0, s, l)?
             .reshape((l, nkv, grp, d))?
             .permute((1, 2, 0, 3))?
             .contiguous()?
-            .reshape((nkv, grp * l, d))?;
-        let ks = k.narrow(0, s, l)?.transpose(0, 1)?.contiguous()?;
-        let vs = v.narrow(0, s, l)?.transpose(0, 1)?.contiguous()?;
-        let scores = (qs.matmul(&ks.t()?)? * (1.0 / (d as f64).sqrt()))?.to_dtype(acc)?;
+            .reshape((nkv, grp * l, d))
+    }
+
+    /// The inverse of [`Geom::group_rows`]: `[nkv, grp l, D]` -> `[l, nh, D]`.
+    fn ungroup_rows(&self, x: &Tensor, l: usize) -> Result<Tensor> {
+        let (nkv, grp, d) = (self.nkv, self.group(), self.d);
+        x.reshape((nkv, grp, l, d))?
+            .permute((2, 0, 1, 3))?
+            .reshape((l, self.nh, d))
+    }
+
+    /// Rows `s..s + l` of keys or values `[N, nkv, D]` as `[nkv, l, D]`.
+    fn kv_rows(&self, x: &Tensor, s: usize, l: usize) -> Result<Tensor> {
+        x.narrow(0, s, l)?.transpose(0, 1)?.contiguous()
+    }
+
+    /// One sequence's scores `c q k^T` in the accumulation dtype, causal
+    /// (`-inf` where the key is after the query): `[nkv, grp l, l]` for
+    /// grouped queries `qs` and keys `ks: [nkv, l, D]`.
+    fn scores(&self, qs: &Tensor, ks: &Tensor, l: usize) -> Result<Tensor> {
+        let acc = accum_dtype(qs.dtype());
+        let scores = (qs.matmul(&ks.t()?)? * (1.0 / (self.d as f64).sqrt()))?.to_dtype(acc)?;
         // The causal mask built on the device: 0 where key <= query, -inf
         // above the diagonal, broadcast over the group's heads.
-        let dev = q.device();
+        let dev = qs.device();
         let pos = Tensor::arange(0u32, l as u32, dev)?;
         let allowed = pos.unsqueeze(1)?.broadcast_ge(&pos.unsqueeze(0)?)?;
         let mask = allowed.where_cond(
             &Tensor::zeros((l, l), acc, dev)?,
             &Tensor::full(f32::NEG_INFINITY, (l, l), dev)?.to_dtype(acc)?,
         )?;
-        let scores = scores
-            .reshape((nkv, grp, l, l))?
+        scores
+            .reshape((self.nkv, self.group(), l, l))?
             .broadcast_add(&mask)?
-            .reshape((nkv, grp * l, l))?;
+            .reshape((self.nkv, self.group() * l, l))
+    }
+}
+
+/// Candle ops, one sequence at a time, differentiated by candle (the
+/// reference of [`recomputed_attention`]).
+#[cfg(test)]
+fn composed_attention(q: &Tensor, k: &Tensor, v: &Tensor, g: &Geom) -> Result<Tensor> {
+    let mut outs = Vec::with_capacity(g.starts.len() - 1);
+    for (s, l) in g.sequences() {
+        let scores = g.scores(&g.group_rows(q, s, l)?, &g.kv_rows(k, s, l)?, l)?;
         let m = scores.max_keepdim(D::Minus1)?.detach();
         let e = scores.broadcast_sub(&m)?.exp()?;
-        let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?.to_dtype(dt)?;
-        let o = p.matmul(&vs)?; // [nkv, grp * l, D]
-        outs.push(
-            o.reshape((nkv, grp, l, d))?
-                .permute((2, 0, 1, 3))?
-                .reshape((l, nh, d))?,
-        );
+        let p = e
+            .broadcast_div(&e.sum_keepdim(D::Minus1)?)?
+            .to_dtype(q.dtype())?;
+        outs.push(g.ungroup_rows(&p.matmul(&g.kv_rows(v, s, l)?)?, l)?);
     }
     Tensor::cat(&outs, 0)
+}
+
+/// Attention where the fused kernel does not run (CUDA, bf16): candle ops
+/// (cuBLAS matmuls on a GPU), one sequence at a time, FlashAttention's
+/// bookkeeping at the granularity of a sequence. The forward runs without
+/// a graph and keeps each query row's log-sum-exp `lse`; the backward
+/// recomputes a sequence's scores, `P = exp(S - lse)`, and takes
+/// `delta = rowsum(dO * O)`, `dS = P (dO V^T - delta)`, `dQ = c dS K`,
+/// `dK = c dS^T Q`, `dV = P^T dO`. So no `[l, l]` tensor outlives its
+/// sequence's turn in either pass, where candle's own backward of the
+/// composed ops would keep several per sequence and layer.
+fn recomputed_attention(q: &Tensor, k: &Tensor, v: &Tensor, g: &Geom) -> Result<Tensor> {
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
+    let mut outs = Vec::with_capacity(g.starts.len() - 1);
+    let mut lse = Vec::with_capacity(g.starts.len() - 1);
+    for (s, l) in g.sequences() {
+        let scores = g.scores(&g.group_rows(&qd, s, l)?, &g.kv_rows(&kd, s, l)?, l)?;
+        let m = scores.max_keepdim(D::Minus1)?;
+        let sum = scores.broadcast_sub(&m)?.exp()?.sum_keepdim(D::Minus1)?;
+        let row_lse = (sum.log()? + m)?; // [nkv, grp l, 1]
+        let p = scores.broadcast_sub(&row_lse)?.exp()?.to_dtype(q.dtype())?;
+        outs.push(g.ungroup_rows(&p.matmul(&g.kv_rows(&vd, s, l)?)?, l)?);
+        lse.push(row_lse);
+    }
+    let out = Tensor::cat(&outs, 0)?.contiguous()?;
+    q.apply_op3(
+        &k,
+        &v,
+        AttnRecompute {
+            geom: g.clone(),
+            out: Mutex::new(Some(out)),
+            lse,
+        },
+    )
+}
+
+/// The op of [`recomputed_attention`]: its forward hands over the output
+/// computed before (once), its backward recomputes.
+struct AttnRecompute {
+    geom: Geom,
+    out: Mutex<Option<Tensor>>,
+    /// Per sequence with tokens, `[nkv, grp l, 1]` in the accumulation dtype.
+    lse: Vec<Tensor>,
+}
+
+impl AttnRecompute {
+    /// The forward's output, taken (the graph keeps the op's result).
+    fn take_out(&self) -> Result<Tensor> {
+        self.out
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("attention: poisoned lock".into()))?
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("attention: forward run twice".into()))
+    }
+}
+
+impl CustomOp3 for AttnRecompute {
+    fn name(&self) -> &'static str {
+        "arbor-attention-recompute"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let out = self.take_out()?;
+        let (s, l) = out.storage_and_layout();
+        match &*s {
+            candle_core::Storage::Cpu(c) => Ok((c.try_clone(l)?, out.shape().clone())),
+            _ => candle_core::bail!("attention: the output is not on the CPU"),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let out = self.take_out()?;
+        let (s, l) = out.storage_and_layout();
+        match &*s {
+            candle_core::Storage::Cuda(c) => Ok((c.try_clone(l)?, out.shape().clone())),
+            _ => candle_core::bail!("attention: the output is not on the GPU"),
+        }
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        o: &Tensor,
+        dout: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let g = &self.geom;
+        let (dt, acc) = (q.dtype(), accum_dtype(q.dtype()));
+        let c = 1.0 / (g.d as f64).sqrt();
+        let dout = dout.contiguous()?;
+        let (mut dq, mut dk, mut dv) = (Vec::new(), Vec::new(), Vec::new());
+        for ((s, l), lse) in g.sequences().zip(&self.lse) {
+            let (qs, ks, vs) = (
+                g.group_rows(q, s, l)?,
+                g.kv_rows(k, s, l)?,
+                g.kv_rows(v, s, l)?,
+            );
+            let (os, dos) = (g.group_rows(o, s, l)?, g.group_rows(&dout, s, l)?);
+            let p = g.scores(&qs, &ks, l)?.broadcast_sub(lse)?.exp()?;
+            let pd = p.to_dtype(dt)?;
+            let dp = dos.matmul(&vs.t()?)?.to_dtype(acc)?;
+            let delta = (dos.to_dtype(acc)? * os.to_dtype(acc)?)?.sum_keepdim(D::Minus1)?;
+            let ds = ((p * dp.broadcast_sub(&delta)?)? * c)?.to_dtype(dt)?;
+            dq.push(g.ungroup_rows(&ds.matmul(&ks)?, l)?);
+            dk.push(ds.t()?.matmul(&qs)?.transpose(0, 1)?);
+            dv.push(pd.t()?.matmul(&dos)?.transpose(0, 1)?);
+        }
+        Ok((
+            Some(Tensor::cat(&dq, 0)?),
+            Some(Tensor::cat(&dk, 0)?),
+            Some(Tensor::cat(&dv, 0)?),
+        ))
+    }
 }
 
 struct AttnOp {
@@ -1792,6 +1950,53 @@ mod tests {
             .unwrap()
             .backward()
             .unwrap();
+        for x in [&q, &k, &v] {
+            close(
+                ga.get(x.as_tensor()).unwrap(),
+                gb.get(x.as_tensor()).unwrap(),
+                1e-11,
+            );
+        }
+    }
+
+    /// The recomputing attention (the path of CUDA and bf16) gives the
+    /// composed candle ops' output and candle's gradients of them (f64,
+    /// grouped heads, a one-token sequence).
+    #[test]
+    fn recomputed_attention_matches_composed_autograd() {
+        let (nh, nkv, d) = (6, 2, 8);
+        let lens = [11usize, 1, 6];
+        let n: usize = lens.iter().sum();
+        let mk = |v: Vec<f64>, s: &[usize]| Var::from_tensor(&t(&v, s)).unwrap();
+        let q = mk(rnd(n * nh * d, 41), &[n, nh, d]);
+        let k = mk(rnd(n * nkv * d, 42), &[n, nkv, d]);
+        let v = mk(rnd(n * nkv * d, 43), &[n, nkv, d]);
+        let probe = t(&rnd(n * nh * d, 44), &[n, nh, d]);
+        let geom = Geom {
+            nh,
+            nkv,
+            d,
+            starts: vec![0, 11, 12, 18],
+        };
+        let (qt, kt, vt) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
+        let re = recomputed_attention(qt, kt, vt, &geom).unwrap();
+        let co = composed_attention(qt, kt, vt, &geom).unwrap();
+        close(&re, &co, 1e-12);
+        let want = t(
+            &attention_reference(
+                &rnd(n * nh * d, 41),
+                &rnd(n * nkv * d, 42),
+                &rnd(n * nkv * d, 43),
+                &lens,
+                nh,
+                nkv,
+                d,
+            ),
+            &[n, nh, d],
+        );
+        close(&re, &want, 1e-12);
+        let grads = |y: Tensor| (y * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        let (ga, gb) = (grads(re), grads(co));
         for x in [&q, &k, &v] {
             close(
                 ga.get(x.as_tensor()).unwrap(),
