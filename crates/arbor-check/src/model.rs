@@ -147,7 +147,7 @@ pub fn train_check(dev: &Device, quick: bool, rng: &mut Rng, out: &mut Vec<Check
         let vm = candle_nn::VarMap::new();
         let p = ParamLoader::trainable(ParamSource::Random { seed: 3 }, DType::F32, &d, vm.clone());
         let mut m = Transformer::load(&cfg, &p)?;
-        m.set_train_dtype(mixed);
+        m.set_train_dtype(mixed)?;
         let x = Tensor::from_vec(ids.clone(), (b, t), &d)?;
         let inputs = x.narrow(1, 0, t - 1)?;
         let targets = x.narrow(1, 1, t - 1)?.flatten_all()?;

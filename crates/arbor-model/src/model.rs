@@ -185,7 +185,16 @@ impl Module for Linear {
             y = (y + (matmul_nt(&matmul_nt(&x2, &l.a)?, &l.b)? * l.scale)?)?;
         }
         let y = match &self.bias {
-            Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?)?,
+            Some(b) if b.dtype() == y.dtype() => y.broadcast_add(b)?,
+            // A bias of another dtype (an f32 master bias under bf16
+            // compute): added in f32, so its gradient, a sum over every
+            // row, is summed in f32; then cast back.
+            Some(b) => {
+                let acc = accum_dtype(y.dtype());
+                y.to_dtype(acc)?
+                    .broadcast_add(&b.to_dtype(acc)?)?
+                    .to_dtype(y.dtype())?
+            }
             None => y,
         };
         let mut out_dims = dims.to_vec();
@@ -780,16 +789,29 @@ impl Transformer {
     }
 
     /// Mixed precision for the training forward: activations in `dt`
-    /// (bf16) while the parameters stay in their own dtype (the f32 master
-    /// weights the optimizer updates). Each weight is cast to `dt` where it
-    /// is used, inside the autograd graph ([`matmul_nt`], the norms'
-    /// [`arbor_ops::rms_norm`]), so gradients reach the parameters in their
-    /// dtype; reductions (norms, softmax, the LM head's log-softmax in
-    /// [`crate::logprobs::token_logprobs`]) accumulate in f32. `None` (or
-    /// the parameters' dtype) is the plain forward. The generation forward
-    /// keeps [`Transformer::dtype`].
-    pub fn set_train_dtype(&mut self, dt: Option<DType>) {
-        self.train_dtype = dt.filter(|&d| d != self.dtype);
+    /// (bf16 or f16) while the parameters stay f32 (the master weights the
+    /// optimizer updates). Each weight is cast to `dt` where it is used,
+    /// inside the autograd graph ([`matmul_nt`], the norms'
+    /// [`arbor_ops::rms_norm`]), so gradients reach the parameters in f32;
+    /// reductions (norms, softmax, the sums of the norm weights' and biases'
+    /// gradients, the LM head's log-softmax in
+    /// [`crate::logprobs::token_logprobs`]) accumulate in f32. The residual
+    /// stream is in `dt` too (Megatron's default; torch's autocast keeps it
+    /// in f32). `None` (or the parameters' dtype) is the plain forward. The
+    /// generation forward keeps [`Transformer::dtype`]. A half-precision
+    /// `dt` needs f32 parameters.
+    pub fn set_train_dtype(&mut self, dt: Option<DType>) -> Result<()> {
+        let dt = dt.filter(|&d| d != self.dtype);
+        if let Some(d) = dt {
+            if self.dtype != DType::F32 || !matches!(d, DType::BF16 | DType::F16) {
+                return Err(ModelError::Input(format!(
+                    "mixed precision computes in bf16 or f16 over f32 parameters, not {d:?} over {:?}",
+                    self.dtype
+                )));
+            }
+        }
+        self.train_dtype = dt;
+        Ok(())
     }
 
     /// The dtype of the training forward's activations

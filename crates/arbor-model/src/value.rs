@@ -27,13 +27,21 @@ impl ValueHead {
         })
     }
 
-    /// `[B, T, H]` -> `[B, T]`, in f32 (f64 for f64 models).
+    /// `[B, T, H]` -> `[B, T]`, in f32 (f64 for f64 models). Half-precision
+    /// hidden states under f32 head weights (mixed precision) are read in
+    /// f32, so the values carry no bf16 rounding.
     pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
+        let acc = accum_dtype(hidden.dtype());
+        let hidden = if self.linear.weight.dtype() == acc && hidden.dtype() != acc {
+            hidden.to_dtype(acc)?
+        } else {
+            hidden.clone()
+        };
         let v = self
             .linear
-            .forward(hidden)?
+            .forward(&hidden)?
             .squeeze(candle_core::D::Minus1)?;
-        Ok(v.to_dtype(accum_dtype(hidden.dtype()))?)
+        Ok(v.to_dtype(acc)?)
     }
 }
 
@@ -86,12 +94,13 @@ impl ActorCritic {
 
     /// Mixed precision for the training forward of the policy and the
     /// critic's backbone ([`Transformer::set_train_dtype`]); the value head
-    /// reads the hidden states in that dtype and returns f32 values.
-    pub fn set_train_dtype(&mut self, dt: Option<DType>) {
-        self.policy.set_train_dtype(dt);
+    /// reads their hidden states in f32 and returns f32 values.
+    pub fn set_train_dtype(&mut self, dt: Option<DType>) -> Result<()> {
+        self.policy.set_train_dtype(dt)?;
         if let Some(c) = &mut self.critic_backbone {
-            c.set_train_dtype(dt);
+            c.set_train_dtype(dt)?;
         }
+        Ok(())
     }
 
     pub fn mode(&self) -> CriticMode {

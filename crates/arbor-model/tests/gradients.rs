@@ -239,9 +239,6 @@ fn llama_tied_separate_critic_gradients() {
     fd_check(Arch::Llama, CriticMode::Separate);
 }
 
-/// The f32 path (on AVX-512 CPUs every `Linear` runs Arbor's row-invariant
-/// matmul kernel and its backward) gives, for every parameter, the f64
-/// gradients that the finite-difference checks above verify.
 /// `(|a - b|, |a|)` for the gradients of `va` in `ga` (the reference)
 /// and of `vb` in `gb`, as f64; `vb`'s gradient must exist and be
 /// `dtype`.
@@ -274,6 +271,9 @@ fn grad_diff(
     (diff, a.iter().map(|x| x * x).sum::<f64>().sqrt())
 }
 
+/// The f32 path (on AVX-512 CPUs every `Linear` runs Arbor's row-invariant
+/// matmul kernel and its backward) gives, for every parameter, the f64
+/// gradients that the finite-difference checks above verify.
 #[test]
 fn f32_gradients_match_the_checked_f64_ones() {
     for (arch, mode) in [
@@ -315,9 +315,12 @@ fn bf16_mixed_precision_gradients_track_the_f64_ones() {
         (Arch::Llama, CriticMode::Separate),
     ] {
         let seed = 7 + arch as u64;
-        let s64 = setup_in(arch, mode, seed, None, DType::F64);
+        let mut s64 = setup_in(arch, mode, seed, None, DType::F64);
+        // Mixed precision needs f32 master weights.
+        assert!(s64.model.set_train_dtype(Some(DType::BF16)).is_err());
+        s64.model.set_train_dtype(None).unwrap();
         let mut smp = setup_in(arch, mode, seed, None, DType::F32);
-        smp.model.set_train_dtype(Some(DType::BF16));
+        smp.model.set_train_dtype(Some(DType::BF16)).unwrap();
         let (b, t) = smp.ids.dims2().unwrap();
         let h = smp.model.policy.forward_hidden(&smp.ids).unwrap();
         assert_eq!(h.dtype(), DType::BF16, "{arch:?}: the forward is bf16");

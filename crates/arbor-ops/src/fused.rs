@@ -36,8 +36,10 @@
 //! `kernels/fused.cu`, forward and backward (RMSNorm's weight gradient
 //! summed per block, then over the blocks in a fixed order); an RMSNorm
 //! weight of another dtype (an f32 master weight under bf16 compute) is
-//! cast to the activations' first. Attention on CUDA, and every other
-//! device and dtype: the same functions compose candle ops, which carry
+//! cast to the activations' first. Attention on CUDA and in bf16 runs
+//! candle ops one sequence at a time with a hand-written backward that
+//! recomputes each sequence's scores (`recomputed_attention`); the other
+//! ops on other devices and dtypes compose candle ops, which carry
 //! candle's own backward.
 
 use std::sync::Mutex;
@@ -2006,8 +2008,9 @@ mod tests {
         }
     }
 
-    /// bf16 inputs take the composed candle path (as every op does on a
-    /// GPU): within bf16 rounding of the f64 kernels.
+    /// bf16 inputs on the CPU take the paths without a CPU kernel (candle
+    /// ops; the recomputing attention, as on a GPU): within bf16 rounding
+    /// of the f64 kernels.
     #[test]
     fn composed_paths_match_the_kernels_in_bf16() {
         let rel = |a: &Tensor, b: &Tensor| -> f64 {

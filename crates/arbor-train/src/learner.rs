@@ -588,7 +588,7 @@ impl Learner {
             cv.clone(),
         );
         let mut model = ActorCritic::load(cfg, lcfg.critic, &pl, &cl)?;
-        model.set_train_dtype(lcfg.precision.train_dtype());
+        model.set_train_dtype(lcfg.precision.train_dtype())?;
         let surprise = if lcfg.surprise {
             Some(cl.get_or_init(
                 "value_head.surprise",
