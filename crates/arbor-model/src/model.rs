@@ -174,13 +174,43 @@ impl Linear {
     }
 }
 
-impl Module for Linear {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+impl Linear {
+    /// [`Linear::forward`] with the weight cast to `dt` first, inside the
+    /// autograd graph (`None`: as it is): the training forward's bf16
+    /// matmuls over an f32 master weight on the CPU
+    /// ([`Transformer::set_train_matmul_dtype`]), whose gradient reaches
+    /// the weight in f32.
+    ///
+    /// On the CPU, f32 `x` over a bf16 cast multiplies through
+    /// [`arbor_ops::matmul_nt_bf16_op`], whose backward uses the same bf16
+    /// dot products.
+    pub fn forward_cast(&self, x: &Tensor, dt: Option<DType>) -> candle_core::Result<Tensor> {
+        match dt {
+            Some(dt) if dt != self.weight.dtype() => {
+                let w = self.weight.to_dtype(dt)?;
+                if x.device().is_cpu() && x.dtype() == DType::F32 && dt == DType::BF16 {
+                    self.forward_with(x, &w, arbor_ops::matmul_nt_bf16_op)
+                } else {
+                    self.forward_with(x, &w, matmul_nt)
+                }
+            }
+            _ => self.forward(x),
+        }
+    }
+
+    /// `x w^T` through `mm` (over `[n, in]` rows), plus the adapter and the
+    /// bias.
+    fn forward_with(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        mm: fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Tensor> {
         let dims = x.dims();
         let inp = dims[dims.len() - 1];
         let n = x.elem_count() / inp;
         let x2 = x.reshape((n, inp))?;
-        let mut y = matmul_nt(&x2, &self.weight)?;
+        let mut y = mm(&x2, w)?;
         if let Some(l) = &self.lora {
             y = (y + (matmul_nt(&matmul_nt(&x2, &l.a)?, &l.b)? * l.scale)?)?;
         }
@@ -200,6 +230,12 @@ impl Module for Linear {
         let mut out_dims = dims.to_vec();
         *out_dims.last_mut().expect("rank >= 1") = self.weight.dim(0)?;
         y.reshape(out_dims)
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.forward_with(x, &self.weight, matmul_nt)
     }
 }
 
@@ -655,18 +691,21 @@ impl DecoderLayer {
     /// The training forward of one layer over packed sequences: `x: [N, H]`,
     /// `cos, sin: [N, D/2]` at each token's position, `seq_lens` summing to
     /// `N`. `x + attn(norm x)`, then `+ mlp(norm ·)`, through the fused ops.
+    /// `matmul`: the dtype the projections' weights are cast to
+    /// ([`Linear::forward_cast`]; `None`: as they are).
     pub fn forward_packed(
         &self,
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
         seq_lens: &[usize],
+        matmul: Option<DType>,
     ) -> Result<Tensor> {
         let n = x.dim(0)?;
         let a = &self.attn;
         let h = arbor_ops::rms_norm(x, &self.input_norm.weight, self.input_norm.eps)?;
         let heads = |lin: &Linear, nh: usize, norm: &Option<RmsNorm>| -> Result<Tensor> {
-            let y = lin.forward(&h)?.reshape((n, nh, a.head_dim))?;
+            let y = lin.forward_cast(&h, matmul)?.reshape((n, nh, a.head_dim))?;
             Ok(match norm {
                 Some(nm) => arbor_ops::rms_norm(&y, &nm.weight, nm.eps)?,
                 None => y,
@@ -682,11 +721,14 @@ impl DecoderLayer {
         };
         let att = arbor_ops::packed_causal_attention(&q, &k, &v, seq_lens)?
             .reshape((n, a.n_heads * a.head_dim))?;
-        let x = (x + a.o.forward(&att)?)?;
+        let x = (x + a.o.forward_cast(&att, matmul)?)?;
         let h = arbor_ops::rms_norm(&x, &self.post_norm.weight, self.post_norm.eps)?;
         let m = &self.mlp;
-        let g = arbor_ops::swiglu(&m.gate.forward(&h)?, &m.up.forward(&h)?)?;
-        Ok((&x + m.down.forward(&g)?)?)
+        let g = arbor_ops::swiglu(
+            &m.gate.forward_cast(&h, matmul)?,
+            &m.up.forward_cast(&h, matmul)?,
+        )?;
+        Ok((&x + m.down.forward_cast(&g, matmul)?)?)
     }
 
     /// `x + attn(norm x)`, then `+ mlp(norm ·)`.
@@ -750,6 +792,10 @@ pub struct Transformer {
     /// when it differs from `dtype`: mixed precision, see
     /// [`Transformer::set_train_dtype`]. Generation is not affected.
     pub train_dtype: Option<DType>,
+    /// The dtype the decoder layers' projection weights are cast to in the
+    /// training forward, activations staying in [`Transformer::train_dtype`]:
+    /// see [`Transformer::set_train_matmul_dtype`].
+    pub train_matmul_dtype: Option<DType>,
 }
 
 impl Transformer {
@@ -776,6 +822,7 @@ impl Transformer {
             rope: Rope::new(cfg),
             dtype: p.compute_dtype(),
             train_dtype: None,
+            train_matmul_dtype: None,
         })
     }
 
@@ -812,6 +859,44 @@ impl Transformer {
         }
         self.train_dtype = dt;
         Ok(())
+    }
+
+    /// Mixed precision as a CPU has it: the training forward's
+    /// activations stay f32 (the fused CPU kernels for the norms, RoPE,
+    /// SwiGLU and attention), and the decoder layers' projections cast
+    /// their f32 weights to `dt` (bf16) and multiply through
+    /// [`arbor_ops::matmul_nt_op`]'s bf16 dot products (AVX-512 BF16 where
+    /// the CPU has it), forward and backward; their weights' gradients
+    /// arrive in f32. The LM head, embeddings and value head stay f32.
+    /// Needs f32 parameters.
+    pub fn set_train_matmul_dtype(&mut self, dt: Option<DType>) -> Result<()> {
+        let dt = dt.filter(|&d| d != self.dtype);
+        if let Some(d) = dt {
+            if self.dtype != DType::F32 || d != DType::BF16 {
+                return Err(ModelError::Input(format!(
+                    "bf16 matmuls need f32 parameters, not {d:?} over {:?}",
+                    self.dtype
+                )));
+            }
+        }
+        self.train_matmul_dtype = dt;
+        Ok(())
+    }
+
+    /// Mixed precision (bf16 compute over f32 master weights) the way the
+    /// model's device does it fastest: on a GPU bf16 activations
+    /// ([`Transformer::set_train_dtype`]), on a CPU f32 activations with
+    /// bf16 matmuls ([`Transformer::set_train_matmul_dtype`]). `false`:
+    /// f32 throughout.
+    pub fn set_mixed_precision(&mut self, on: bool) -> Result<()> {
+        let bf16 = on.then_some(DType::BF16);
+        if self.device().is_cpu() {
+            self.set_train_dtype(None)?;
+            self.set_train_matmul_dtype(bf16)
+        } else {
+            self.set_train_matmul_dtype(None)?;
+            self.set_train_dtype(bf16)
+        }
     }
 
     /// The dtype of the training forward's activations
@@ -999,7 +1084,7 @@ impl Transformer {
         let (cos, sin) = self.packed_rope(ids, seq_lens)?;
         let mut x = self.embed_packed(ids)?;
         for layer in &self.layers {
-            x = layer.forward_packed(&x, &cos, &sin, seq_lens)?;
+            x = layer.forward_packed(&x, &cos, &sin, seq_lens, self.train_matmul_dtype)?;
         }
         Ok(arbor_ops::rms_norm(&x, &self.norm.weight, self.norm.eps)?)
     }
@@ -1021,7 +1106,9 @@ impl Transformer {
         xs.push(self.embed_packed(ids)?.detach());
         for layer in &self.layers {
             let x = xs.last().expect("the embedding is first");
-            let y = layer.forward_packed(x, &cos, &sin, seq_lens)?.detach();
+            let y = layer
+                .forward_packed(x, &cos, &sin, seq_lens, self.train_matmul_dtype)?
+                .detach();
             xs.push(y);
         }
         Ok(LayerCheckpoints {
@@ -1054,7 +1141,13 @@ impl Transformer {
         for (i, layer) in self.layers.iter().enumerate().rev() {
             let x = candle_core::Var::from_tensor(&ck.xs[i]).map_err(ModelError::from)?;
             let grads = (|| -> Result<_> {
-                let y = layer.forward_packed(x.as_tensor(), &ck.cos, &ck.sin, &ck.seq_lens)?;
+                let y = layer.forward_packed(
+                    x.as_tensor(),
+                    &ck.cos,
+                    &ck.sin,
+                    &ck.seq_lens,
+                    self.train_matmul_dtype,
+                )?;
                 Ok((y * &dy)?.sum_all()?.backward()?)
             })()?;
             sink(&grads)?;

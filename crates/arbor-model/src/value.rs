@@ -103,6 +103,16 @@ impl ActorCritic {
         Ok(())
     }
 
+    /// [`Transformer::set_mixed_precision`] for the policy and the
+    /// critic's backbone.
+    pub fn set_mixed_precision(&mut self, on: bool) -> Result<()> {
+        self.policy.set_mixed_precision(on)?;
+        if let Some(c) = &mut self.critic_backbone {
+            c.set_mixed_precision(on)?;
+        }
+        Ok(())
+    }
+
     pub fn mode(&self) -> CriticMode {
         if self.critic_backbone.is_some() {
             CriticMode::Separate

@@ -303,27 +303,56 @@ fn f32_gradients_match_the_checked_f64_ones() {
     }
 }
 
-/// Mixed precision (bf16 activations over f32 master weights,
-/// `set_train_dtype`): the forward really runs in bf16, every parameter's
-/// gradient arrives in f32, and loss and gradients track the f64 reference
-/// to bf16's precision (a relative error of a few 2^-8 per op).
+/// Mixed precision over f32 master weights, both forms: bf16
+/// activations (`set_train_dtype`, a GPU's) and f32 activations with bf16
+/// matmuls (`set_train_matmul_dtype`, a CPU's). The forward really runs in
+/// bf16, every parameter's gradient arrives in f32, and loss and gradients
+/// track the f64 reference to bf16's precision (a relative error of a few
+/// 2^-8 per op).
 #[test]
 fn bf16_mixed_precision_gradients_track_the_f64_ones() {
-    for (arch, mode) in [
-        (Arch::Qwen2, CriticMode::Shared),
-        (Arch::Qwen3, CriticMode::Shared),
-        (Arch::Llama, CriticMode::Separate),
+    for (arch, mode, activations) in [
+        (Arch::Qwen2, CriticMode::Shared, true),
+        (Arch::Qwen3, CriticMode::Shared, true),
+        (Arch::Llama, CriticMode::Separate, true),
+        (Arch::Qwen2, CriticMode::Shared, false),
+        (Arch::Qwen3, CriticMode::Shared, false),
+        (Arch::Llama, CriticMode::Separate, false),
     ] {
         let seed = 7 + arch as u64;
         let mut s64 = setup_in(arch, mode, seed, None, DType::F64);
         // Mixed precision needs f32 master weights.
         assert!(s64.model.set_train_dtype(Some(DType::BF16)).is_err());
+        assert!(s64
+            .model
+            .policy
+            .set_train_matmul_dtype(Some(DType::BF16))
+            .is_err());
         s64.model.set_train_dtype(None).unwrap();
         let mut smp = setup_in(arch, mode, seed, None, DType::F32);
-        smp.model.set_train_dtype(Some(DType::BF16)).unwrap();
+        if activations {
+            smp.model.set_train_dtype(Some(DType::BF16)).unwrap();
+        } else {
+            smp.model
+                .policy
+                .set_train_matmul_dtype(Some(DType::BF16))
+                .unwrap();
+            if let Some(c) = &mut smp.model.critic_backbone {
+                c.set_train_matmul_dtype(Some(DType::BF16)).unwrap();
+            }
+        }
+        let arch = format!(
+            "{arch:?}, {}",
+            if activations {
+                "bf16 activations"
+            } else {
+                "bf16 matmuls"
+            }
+        );
         let (b, t) = smp.ids.dims2().unwrap();
         let h = smp.model.policy.forward_hidden(&smp.ids).unwrap();
-        assert_eq!(h.dtype(), DType::BF16, "{arch:?}: the forward is bf16");
+        let want = if activations { DType::BF16 } else { DType::F32 };
+        assert_eq!(h.dtype(), want, "{arch:?}: the activations' dtype");
         assert_eq!(h.dims(), [b, t, smp.model.policy.cfg.hidden_size]);
         let (l64, lmp) = (loss(&s64), loss(&smp));
         assert_eq!(lmp.dtype(), DType::F32, "{arch:?}: the loss is f32");

@@ -57,7 +57,7 @@ pub use cpu::matmul::{
     matmul_nt_multi_into_isa, round_bf16, MatmulIsa, WeightRows,
 };
 pub use fused::{packed_causal_attention, rms_norm, rope, swiglu};
-pub use linear::matmul_nt_op;
+pub use linear::{matmul_nt_bf16_op, matmul_nt_op};
 pub use logprob::{fused_logprobs, DEFAULT_CHUNK_ELEMS};
 pub use paged::{cache_write, paged_attention_op, PackedTables, PagedMeta};
 pub use ppo::{pack_aux, ppo_loss, value_loss, PpoClip};

@@ -14,6 +14,17 @@ use crate::cpu::matmul::{single, WeightRows};
 /// detached; for bf16 weights the rounding of `x` is taken as the
 /// identity, straight through).
 pub fn matmul_nt_op(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    check(x, w)?;
+    x.contiguous()?.apply_op2(
+        &w.contiguous()?,
+        MatmulNt {
+            bf16_backward: false,
+        },
+    )
+}
+
+/// `x` f32 `[m, k]` and `w` f32 or bf16 `[n, k]`.
+fn check(x: &Tensor, w: &Tensor) -> Result<()> {
     let (_, k) = x.dims2()?;
     let (_, k2) = w.dims2()?;
     if k != k2 || x.dtype() != DType::F32 || !matches!(w.dtype(), DType::F32 | DType::BF16) {
@@ -25,11 +36,32 @@ pub fn matmul_nt_op(x: &Tensor, w: &Tensor) -> Result<Tensor> {
             w.dtype()
         );
     }
-    x.contiguous()?.apply_op2(&w.contiguous()?, MatmulNt)
+    Ok(())
+}
+
+/// [`matmul_nt_op`] for a bf16 `w` whose backward runs the same bf16 dot
+/// products as its forward (the CPU's mixed-precision training):
+/// `dx = bf16(g) w` and `dw = bf16(g)^T bf16(x)`, summed in f32, `dw`
+/// rounded to bf16 (the weight's dtype; a cast upstream carries it to the
+/// f32 master weight). [`matmul_nt_op`]'s backward keeps `g` in f32.
+pub fn matmul_nt_bf16_op(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if w.dtype() != DType::BF16 {
+        candle_core::bail!("matmul_nt_bf16: w is {:?}, not bf16", w.dtype());
+    }
+    check(x, w)?;
+    x.contiguous()?.apply_op2(
+        &w.contiguous()?,
+        MatmulNt {
+            bf16_backward: true,
+        },
+    )
 }
 
 #[derive(Debug, Clone, Copy)]
-struct MatmulNt;
+struct MatmulNt {
+    /// Backward through bf16 products ([`matmul_nt_bf16_op`]).
+    bf16_backward: bool,
+}
 
 impl CustomOp2 for MatmulNt {
     fn name(&self) -> &'static str {
@@ -74,6 +106,25 @@ impl CustomOp2 for MatmulNt {
         // itself, and candle keeps a variable's gradient as returned, so an
         // attached `g^T x` would hold the whole forward graph alive for as
         // long as the gradient lives.
+        if self.bf16_backward {
+            // Both products through the same bf16 dot products as the
+            // forward (the `x w^T` form, both operands contiguous along the
+            // sum): `dx = g (w^T)^T` with `w` transposed, `dw = g^T
+            // (x^T)^T` with `g` and `x` transposed, `x^T` rounded to bf16.
+            // Sums in f32.
+            let dx = if x.track_op() {
+                Some(matmul_nt_op(g, &transposed(w, DType::BF16)?)?.detach())
+            } else {
+                None
+            };
+            let dw = if w.track_op() {
+                let dw = matmul_nt_op(&transposed(g, DType::F32)?, &transposed(x, DType::BF16)?)?;
+                Some(dw.to_dtype(DType::BF16)?.detach())
+            } else {
+                None
+            };
+            return Ok((dx, dw));
+        }
         let dx = if x.track_op() {
             Some(g.matmul(&w.to_dtype(DType::F32)?)?.detach())
         } else {
@@ -88,10 +139,88 @@ impl CustomOp2 for MatmulNt {
     }
 }
 
+/// `t^T` of a 2-d f32 or bf16 CPU tensor, contiguous, in `dt` (f32 or
+/// bf16): a tiled transpose over rayon (candle's strided copy walks one
+/// element at a time, as slow as the product it feeds).
+fn transposed(t: &Tensor, dt: DType) -> Result<Tensor> {
+    use rayon::prelude::*;
+    const TILE: usize = 32;
+    fn go<S: Copy + Sync, D: Copy + Send + Default>(
+        src: &[S],
+        rows: usize,
+        cols: usize,
+        conv: impl Fn(S) -> D + Sync,
+    ) -> Vec<D> {
+        // dst [cols, rows]; each task writes TILE rows of dst.
+        let mut dst = vec![D::default(); rows * cols];
+        dst.par_chunks_mut(TILE * rows.max(1))
+            .enumerate()
+            .for_each(|(b, out)| {
+                let c0 = b * TILE;
+                let nc = out.len() / rows.max(1);
+                for r0 in (0..rows).step_by(TILE) {
+                    for r in r0..(r0 + TILE).min(rows) {
+                        let row = &src[r * cols + c0..r * cols + c0 + nc];
+                        for (c, &v) in row.iter().enumerate() {
+                            out[c * rows + r] = conv(v);
+                        }
+                    }
+                }
+            });
+        dst
+    }
+    let (rows, cols) = t.dims2()?;
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        candle_core::bail!("matmul_nt: the bf16 backward runs on the CPU");
+    };
+    let (a, b) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("matmul_nt: not contiguous".into()))?;
+    let dev = t.device();
+    let shape = (cols, rows);
+    match (cpu, dt) {
+        (CpuStorage::F32(v), DType::F32) => {
+            Tensor::from_vec(go(&v[a..b], rows, cols, |x| x), shape, dev)
+        }
+        (CpuStorage::F32(v), DType::BF16) => {
+            Tensor::from_vec(go(&v[a..b], rows, cols, half::bf16::from_f32), shape, dev)
+        }
+        (CpuStorage::BF16(v), DType::BF16) => {
+            Tensor::from_vec(go(&v[a..b], rows, cols, |x| x), shape, dev)
+        }
+        _ => candle_core::bail!("matmul_nt: transpose of {:?} to {dt:?}", t.dtype()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use candle_core::{Device, Var};
+
+    #[test]
+    fn tiled_transpose_is_candles() -> Result<()> {
+        let dev = Device::Cpu;
+        for (r, c) in [(1, 1), (5, 70), (67, 33), (64, 64)] {
+            let t = Tensor::randn(0f32, 1.0, (r, c), &dev)?;
+            let want = t.t()?.contiguous()?;
+            assert_eq!(
+                transposed(&t, DType::F32)?.to_vec2::<f32>()?,
+                want.to_vec2::<f32>()?
+            );
+            assert_eq!(
+                transposed(&t, DType::BF16)?.to_vec2::<half::bf16>()?,
+                want.to_dtype(DType::BF16)?.to_vec2::<half::bf16>()?
+            );
+            let tb = t.to_dtype(DType::BF16)?;
+            assert_eq!(
+                transposed(&tb, DType::BF16)?.to_vec2::<half::bf16>()?,
+                tb.t()?.contiguous()?.to_vec2::<half::bf16>()?
+            );
+        }
+        Ok(())
+    }
 
     #[test]
     fn op_gradients_equal_candle_matmul() -> Result<()> {
@@ -116,6 +245,38 @@ mod tests {
         let l = matmul_nt_op(&h, w.as_tensor())?.sum_all()?;
         let g = l.backward()?;
         assert!(!g.get(w.as_tensor()).expect("grad").track_op());
+        Ok(())
+    }
+
+    /// The bf16 backward: `dx` and `dw` are the f32 products of the
+    /// bf16-rounded operands (`g`, `w`; `g`, `x`), `dw` rounded to bf16.
+    #[test]
+    fn bf16_backward_is_the_product_of_the_rounded_operands() -> Result<()> {
+        let dev = Device::Cpu;
+        let round = |t: &Tensor| t.to_dtype(DType::BF16)?.to_dtype(DType::F32);
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (37, 40), &dev)?)?;
+        let w = Var::from_tensor(&Tensor::randn(0f32, 1.0, (9, 40), &dev)?.to_dtype(DType::BF16)?)?;
+        let g = Tensor::randn(0f32, 1.0, (37, 9), &dev)?;
+        let y = matmul_nt_bf16_op(x.as_tensor(), w.as_tensor())?;
+        let plain = matmul_nt_op(x.as_tensor(), w.as_tensor())?;
+        assert_eq!(
+            y.flatten_all()?.to_vec1::<f32>()?,
+            plain.flatten_all()?.to_vec1::<f32>()?,
+            "the forward is matmul_nt_op's"
+        );
+        let grads = (y * &g)?.sum_all()?.backward()?;
+        let wf = w.as_tensor().to_dtype(DType::F32)?;
+        let want_dx = round(&g)?.matmul(&wf)?;
+        let want_dw = round(&round(&g)?.t()?.matmul(&round(x.as_tensor())?)?)?;
+        let dx = grads.get(x.as_tensor()).expect("dx");
+        let dw = grads.get(w.as_tensor()).expect("dw");
+        assert_eq!(dw.dtype(), DType::BF16);
+        for (got, want) in [(dx.clone(), want_dx), (dw.to_dtype(DType::F32)?, want_dw)] {
+            let d = (got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
+            // f32 sums in another order; dw's bf16 rounding on both sides.
+            assert!(d <= 1e-2 * scale, "{d} vs {scale}");
+        }
         Ok(())
     }
 

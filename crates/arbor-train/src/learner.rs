@@ -57,10 +57,10 @@ pub struct LearnerConfig {
     /// the critic has its own backbone (FOCUS and PPO only).
     pub critic: CriticMode,
     /// The training forward's arithmetic: `f32`, or `bf16` (mixed
-    /// precision: bf16 activations and matmuls over f32 master weights,
-    /// f32 gradients and AdamW state, log-probabilities and losses summed
-    /// in f32). On a CPU bf16 runs through candle's bf16 kernels and is an
-    /// option, not a speed-up.
+    /// precision over f32 master weights, f32 gradients and AdamW state,
+    /// log-probabilities and losses summed in f32: on a GPU bf16
+    /// activations and matmuls, on a CPU bf16 matmuls of the decoder
+    /// layers with f32 activations).
     pub precision: Precision,
     /// The critic also reads the policy's surprise along the episode's path
     /// ([`surprise_features`]); set from `[critic] surprise`.
@@ -149,20 +149,13 @@ pub enum Precision {
     /// f32 throughout.
     #[default]
     F32,
-    /// bf16 activations over f32 master weights
-    /// ([`arbor_model::Transformer::set_train_dtype`]).
+    /// bf16 compute over f32 master weights, as the device does it
+    /// fastest ([`arbor_model::Transformer::set_mixed_precision`]): on a
+    /// GPU bf16 activations; on a CPU f32 activations and bf16 matmuls.
     Bf16,
 }
 
 impl Precision {
-    /// The activations' dtype when it is not the parameters' (f32).
-    pub fn train_dtype(self) -> Option<DType> {
-        match self {
-            Precision::F32 => None,
-            Precision::Bf16 => Some(DType::BF16),
-        }
-    }
-
     /// `f32` / `bf16`, as in the config.
     pub fn name(self) -> &'static str {
         match self {
@@ -588,7 +581,7 @@ impl Learner {
             cv.clone(),
         );
         let mut model = ActorCritic::load(cfg, lcfg.critic, &pl, &cl)?;
-        model.set_train_dtype(lcfg.precision.train_dtype())?;
+        model.set_mixed_precision(lcfg.precision == Precision::Bf16)?;
         let surprise = if lcfg.surprise {
             Some(cl.get_or_init(
                 "value_head.surprise",
