@@ -296,11 +296,17 @@ fn bf16_mixed_precision_steps_track_the_f32_step() {
         let f32_learner = learner_with(Aggregation::TokenMean, 4096, critic, Recompute::Off);
         let rows = rows(&f32_learner);
         let (loss, _, vloss) = reference(&f32_learner, &rows, Aggregation::TokenMean);
-        let run = |precision, recompute| {
+        // `activations`: the GPU's form (bf16 activations) forced on the
+        // CPU, whose own form is f32 activations with bf16 matmuls.
+        let run = |precision, recompute, activations: bool| {
             let mut l = learner_from(LearnerConfig {
                 precision,
                 ..learner_with(Aggregation::TokenMean, 4096, critic, recompute).cfg
             });
+            if activations {
+                l.model.set_mixed_precision(false).unwrap();
+                l.model.set_train_dtype(Some(DType::BF16)).unwrap();
+            }
             let s = l.update(&rows).unwrap();
             let params: Vec<Vec<f32>> = l
                 .opt
@@ -313,47 +319,69 @@ fn bf16_mixed_precision_steps_track_the_f32_step() {
                 .collect();
             (s, params)
         };
-        let (f, _) = run(Precision::F32, Recompute::Off);
-        let (b, pb) = run(Precision::Bf16, Recompute::Off);
-        let (r, pr) = run(Precision::Bf16, Recompute::Layers);
-        assert!(
-            (f.policy_loss - loss).abs() < 1e-5 * (1.0 + loss.abs()),
-            "{critic:?}: f32 policy loss {} vs reference {loss}",
-            f.policy_loss
-        );
-        assert!(
-            (b.policy_loss - loss).abs() < 0.02 * (0.1 + loss.abs()),
-            "{critic:?}: bf16 policy loss {} vs reference {loss}",
-            b.policy_loss
-        );
-        assert!(
-            (b.value_loss - vloss).abs() < 0.02 * vloss,
-            "{critic:?}: bf16 value loss {} vs reference {vloss}",
-            b.value_loss
-        );
-        assert!(
-            (b.grad_norm - f.grad_norm).abs() < 0.05 * f.grad_norm,
-            "{critic:?}: bf16 gradient norm {} vs f32 {}",
-            b.grad_norm,
-            f.grad_norm
-        );
-        assert_eq!(b.trained_tokens, f.trained_tokens);
-        // Not f32 under another name.
-        assert_ne!(b.policy_loss, f.policy_loss, "{critic:?}: bf16 ran in f32");
-        for (what, x, y) in [
-            ("policy loss", b.policy_loss, r.policy_loss),
-            ("value loss", b.value_loss, r.value_loss),
-            ("gradient norm", b.grad_norm, r.grad_norm),
-        ] {
-            assert!(
-                (x - y).abs() < 1e-5 * (1.0 + x.abs()),
-                "{critic:?}: bf16 {what} {x} without vs {y} with recomputation"
-            );
+        let (f, _) = run(Precision::F32, Recompute::Off, false);
+        for activations in [false, true] {
+            let form = if activations {
+                "bf16 activations"
+            } else {
+                "bf16 matmuls"
+            };
+            let (b, pb) = run(Precision::Bf16, Recompute::Off, activations);
+            let (r, pr) = run(Precision::Bf16, Recompute::Layers, activations);
+            bf16_step_checks(critic, form, (loss, vloss), &f, (&b, &pb), (&r, &pr));
         }
-        for (x, y) in pb.iter().zip(&pr) {
-            for (u, w) in x.iter().zip(y) {
-                assert!((u - w).abs() < 1e-6, "{critic:?}: parameters {u} vs {w}");
-            }
+    }
+}
+
+/// The checks of [`bf16_mixed_precision_steps_track_the_f32_step`] for
+/// one form: the bf16 step `b` against the f64 reference losses and the
+/// f32 step `f`, and its recomputed twin `r`.
+fn bf16_step_checks(
+    critic: CriticMode,
+    form: &str,
+    (loss, vloss): (f64, f64),
+    f: &UpdateStats,
+    (b, pb): (&UpdateStats, &[Vec<f32>]),
+    (r, pr): (&UpdateStats, &[Vec<f32>]),
+) {
+    let critic = format!("{critic:?}, {form}");
+    assert!(
+        (f.policy_loss - loss).abs() < 1e-5 * (1.0 + loss.abs()),
+        "{critic}: f32 policy loss {} vs reference {loss}",
+        f.policy_loss
+    );
+    assert!(
+        (b.policy_loss - loss).abs() < 0.02 * (0.1 + loss.abs()),
+        "{critic}: bf16 policy loss {} vs reference {loss}",
+        b.policy_loss
+    );
+    assert!(
+        (b.value_loss - vloss).abs() < 0.02 * vloss,
+        "{critic}: bf16 value loss {} vs reference {vloss}",
+        b.value_loss
+    );
+    assert!(
+        (b.grad_norm - f.grad_norm).abs() < 0.05 * f.grad_norm,
+        "{critic}: bf16 gradient norm {} vs f32 {}",
+        b.grad_norm,
+        f.grad_norm
+    );
+    assert_eq!(b.trained_tokens, f.trained_tokens);
+    // Not f32 under another name.
+    assert_ne!(b.policy_loss, f.policy_loss, "{critic}: bf16 ran in f32");
+    for (what, x, y) in [
+        ("policy loss", b.policy_loss, r.policy_loss),
+        ("value loss", b.value_loss, r.value_loss),
+        ("gradient norm", b.grad_norm, r.grad_norm),
+    ] {
+        assert!(
+            (x - y).abs() < 1e-5 * (1.0 + x.abs()),
+            "{critic}: bf16 {what} {x} without vs {y} with recomputation"
+        );
+    }
+    for (x, y) in pb.iter().zip(pr) {
+        for (u, w) in x.iter().zip(y) {
+            assert!((u - w).abs() < 1e-6, "{critic}: parameters {u} vs {w}");
         }
     }
 }
