@@ -848,17 +848,22 @@ impl Transformer {
     /// generation forward keeps [`Transformer::dtype`]. A half-precision
     /// `dt` needs f32 parameters.
     pub fn set_train_dtype(&mut self, dt: Option<DType>) -> Result<()> {
-        let dt = dt.filter(|&d| d != self.dtype);
-        if let Some(d) = dt {
-            if self.dtype != DType::F32 || !matches!(d, DType::BF16 | DType::F16) {
-                return Err(ModelError::Input(format!(
-                    "mixed precision computes in bf16 or f16 over f32 parameters, not {d:?} over {:?}",
-                    self.dtype
-                )));
-            }
-        }
-        self.train_dtype = dt;
+        self.train_dtype = self.half_over_f32(dt, &[DType::BF16, DType::F16])?;
         Ok(())
+    }
+
+    /// `dt` unless it is the parameters' dtype; an error unless it is one
+    /// of `halves` over f32 parameters.
+    fn half_over_f32(&self, dt: Option<DType>, halves: &[DType]) -> Result<Option<DType>> {
+        match dt.filter(|&d| d != self.dtype) {
+            Some(d) if self.dtype != DType::F32 || !halves.contains(&d) => {
+                Err(ModelError::Input(format!(
+                    "mixed precision computes in {halves:?} over f32 parameters, not {d:?} over {:?}",
+                    self.dtype
+                )))
+            }
+            dt => Ok(dt),
+        }
     }
 
     /// Mixed precision as a CPU has it: the training forward's
@@ -870,16 +875,7 @@ impl Transformer {
     /// arrive in f32. The LM head, embeddings and value head stay f32.
     /// Needs f32 parameters.
     pub fn set_train_matmul_dtype(&mut self, dt: Option<DType>) -> Result<()> {
-        let dt = dt.filter(|&d| d != self.dtype);
-        if let Some(d) = dt {
-            if self.dtype != DType::F32 || d != DType::BF16 {
-                return Err(ModelError::Input(format!(
-                    "bf16 matmuls need f32 parameters, not {d:?} over {:?}",
-                    self.dtype
-                )));
-            }
-        }
-        self.train_matmul_dtype = dt;
+        self.train_matmul_dtype = self.half_over_f32(dt, &[DType::BF16])?;
         Ok(())
     }
 

@@ -92,25 +92,23 @@ impl ActorCritic {
         })
     }
 
+    /// The policy's backbone, and the critic's own when it has one.
+    fn backbones_mut(&mut self) -> impl Iterator<Item = &mut Transformer> {
+        std::iter::once(&mut self.policy).chain(self.critic_backbone.as_mut())
+    }
+
     /// Mixed precision for the training forward of the policy and the
     /// critic's backbone ([`Transformer::set_train_dtype`]); the value head
     /// reads their hidden states in f32 and returns f32 values.
     pub fn set_train_dtype(&mut self, dt: Option<DType>) -> Result<()> {
-        self.policy.set_train_dtype(dt)?;
-        if let Some(c) = &mut self.critic_backbone {
-            c.set_train_dtype(dt)?;
-        }
-        Ok(())
+        self.backbones_mut().try_for_each(|t| t.set_train_dtype(dt))
     }
 
     /// [`Transformer::set_mixed_precision`] for the policy and the
     /// critic's backbone.
     pub fn set_mixed_precision(&mut self, on: bool) -> Result<()> {
-        self.policy.set_mixed_precision(on)?;
-        if let Some(c) = &mut self.critic_backbone {
-            c.set_mixed_precision(on)?;
-        }
-        Ok(())
+        self.backbones_mut()
+            .try_for_each(|t| t.set_mixed_precision(on))
     }
 
     pub fn mode(&self) -> CriticMode {

@@ -133,6 +133,12 @@ fn cuda_kernels_here(x: &Tensor) -> bool {
         && x.elem_count() > 0
 }
 
+/// Whether RMSNorm, RoPE and SwiGLU run their own kernels for `x`: the
+/// CPU's or CUDA's.
+fn kernels_here(x: &Tensor) -> bool {
+    fused_here(x) || cuda_kernels_here(x)
+}
+
 /// `$go::<T>(args)` for a CUDA storage's dtype: `T` is `f32` or
 /// `half::bf16`.
 #[cfg(feature = "cuda")]
@@ -266,12 +272,13 @@ fn rms_fwd<T: Elem>(x: &[T], w: &[T], eps: f64) -> Vec<T> {
     y
 }
 
-/// `(dx, dw)`.
-fn rms_bwd<T: Elem>(x: &[T], w: &[T], dy: &[T], eps: f64) -> (Vec<T>, Vec<T>) {
+/// `[dx | dw]` in one buffer (the layout of [`rms_norm_bwd_packed`]).
+fn rms_bwd<T: Elem>(x: &[T], w: &[T], dy: &[T], eps: f64) -> Vec<T> {
     let d = w.len();
     let eps = T::from(eps).expect("eps fits a float");
     let inv_d = T::one() / T::from(d).expect("length fits a float");
-    let mut dx = vec![T::zero(); x.len()];
+    let mut out = vec![T::zero(); x.len() + d];
+    let (dx, dw) = out.split_at_mut(x.len());
     let partial = dx
         .par_chunks_mut(d * ROWS_PER_TASK)
         .zip(x.par_chunks(d * ROWS_PER_TASK))
@@ -295,11 +302,10 @@ fn rms_bwd<T: Elem>(x: &[T], w: &[T], dy: &[T], eps: f64) -> (Vec<T>, Vec<T>) {
         .collect::<Vec<_>>();
     // Summed in chunk order (fixed chunks): the same bits on every run and
     // at any thread count.
-    let mut dw = vec![T::zero(); d];
     for p in &partial {
-        axpy(&mut dw, T::one(), p);
+        axpy(dw, T::one(), p);
     }
-    (dx, dw)
+    out
 }
 
 impl CustomOp2 for RmsNormOp {
@@ -348,30 +354,14 @@ impl CustomOp2 for RmsNormOp {
         _res: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        if !x.device().is_cpu() {
-            let (dx, dw) = rms_norm_bwd_packed(x, w, dy, self.eps)?;
-            return Ok((Some(dx), Some(dw)));
-        }
-        fn go<T: Elem>(x: &Tensor, w: &Tensor, dy: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
-            let (dx, dw) = with2::<T, _>(x, w, |xs, ws| {
-                with1::<T, _>(dy, |dys| Ok(rms_bwd(xs, ws, dys, eps)))
-            })?;
-            Ok((
-                Tensor::from_vec(dx, x.shape(), x.device())?,
-                Tensor::from_vec(dw, w.shape(), w.device())?,
-            ))
-        }
-        let (dx, dw) = match x.dtype() {
-            DType::F32 => go::<f32>(x, w, dy, self.eps)?,
-            _ => go::<f64>(x, w, dy, self.eps)?,
-        };
+        let (dx, dw) = rms_norm_bwd_packed(x, w, dy, self.eps)?;
         Ok((Some(dx), Some(dw)))
     }
 }
 
 /// RMSNorm's backward as one op with one output, `[dx (x's elements) |
-/// dw (d)]` (the form the CUDA kernels write; the CPU computes the same
-/// with [`rms_bwd`]), split into `(dx, dw)`.
+/// dw (d)]` ([`rms_bwd`] on the CPU, `kernels/fused.cu` on CUDA), split
+/// into `(dx, dw)`.
 fn rms_norm_bwd_packed(x: &Tensor, w: &Tensor, dy: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
     let n = x.elem_count();
     let packed = x.contiguous()?.apply_op3_no_bwd(
@@ -404,18 +394,19 @@ impl CustomOp3 for RmsNormBwd {
         dy: &CpuStorage,
         dl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        fn go<T: Elem>(x: &[T], w: &[T], dy: &[T], eps: f64) -> Vec<T> {
-            let (mut dx, dw) = rms_bwd(x, w, dy, eps);
-            dx.extend(dw);
-            dx
-        }
         let out = match x {
-            CpuStorage::F32(_) => {
-                CpuStorage::F32(go(slice(x, xl)?, slice(w, wl)?, slice(dy, dl)?, self.eps))
-            }
-            CpuStorage::F64(_) => {
-                CpuStorage::F64(go(slice(x, xl)?, slice(w, wl)?, slice(dy, dl)?, self.eps))
-            }
+            CpuStorage::F32(_) => CpuStorage::F32(rms_bwd(
+                slice(x, xl)?,
+                slice(w, wl)?,
+                slice(dy, dl)?,
+                self.eps,
+            )),
+            CpuStorage::F64(_) => CpuStorage::F64(rms_bwd(
+                slice(x, xl)?,
+                slice(w, wl)?,
+                slice(dy, dl)?,
+                self.eps,
+            )),
             _ => candle_core::bail!("rms_norm backward: f32 or f64 expected"),
         };
         let len = xl.shape().elem_count() + wl.shape().elem_count();
@@ -453,8 +444,7 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
             sin.dims()
         );
     }
-    let kernels = fused_here(x) || cuda_kernels_here(x);
-    if !kernels || cos.dtype() != x.dtype() || sin.dtype() != x.dtype() {
+    if !kernels_here(x) || cos.dtype() != x.dtype() || sin.dtype() != x.dtype() {
         let half = d / 2;
         let (c, s) = (cos.unsqueeze(1)?, sin.unsqueeze(1)?);
         let x1 = x.narrow(D::Minus1, 0, half)?;
@@ -575,7 +565,7 @@ pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
     if g.shape() != u.shape() {
         candle_core::bail!("swiglu: gate {:?} and up {:?}", g.dims(), u.dims());
     }
-    if !(fused_here(g) || cuda_kernels_here(g)) || u.dtype() != g.dtype() {
+    if !kernels_here(g) || u.dtype() != g.dtype() {
         return g.silu()? * u;
     }
     g.contiguous()?.apply_op2(&u.contiguous()?, SwigluOp)
@@ -617,9 +607,10 @@ fn swiglu_bwd_chunk<T: Elem>(g: &[T], u: &[T], dy: &[T], dg: &mut [T], du: &mut 
     }
 }
 
-fn swiglu_bwd<T: Elem>(g: &[T], u: &[T], dy: &[T]) -> (Vec<T>, Vec<T>) {
-    let mut dg = vec![T::zero(); g.len()];
-    let mut du = vec![T::zero(); g.len()];
+/// `[dg | du]` in one buffer (the layout of [`swiglu_bwd_packed`]).
+fn swiglu_bwd<T: Elem>(g: &[T], u: &[T], dy: &[T]) -> Vec<T> {
+    let mut out = vec![T::zero(); 2 * g.len()];
+    let (dg, du) = out.split_at_mut(g.len());
     dg.par_chunks_mut(ELEMS_PER_TASK)
         .zip(du.par_chunks_mut(ELEMS_PER_TASK))
         .zip(
@@ -628,7 +619,7 @@ fn swiglu_bwd<T: Elem>(g: &[T], u: &[T], dy: &[T]) -> (Vec<T>, Vec<T>) {
         )
         .zip(dy.par_chunks(ELEMS_PER_TASK))
         .for_each(|(((dg, du), (g, u)), dy)| swiglu_bwd_chunk(g, u, dy, dg, du));
-    (dg, du)
+    out
 }
 
 impl CustomOp2 for SwigluOp {
@@ -672,30 +663,13 @@ impl CustomOp2 for SwigluOp {
         _res: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        if !g.device().is_cpu() {
-            let (dg, du) = swiglu_bwd_packed(g, u, dy)?;
-            return Ok((Some(dg), Some(du)));
-        }
-        fn go<T: Elem>(g: &Tensor, u: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
-            let (dg, du) = with2::<T, _>(g, u, |gs, us| {
-                with1::<T, _>(dy, |dys| Ok(swiglu_bwd(gs, us, dys)))
-            })?;
-            Ok((
-                Tensor::from_vec(dg, g.shape(), g.device())?,
-                Tensor::from_vec(du, u.shape(), u.device())?,
-            ))
-        }
-        let (dg, du) = match g.dtype() {
-            DType::F32 => go::<f32>(g, u, dy)?,
-            _ => go::<f64>(g, u, dy)?,
-        };
+        let (dg, du) = swiglu_bwd_packed(g, u, dy)?;
         Ok((Some(dg), Some(du)))
     }
 }
 
-/// SwiGLU's backward as one op with one output, `[dg | du]` (the form the
-/// CUDA kernel writes; the CPU computes the same with [`swiglu_bwd`]),
-/// split into `(dg, du)`.
+/// SwiGLU's backward as one op with one output, `[dg | du]` ([`swiglu_bwd`]
+/// on the CPU, `kernels/fused.cu` on CUDA), split into `(dg, du)`.
 fn swiglu_bwd_packed(g: &Tensor, u: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
     let n = g.elem_count();
     let packed =
@@ -724,14 +698,13 @@ impl CustomOp3 for SwigluBwd {
         dy: &CpuStorage,
         dl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        fn go<T: Elem>(g: &[T], u: &[T], dy: &[T]) -> Vec<T> {
-            let (mut dg, du) = swiglu_bwd(g, u, dy);
-            dg.extend(du);
-            dg
-        }
         let out = match g {
-            CpuStorage::F32(_) => CpuStorage::F32(go(slice(g, gl)?, slice(u, ul)?, slice(dy, dl)?)),
-            CpuStorage::F64(_) => CpuStorage::F64(go(slice(g, gl)?, slice(u, ul)?, slice(dy, dl)?)),
+            CpuStorage::F32(_) => {
+                CpuStorage::F32(swiglu_bwd(slice(g, gl)?, slice(u, ul)?, slice(dy, dl)?))
+            }
+            CpuStorage::F64(_) => {
+                CpuStorage::F64(swiglu_bwd(slice(g, gl)?, slice(u, ul)?, slice(dy, dl)?))
+            }
             _ => candle_core::bail!("swiglu backward: f32 or f64 expected"),
         };
         Ok((out, Shape::from(2 * gl.shape().elem_count())))
@@ -1923,40 +1896,49 @@ mod tests {
     fn packed_attention_blocked_paths_match_composed_autograd() {
         let (nh, nkv, d) = (4, 2, 64);
         let lens = [37usize, 20, 3];
+        let (qkv, probe, geom) = attention_case(&lens, nh, nkv, d, 21);
+        let [q, k, v] = qkv.each_ref().map(Var::as_tensor);
+        let fused = packed_causal_attention(q, k, v, &lens).unwrap();
+        let composed = composed_attention(q, k, v, &geom).unwrap();
+        close(&fused, &composed, 1e-12);
+        close_gradients(&qkv, &probe, fused, composed, 1e-11);
+    }
+
+    /// Variables `q [N, nh, d]`, `k, v [N, nkv, d]` (seeds `seed` ..
+    /// `seed + 2`), a probe of the output's shape (`seed + 3`) and the
+    /// geometry of sequences `lens`.
+    fn attention_case(
+        lens: &[usize],
+        nh: usize,
+        nkv: usize,
+        d: usize,
+        seed: u64,
+    ) -> ([Var; 3], Tensor, Geom) {
         let n: usize = lens.iter().sum();
         let mk = |v: Vec<f64>, s: &[usize]| Var::from_tensor(&t(&v, s)).unwrap();
-        let q = mk(rnd(n * nh * d, 21), &[n, nh, d]);
-        let k = mk(rnd(n * nkv * d, 22), &[n, nkv, d]);
-        let v = mk(rnd(n * nkv * d, 23), &[n, nkv, d]);
-        let probe = t(&rnd(n * nh * d, 24), &[n, nh, d]);
-        let geom = Geom {
-            nh,
-            nkv,
-            d,
-            starts: vec![0, 37, 57, 60],
-        };
-        let fused =
-            packed_causal_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &lens).unwrap();
-        let composed =
-            composed_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &geom).unwrap();
-        close(&fused, &composed, 1e-12);
-        let ga = (fused * &probe)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
-        let gb = (composed * &probe)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
-        for x in [&q, &k, &v] {
+        let qkv = [
+            mk(rnd(n * nh * d, seed), &[n, nh, d]),
+            mk(rnd(n * nkv * d, seed + 1), &[n, nkv, d]),
+            mk(rnd(n * nkv * d, seed + 2), &[n, nkv, d]),
+        ];
+        let probe = t(&rnd(n * nh * d, seed + 3), &[n, nh, d]);
+        let mut starts = vec![0];
+        for &l in lens {
+            starts.push(starts.last().unwrap() + l);
+        }
+        (qkv, probe, Geom { nh, nkv, d, starts })
+    }
+
+    /// The gradients of `sum(a * probe)` and `sum(b * probe)` in each of
+    /// `vars` agree within `tol`.
+    fn close_gradients(vars: &[Var], probe: &Tensor, a: Tensor, b: Tensor, tol: f64) {
+        let grads = |y: Tensor| (y * probe).unwrap().sum_all().unwrap().backward().unwrap();
+        let (ga, gb) = (grads(a), grads(b));
+        for x in vars {
             close(
                 ga.get(x.as_tensor()).unwrap(),
                 gb.get(x.as_tensor()).unwrap(),
-                1e-11,
+                tol,
             );
         }
     }
@@ -1968,44 +1950,15 @@ mod tests {
     fn recomputed_attention_matches_composed_autograd() {
         let (nh, nkv, d) = (6, 2, 8);
         let lens = [11usize, 1, 6];
-        let n: usize = lens.iter().sum();
-        let mk = |v: Vec<f64>, s: &[usize]| Var::from_tensor(&t(&v, s)).unwrap();
-        let q = mk(rnd(n * nh * d, 41), &[n, nh, d]);
-        let k = mk(rnd(n * nkv * d, 42), &[n, nkv, d]);
-        let v = mk(rnd(n * nkv * d, 43), &[n, nkv, d]);
-        let probe = t(&rnd(n * nh * d, 44), &[n, nh, d]);
-        let geom = Geom {
-            nh,
-            nkv,
-            d,
-            starts: vec![0, 11, 12, 18],
-        };
-        let (qt, kt, vt) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
-        let re = recomputed_attention(qt, kt, vt, &geom).unwrap();
-        let co = composed_attention(qt, kt, vt, &geom).unwrap();
+        let (qkv, probe, geom) = attention_case(&lens, nh, nkv, d, 41);
+        let [q, k, v] = qkv.each_ref().map(Var::as_tensor);
+        let re = recomputed_attention(q, k, v, &geom).unwrap();
+        let co = composed_attention(q, k, v, &geom).unwrap();
         close(&re, &co, 1e-12);
-        let want = t(
-            &attention_reference(
-                &rnd(n * nh * d, 41),
-                &rnd(n * nkv * d, 42),
-                &rnd(n * nkv * d, 43),
-                &lens,
-                nh,
-                nkv,
-                d,
-            ),
-            &[n, nh, d],
-        );
-        close(&re, &want, 1e-12);
-        let grads = |y: Tensor| (y * &probe).unwrap().sum_all().unwrap().backward().unwrap();
-        let (ga, gb) = (grads(re), grads(co));
-        for x in [&q, &k, &v] {
-            close(
-                ga.get(x.as_tensor()).unwrap(),
-                gb.get(x.as_tensor()).unwrap(),
-                1e-11,
-            );
-        }
+        let vals = |x: &Tensor| x.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let want = attention_reference(&vals(q), &vals(k), &vals(v), &lens, nh, nkv, d);
+        close(&re, &t(&want, re.dims()), 1e-12);
+        close_gradients(&qkv, &probe, re, co, 1e-11);
     }
 
     /// bf16 inputs on the CPU take the paths without a CPU kernel (candle
