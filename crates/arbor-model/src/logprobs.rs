@@ -51,9 +51,10 @@ pub fn token_logprobs(
             "target token {bad} is outside the vocabulary ({vocab})"
         )));
     }
-    // Over a bf16 LM head with f32 hidden states (bf16 matrices): the
-    // products the engine's bf16 LM head computes (hidden rounded to bf16;
-    // the fused op upcasts the weight once), summed in another order.
+    // Over a bf16 LM head with f32 hidden states (bf16 matrices, or the
+    // CPU's mixed-precision training): the products the engine's bf16 LM
+    // head computes (hidden rounded to bf16), through the fused op's bf16
+    // dot products, forward and backward.
     // Half-precision hidden states over an f32 LM head (mixed precision,
     // [`crate::Transformer::set_train_dtype`]): the head is cast to their
     // dtype inside the graph (its gradient arrives in f32); the fused op

@@ -872,11 +872,24 @@ impl Transformer {
     /// their f32 weights to `dt` (bf16) and multiply through
     /// [`arbor_ops::matmul_nt_op`]'s bf16 dot products (AVX-512 BF16 where
     /// the CPU has it), forward and backward; their weights' gradients
-    /// arrive in f32. The LM head, embeddings and value head stay f32.
-    /// Needs f32 parameters.
+    /// arrive in f32. The learner's LM head multiplies the same way
+    /// ([`Transformer::train_lm_head`]; its log-softmax sums stay in f64);
+    /// the embeddings and value head stay f32. Needs f32 parameters.
     pub fn set_train_matmul_dtype(&mut self, dt: Option<DType>) -> Result<()> {
         self.train_matmul_dtype = self.half_over_f32(dt, &[DType::BF16])?;
         Ok(())
+    }
+
+    /// The LM head as the training loss multiplies it: cast inside the
+    /// autograd graph to [`Transformer::set_train_matmul_dtype`]'s dtype
+    /// when one is set on the CPU ([`arbor_ops::fused_logprobs`] then runs
+    /// its three products through bf16 dot products, the gradient reaching
+    /// the f32 head), otherwise as it is.
+    pub fn train_lm_head(&self) -> Result<Tensor> {
+        Ok(match self.train_matmul_dtype {
+            Some(dt) if self.device().is_cpu() => self.lm_head.to_dtype(dt)?,
+            _ => self.lm_head.clone(),
+        })
     }
 
     /// Mixed precision (bf16 compute over f32 master weights) the way the

@@ -6,7 +6,7 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 #[cfg(doc)]
 use crate::cpu::matmul::{matmul_nt, matmul_nt_bf16};
-use crate::cpu::matmul::{single, WeightRows};
+use crate::cpu::matmul::{single, transposed as transposed_slice, WeightRows};
 
 /// `x [m, k] @ w[n, k]^T` as a candle op on the CPU: `x` f32, `w` f32
 /// ([`matmul_nt`]) or bf16 ([`matmul_nt_bf16`]), output f32; with the
@@ -140,35 +140,8 @@ impl CustomOp2 for MatmulNt {
 }
 
 /// `t^T` of a 2-d f32 or bf16 CPU tensor, contiguous, in `dt` (f32 or
-/// bf16): a tiled transpose over rayon (candle's strided copy walks one
-/// element at a time, as slow as the product it feeds).
+/// bf16), through the tiled [`transposed_slice`].
 fn transposed(t: &Tensor, dt: DType) -> Result<Tensor> {
-    use rayon::prelude::*;
-    const TILE: usize = 32;
-    fn go<S: Copy + Sync, D: Copy + Send + Default>(
-        src: &[S],
-        rows: usize,
-        cols: usize,
-        conv: impl Fn(S) -> D + Sync,
-    ) -> Vec<D> {
-        // dst [cols, rows]; each task writes TILE rows of dst.
-        let mut dst = vec![D::default(); rows * cols];
-        dst.par_chunks_mut(TILE * rows.max(1))
-            .enumerate()
-            .for_each(|(b, out)| {
-                let c0 = b * TILE;
-                let nc = out.len() / rows.max(1);
-                for r0 in (0..rows).step_by(TILE) {
-                    for r in r0..(r0 + TILE).min(rows) {
-                        let row = &src[r * cols + c0..r * cols + c0 + nc];
-                        for (c, &v) in row.iter().enumerate() {
-                            out[c * rows + r] = conv(v);
-                        }
-                    }
-                }
-            });
-        dst
-    }
     let (rows, cols) = t.dims2()?;
     let t = t.contiguous()?;
     let (storage, layout) = t.storage_and_layout();
@@ -182,13 +155,15 @@ fn transposed(t: &Tensor, dt: DType) -> Result<Tensor> {
     let shape = (cols, rows);
     match (cpu, dt) {
         (CpuStorage::F32(v), DType::F32) => {
-            Tensor::from_vec(go(&v[a..b], rows, cols, |x| x), shape, dev)
+            Tensor::from_vec(transposed_slice(&v[a..b], rows, cols, |x| x), shape, dev)
         }
-        (CpuStorage::F32(v), DType::BF16) => {
-            Tensor::from_vec(go(&v[a..b], rows, cols, half::bf16::from_f32), shape, dev)
-        }
+        (CpuStorage::F32(v), DType::BF16) => Tensor::from_vec(
+            transposed_slice(&v[a..b], rows, cols, half::bf16::from_f32),
+            shape,
+            dev,
+        ),
         (CpuStorage::BF16(v), DType::BF16) => {
-            Tensor::from_vec(go(&v[a..b], rows, cols, |x| x), shape, dev)
+            Tensor::from_vec(transposed_slice(&v[a..b], rows, cols, |x| x), shape, dev)
         }
         _ => candle_core::bail!("matmul_nt: transpose of {:?} to {dt:?}", t.dtype()),
     }

@@ -29,6 +29,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::cpu::matmul::{single, single_into, transposed, WeightRows::Bf16};
+
 /// Default chunk size in logits elements (128 MiB of f32).
 pub const DEFAULT_CHUNK_ELEMS: usize = 1 << 25;
 
@@ -173,6 +175,62 @@ impl FromF64 for f64 {
     }
 }
 
+/// The f32 hidden rows and bf16 LM head of the mixed CPU case, as slices
+/// (`[N, H]`, `[V, H]`; contiguous, as [`fused_logprobs`] passes them).
+fn bf16_operands<'a>(
+    hs: &'a CpuStorage,
+    hl: &Layout,
+    ws: &'a CpuStorage,
+    wl: &Layout,
+    n: usize,
+    v: usize,
+    h: usize,
+) -> Option<(&'a [f32], &'a [half::bf16])> {
+    match (hs, ws) {
+        (CpuStorage::F32(hid), CpuStorage::BF16(w)) => Some((
+            &hid[hl.start_offset()..hl.start_offset() + n * h],
+            &w[wl.start_offset()..wl.start_offset() + v * h],
+        )),
+        _ => None,
+    }
+}
+
+/// The backward over a bf16 head through bf16 dot products (f32 sums), in
+/// vocabulary chunks of `cols` columns: logits `z = bf16(h) W_c^T` as the
+/// forward computes them, `dz` in f32 ([`row_grad`]), `dW_c = bf16(dz)^T
+/// bf16(h)` and `dh += bf16(dz) W_c`, each product in the `x w^T` form
+/// with its summed dimension contiguous (`dz`, `h` and `W_c` transposed
+/// for it). Returns the packed `[dh | dW]` in f32.
+fn grad_bf16(
+    hid: &[f32],
+    w: &[half::bf16],
+    aux: &[f32],
+    (n, v, h): (usize, usize, usize),
+    cols: usize,
+    need_dw: bool,
+) -> Vec<f32> {
+    let mut out = vec![0f32; (n + if need_dw { v } else { 0 }) * h];
+    let (dh, dw) = out.split_at_mut(n * h);
+    let hid_t = need_dw.then(|| transposed(hid, n, h, half::bf16::from_f32));
+    let mut v0 = 0;
+    while v0 < v {
+        let vc = cols.min(v - v0);
+        let wc = &w[v0 * h..(v0 + vc) * h];
+        let mut z = single(hid, Bf16(wc), n, h, vc);
+        z.par_chunks_mut(vc)
+            .zip(aux.par_chunks(6))
+            .for_each(|(z, a)| row_grad(z, v0, a));
+        if let Some(ht) = &hid_t {
+            let zt = transposed(&z, n, vc, |x| x);
+            single_into(&zt, Bf16(ht), vc, n, h, &mut dw[v0 * h..(v0 + vc) * h]);
+        }
+        let part = single(&z, Bf16(&transposed(wc, vc, h, |x| x)), n, vc, h);
+        dh.par_iter_mut().zip(&part).for_each(|(a, b)| *a += b);
+        v0 += vc;
+    }
+    out
+}
+
 /// CPU inputs as f32/f64 storages (bf16/f16 upcast to f32), contiguous.
 fn cpu_float(s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Layout)> {
     match s.dtype() {
@@ -204,6 +262,7 @@ impl CustomOp3 for FusedLogprob {
             CpuStorage::U32(t) => &t[tl.start_offset()..tl.start_offset() + n],
             _ => candle_core::bail!("fused_logprobs: targets must be u32"),
         };
+        let bf16 = bf16_operands(hs, hl, ws, wl, n, v, h);
         let (hs, hl) = cpu_float(hs, hl)?;
         let (ws, wl) = cpu_float(ws, wl)?;
         let rows = chunk_len(self.chunk_elems, v);
@@ -211,8 +270,15 @@ impl CustomOp3 for FusedLogprob {
         let mut r0 = 0;
         while r0 < n {
             let c = rows.min(n - r0);
-            let lhs = Layout::contiguous_with_offset((c, h), hl.start_offset() + r0 * h);
-            let logits = hs.matmul(&ws, (1, c, v, h), &lhs, &rhs_t(&wl, 0, v, h)?)?;
+            let logits = match bf16 {
+                Some((hid, w)) => {
+                    CpuStorage::F32(single(&hid[r0 * h..(r0 + c) * h], Bf16(w), c, h, v))
+                }
+                None => {
+                    let lhs = Layout::contiguous_with_offset((c, h), hl.start_offset() + r0 * h);
+                    hs.matmul(&ws, (1, c, v, h), &lhs, &rhs_t(&wl, 0, v, h)?)?
+                }
+            };
             let dst = &mut out[r0..r0 + c];
             let tg = &targets[r0..r0 + c];
             match &logits {
@@ -354,16 +420,25 @@ impl CustomOp3 for FusedLogprobGrad {
         let in_dtype = hs.dtype();
         let (n, h) = hl.shape().dims2()?;
         let v = wl.shape().dims()[0];
+        let cols = chunk_len(self.chunk_elems, n);
+        let out_len = self.out_len(n, v, h);
+        if let Some((hid, w)) = bf16_operands(hs, hl, ws, wl, n, v, h) {
+            let aux = match auxs.to_dtype(auxl, DType::F32)? {
+                CpuStorage::F32(a) => a,
+                _ => unreachable!("converted to f32"),
+            };
+            let out = grad_bf16(hid, w, &aux, (n, v, h), cols, self.need_dw);
+            return Ok((CpuStorage::F32(out), Shape::from(out_len)));
+        }
         let (hs, hl) = cpu_float(hs, hl)?;
         let (ws, wl) = cpu_float(ws, wl)?;
         let wdt = hs.dtype();
         let (auxs, auxl) = (auxs.to_dtype(auxl, wdt)?, Layout::contiguous((n, 6)));
-        let total = self.out_len(n, v, h);
+        let total = out_len;
         let mut out = match wdt {
             DType::F64 => CpuStorage::F64(vec![0.0; total]),
             _ => CpuStorage::F32(vec![0.0; total]),
         };
-        let cols = chunk_len(self.chunk_elems, n);
         let mut dh: Option<CpuStorage> = None;
         let mut v0 = 0;
         while v0 < v {
@@ -600,6 +675,79 @@ mod tests {
                         "chunk {chunk} {} [{i}]: fd {fd} vs {}",
                         ["hidden", "weight"][which],
                         got[i]
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// f32 hidden rows over a bf16 head (the CPU's mixed precision): the
+    /// forward is the f64 brute force of the bf16-rounded operands (f32
+    /// sums); the backward's `dh` and `dW` are the analytic gradients of
+    /// the rounded operands, up to `dz`'s rounding to bf16 in the products
+    /// (relative 2^-9 per term), for chunkings that split the vocabulary.
+    #[test]
+    fn bf16_head_products_match_the_rounded_operands() -> Result<()> {
+        let mut rng = StdRng::seed_from_u64(5);
+        let (n, v, h) = (19, 53, 40);
+        let round = |x: &[f64]| -> Vec<f64> {
+            x.iter()
+                .map(|&a| half::bf16::from_f64(a).to_f64())
+                .collect()
+        };
+        let hid = rand_vec(&mut rng, n * h, 1.0);
+        let w = round(&rand_vec(&mut rng, v * h, 1.0));
+        let y: Vec<u32> = (0..n).map(|_| rng.random_range(0..v as u32)).collect();
+        let want = brute(&round(&hid), &w, &y, n, v, h);
+        // d/dz of sum(c0 logp + c1 H + c2 lse) per row, then dh = dz W and
+        // dW = dz^T bf16(h), in f64.
+        let coef = [0.7, -0.3, 0.2];
+        let hr = round(&hid);
+        let (mut dh_want, mut dw_want) = (vec![0f64; n * h], vec![0f64; v * h]);
+        for r in 0..n {
+            let z: Vec<f64> = (0..v)
+                .map(|j| (0..h).map(|k| hr[r * h + k] * w[j * h + k]).sum())
+                .collect();
+            let [_, ent, lse] = want[r];
+            for j in 0..v {
+                let p = (z[j] - lse).exp();
+                let onehot = if j == y[r] as usize { 1.0 } else { 0.0 };
+                let dz = coef[0] * (onehot - p) - coef[1] * p * (z[j] - lse + ent) + coef[2] * p;
+                for k in 0..h {
+                    dh_want[r * h + k] += dz * w[j * h + k];
+                    dw_want[j * h + k] += dz * hr[r * h + k];
+                }
+            }
+        }
+        let dev = Device::Cpu;
+        let yt = Tensor::from_vec(y.clone(), n, &dev)?;
+        for chunk in [n * 7, n * 53, 1 << 20] {
+            let hv = Var::from_tensor(
+                &Tensor::from_vec(hid.clone(), (n, h), &dev)?.to_dtype(DType::F32)?,
+            )?;
+            let wv = Var::from_tensor(
+                &Tensor::from_vec(w.clone(), (v, h), &dev)?.to_dtype(DType::BF16)?,
+            )?;
+            let out = fused_logprobs(hv.as_tensor(), wv.as_tensor(), &yt, chunk)?;
+            let got = out.to_dtype(DType::F64)?.to_vec2::<f64>()?;
+            for (g, w) in got.iter().zip(&want) {
+                for c in 0..3 {
+                    assert!((g[c] - w[c]).abs() < 1e-4, "chunk {chunk}: {g:?} vs {w:?}");
+                }
+            }
+            let c = Tensor::new(&[0.7f32, -0.3, 0.2], &dev)?;
+            let grads = out.broadcast_mul(&c)?.sum_all()?.backward()?;
+            let dh = grads.get(hv.as_tensor()).expect("dh");
+            let dw = grads.get(wv.as_tensor()).expect("dw");
+            assert_eq!((dh.dtype(), dw.dtype()), (DType::F32, DType::BF16));
+            for (got, want) in [(dh, &dh_want), (dw, &dw_want)] {
+                let got = got.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+                let scale = want.iter().fold(0f64, |m, x| m.max(x.abs()));
+                for (g, w) in got.iter().zip(want.iter()) {
+                    assert!(
+                        (g - w).abs() < 1e-2 * scale,
+                        "chunk {chunk}: {g} vs {w} (scale {scale})"
                     );
                 }
             }

@@ -233,7 +233,14 @@ pub fn matmul_nt_into(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, y: &mu
 
 /// One product through [`matmul_nt_multi_into`]: the first `n` rows of `w`
 /// into the first `m * n` values of `y`.
-fn single_into(x: &[f32], w: WeightRows<'_>, m: usize, k: usize, n: usize, y: &mut [f32]) {
+pub(crate) fn single_into(
+    x: &[f32],
+    w: WeightRows<'_>,
+    m: usize,
+    k: usize,
+    n: usize,
+    y: &mut [f32],
+) {
     assert!(
         w.len() >= n * k && y.len() >= m * n,
         "matmul_nt: slices shorter than [{m}, {k}] x [{n}, {k}]^T"
@@ -250,6 +257,40 @@ pub(crate) fn single(x: &[f32], w: WeightRows<'_>, m: usize, k: usize, n: usize)
     );
     let mut ys = matmul_nt_multi(x, &[w.rows(n * k)], m, k, &[n]);
     ys.pop().expect("one product")
+}
+
+/// `src [rows, cols]` (row-major) transposed to `[cols, rows]`, each value
+/// passed through `conv` (a cast to bf16, or none): the operand layout the
+/// `x w^T` kernels need for a product summed along `src`'s rows (a
+/// backward's `g^T x`). Tiles of 32 x 32 over rayon, each task writing 32
+/// rows of the result (candle's strided copy walks one element at a time,
+/// as slow as the product it feeds).
+pub(crate) fn transposed<S: Copy + Sync, D: Copy + Send + Default>(
+    src: &[S],
+    rows: usize,
+    cols: usize,
+    conv: impl Fn(S) -> D + Sync,
+) -> Vec<D> {
+    const TILE: usize = 32;
+    let mut dst = vec![D::default(); rows * cols];
+    if rows == 0 {
+        return dst;
+    }
+    dst.par_chunks_mut(TILE * rows)
+        .enumerate()
+        .for_each(|(b, out)| {
+            let c0 = b * TILE;
+            let nc = out.len() / rows;
+            for r0 in (0..rows).step_by(TILE) {
+                for r in r0..(r0 + TILE).min(rows) {
+                    let row = &src[r * cols + c0..r * cols + c0 + nc];
+                    for (c, &v) in row.iter().enumerate() {
+                        out[c * rows + r] = conv(v);
+                    }
+                }
+            }
+        });
+    dst
 }
 
 /// `y[m, n] = bf16(x)[m, k] w[n, k]^T` for bf16 weights: `x` is rounded to
