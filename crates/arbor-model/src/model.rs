@@ -181,18 +181,21 @@ impl Linear {
     /// ([`Transformer::set_train_matmul_dtype`]), whose gradient reaches
     /// the weight in f32.
     ///
-    /// On the CPU, f32 `x` over a bf16 cast multiplies through
-    /// [`arbor_ops::matmul_nt_bf16_op`], whose backward uses the same bf16
-    /// dot products.
+    /// On the CPU, f32 `x` over an f32 weight cast to bf16 multiplies
+    /// through [`arbor_ops::matmul_nt_bf16_op`], which rounds the weight
+    /// itself and whose backward uses the same bf16 dot products, the
+    /// weight's gradient summed and kept in f32.
     pub fn forward_cast(&self, x: &Tensor, dt: Option<DType>) -> candle_core::Result<Tensor> {
         match dt {
+            Some(DType::BF16)
+                if x.device().is_cpu()
+                    && x.dtype() == DType::F32
+                    && self.weight.dtype() == DType::F32 =>
+            {
+                self.forward_with(x, &self.weight, arbor_ops::matmul_nt_bf16_op)
+            }
             Some(dt) if dt != self.weight.dtype() => {
-                let w = self.weight.to_dtype(dt)?;
-                if x.device().is_cpu() && x.dtype() == DType::F32 && dt == DType::BF16 {
-                    self.forward_with(x, &w, arbor_ops::matmul_nt_bf16_op)
-                } else {
-                    self.forward_with(x, &w, matmul_nt)
-                }
+                self.forward_with(x, &self.weight.to_dtype(dt)?, matmul_nt)
             }
             _ => self.forward(x),
         }

@@ -15,12 +15,8 @@ use crate::cpu::matmul::{single, transposed as transposed_slice, WeightRows};
 /// identity, straight through).
 pub fn matmul_nt_op(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     check(x, w)?;
-    x.contiguous()?.apply_op2(
-        &w.contiguous()?,
-        MatmulNt {
-            bf16_backward: false,
-        },
-    )
+    x.contiguous()?
+        .apply_op2(&w.contiguous()?, MatmulNt { bf16: false })
 }
 
 /// `x` f32 `[m, k]` and `w` f32 or bf16 `[n, k]`.
@@ -39,28 +35,25 @@ fn check(x: &Tensor, w: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// [`matmul_nt_op`] for a bf16 `w` whose backward runs the same bf16 dot
-/// products as its forward (the CPU's mixed-precision training):
-/// `dx = bf16(g) w` and `dw = bf16(g)^T bf16(x)`, summed in f32, `dw`
-/// rounded to bf16 (the weight's dtype; a cast upstream carries it to the
-/// f32 master weight). [`matmul_nt_op`]'s backward keeps `g` in f32.
+/// `bf16(x) bf16(w)^T` through bf16 dot products (f32 sums), with a
+/// backward through the same products (the CPU's mixed-precision
+/// training): `dx = bf16(g) bf16(w)` and `dw = bf16(g)^T bf16(x)`, summed
+/// in f32. `w` is the f32 master weight, rounded to bf16 inside the op
+/// (in parallel, and again, transposed, in the backward: no bf16 copy
+/// lives between the passes), whose gradient `dw` it receives in f32,
+/// unrounded; or a bf16 weight, whose `dw` is rounded to bf16.
+/// [`matmul_nt_op`]'s backward keeps `g` in f32.
 pub fn matmul_nt_bf16_op(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    if w.dtype() != DType::BF16 {
-        candle_core::bail!("matmul_nt_bf16: w is {:?}, not bf16", w.dtype());
-    }
     check(x, w)?;
-    x.contiguous()?.apply_op2(
-        &w.contiguous()?,
-        MatmulNt {
-            bf16_backward: true,
-        },
-    )
+    x.contiguous()?
+        .apply_op2(&w.contiguous()?, MatmulNt { bf16: true })
 }
 
 #[derive(Debug, Clone, Copy)]
 struct MatmulNt {
-    /// Backward through bf16 products ([`matmul_nt_bf16_op`]).
-    bf16_backward: bool,
+    /// bf16 products both ways, an f32 `w` rounded inside
+    /// ([`matmul_nt_bf16_op`]).
+    bf16: bool,
 }
 
 impl CustomOp2 for MatmulNt {
@@ -78,7 +71,12 @@ impl CustomOp2 for MatmulNt {
         let (m, k) = xl.shape().dims2()?;
         let n = wl.shape().dims()[0];
         let (w0, w1) = (wl.start_offset(), wl.start_offset() + n * k);
+        let rounded: Vec<half::bf16>;
         let w = match ws {
+            CpuStorage::F32(w) if self.bf16 => {
+                rounded = to_bf16(&w[w0..w1]);
+                WeightRows::Bf16(&rounded)
+            }
             CpuStorage::F32(w) => WeightRows::F32(&w[w0..w1]),
             CpuStorage::BF16(w) => WeightRows::Bf16(&w[w0..w1]),
             _ => candle_core::bail!(
@@ -106,7 +104,7 @@ impl CustomOp2 for MatmulNt {
         // itself, and candle keeps a variable's gradient as returned, so an
         // attached `g^T x` would hold the whole forward graph alive for as
         // long as the gradient lives.
-        if self.bf16_backward {
+        if self.bf16 {
             // Both products through the same bf16 dot products as the
             // forward (the `x w^T` form, both operands contiguous along the
             // sum): `dx = g (w^T)^T` with `w` transposed, `dw = g^T
@@ -119,7 +117,7 @@ impl CustomOp2 for MatmulNt {
             };
             let dw = if w.track_op() {
                 let dw = matmul_nt_op(&transposed(g, DType::F32)?, &transposed(x, DType::BF16)?)?;
-                Some(dw.to_dtype(DType::BF16)?.detach())
+                Some(dw.to_dtype(w.dtype())?.detach())
             } else {
                 None
             };
@@ -137,6 +135,21 @@ impl CustomOp2 for MatmulNt {
         };
         Ok((dx, dw))
     }
+}
+
+/// `w` rounded to bf16 (nearest even), in parallel.
+fn to_bf16(w: &[f32]) -> Vec<half::bf16> {
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 14;
+    let mut out = vec![half::bf16::ZERO; w.len()];
+    out.par_chunks_mut(CHUNK)
+        .zip(w.par_chunks(CHUNK))
+        .for_each(|(o, w)| {
+            o.iter_mut()
+                .zip(w)
+                .for_each(|(o, &x)| *o = half::bf16::from_f32(x))
+        });
+    out
 }
 
 /// `t^T` of a 2-d f32 or bf16 CPU tensor, contiguous, in `dt` (f32 or
@@ -252,6 +265,41 @@ mod tests {
             // f32 sums in another order; dw's bf16 rounding on both sides.
             assert!(d <= 1e-2 * scale, "{d} vs {scale}");
         }
+        Ok(())
+    }
+
+    /// Over an f32 master weight the op rounds `w` itself: the forward is
+    /// the bf16 weight's, `dx` the product with the rounded weight, and
+    /// `dw` the same f32 sums as the bf16 weight's, unrounded and in f32.
+    #[test]
+    fn bf16_products_over_an_f32_master_weight() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (37, 40), &dev)?)?;
+        let wm = Var::from_tensor(&Tensor::randn(0f32, 1.0, (9, 40), &dev)?)?;
+        let wb = Var::from_tensor(&wm.as_tensor().to_dtype(DType::BF16)?)?;
+        let g = Tensor::randn(0f32, 1.0, (37, 9), &dev)?;
+        let (ym, yb) = (
+            matmul_nt_bf16_op(x.as_tensor(), wm.as_tensor())?,
+            matmul_nt_bf16_op(x.as_tensor(), wb.as_tensor())?,
+        );
+        let flat = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
+        assert_eq!(flat(&ym)?, flat(&yb)?, "the forward rounds w");
+        let gm = (ym * &g)?.sum_all()?.backward()?;
+        let gb = (yb * &g)?.sum_all()?.backward()?;
+        let (dxm, dxb) = (
+            gm.get(x.as_tensor()).expect("dx"),
+            gb.get(x.as_tensor()).expect("dx"),
+        );
+        assert_eq!(flat(dxm)?, flat(dxb)?, "dx through the rounded weight");
+        let dwm = gm.get(wm.as_tensor()).expect("dw");
+        let dwb = gb.get(wb.as_tensor()).expect("dw");
+        assert_eq!(dwm.dtype(), DType::F32);
+        assert_eq!(
+            flat(&dwm.to_dtype(DType::BF16)?)?,
+            flat(dwb)?,
+            "dw: the same sums, rounded only for the bf16 weight"
+        );
+        assert_ne!(flat(dwm)?, flat(dwb)?, "the master's dw is not rounded");
         Ok(())
     }
 

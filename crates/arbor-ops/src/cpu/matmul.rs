@@ -264,19 +264,24 @@ pub(crate) fn single(x: &[f32], w: WeightRows<'_>, m: usize, k: usize, n: usize)
 /// `x w^T` kernels need for a product summed along `src`'s rows (a
 /// backward's `g^T x`). Tiles of 32 x 32 over rayon, each task writing 32
 /// rows of the result (candle's strided copy walks one element at a time,
-/// as slow as the product it feeds).
-pub(crate) fn transposed<S: Copy + Sync, D: Copy + Send + Default>(
+/// as slow as the product it feeds). The result is not zeroed first: at
+/// these sizes a transpose is bound by memory traffic, and a fill would be
+/// a third of it.
+pub(crate) fn transposed<S: Copy + Sync, D: Copy + Send>(
     src: &[S],
     rows: usize,
     cols: usize,
     conv: impl Fn(S) -> D + Sync,
 ) -> Vec<D> {
+    use std::mem::MaybeUninit;
     const TILE: usize = 32;
-    let mut dst = vec![D::default(); rows * cols];
+    assert!(src.len() >= rows * cols, "transposed: src shorter than [{rows}, {cols}]");
+    let mut dst: Vec<D> = Vec::with_capacity(rows * cols);
     if rows == 0 {
         return dst;
     }
-    dst.par_chunks_mut(TILE * rows)
+    dst.spare_capacity_mut()[..rows * cols]
+        .par_chunks_mut(TILE * rows)
         .enumerate()
         .for_each(|(b, out)| {
             let c0 = b * TILE;
@@ -285,11 +290,19 @@ pub(crate) fn transposed<S: Copy + Sync, D: Copy + Send + Default>(
                 for r in r0..(r0 + TILE).min(rows) {
                     let row = &src[r * cols + c0..r * cols + c0 + nc];
                     for (c, &v) in row.iter().enumerate() {
-                        out[c * rows + r] = conv(v);
+                        out[c * rows + r] = MaybeUninit::new(conv(v));
                     }
                 }
             }
         });
+    // SAFETY: the tasks cover the `rows * cols` values in chunks of whole
+    // result rows (`TILE` each, the last shorter), and each task writes
+    // every value of its chunk: result row `c0 + c`, column `r`, for every
+    // `c < nc` and `r < rows`. A panic in a task leaves the length 0.
+    #[allow(unsafe_code)]
+    unsafe {
+        dst.set_len(rows * cols)
+    };
     dst
 }
 
