@@ -147,13 +147,13 @@ fn to_bf16(w: &[f32]) -> Vec<half::bf16> {
         .for_each(|(o, w)| {
             o.iter_mut()
                 .zip(w)
-                .for_each(|(o, &x)| *o = half::bf16::from_f32(x))
+                .for_each(|(o, &x)| *o = half::bf16::from_f32(x));
         });
     out
 }
 
 /// `t^T` of a 2-d f32 or bf16 CPU tensor, contiguous, in `dt` (f32 or
-/// bf16), through the tiled [`transposed_slice`].
+/// bf16), through [`transposed_slice`] (bands of source rows over rayon).
 fn transposed(t: &Tensor, dt: DType) -> Result<Tensor> {
     let (rows, cols) = t.dims2()?;
     let t = t.contiguous()?;
@@ -188,7 +188,7 @@ mod tests {
     use candle_core::{Device, Var};
 
     #[test]
-    fn tiled_transpose_is_candles() -> Result<()> {
+    fn transpose_is_candles() -> Result<()> {
         let dev = Device::Cpu;
         for (r, c) in [(1, 1), (5, 70), (67, 33), (64, 64)] {
             let t = Tensor::randn(0f32, 1.0, (r, c), &dev)?;

@@ -423,9 +423,8 @@ impl CustomOp3 for FusedLogprobGrad {
         let cols = chunk_len(self.chunk_elems, n);
         let out_len = self.out_len(n, v, h);
         if let Some((hid, w)) = bf16_operands(hs, hl, ws, wl, n, v, h) {
-            let aux = match auxs.to_dtype(auxl, DType::F32)? {
-                CpuStorage::F32(a) => a,
-                _ => unreachable!("converted to f32"),
+            let CpuStorage::F32(aux) = auxs.to_dtype(auxl, DType::F32)? else {
+                unreachable!("converted to f32")
             };
             let out = grad_bf16(hid, w, &aux, (n, v, h), cols, self.need_dw);
             return Ok((CpuStorage::F32(out), Shape::from(out_len)));

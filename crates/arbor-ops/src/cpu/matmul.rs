@@ -262,48 +262,80 @@ pub(crate) fn single(x: &[f32], w: WeightRows<'_>, m: usize, k: usize, n: usize)
 /// `src [rows, cols]` (row-major) transposed to `[cols, rows]`, each value
 /// passed through `conv` (a cast to bf16, or none): the operand layout the
 /// `x w^T` kernels need for a product summed along `src`'s rows (a
-/// backward's `g^T x`). Tiles of 32 x 32 over rayon, each task writing 32
-/// rows of the result (candle's strided copy walks one element at a time,
-/// as slow as the product it feeds). The result is not zeroed first: at
-/// these sizes a transpose is bound by memory traffic, and a fill would be
-/// a third of it.
+/// backward's `g^T x`). At these sizes a transpose is bound by memory
+/// traffic, so each task reads a band of [`BAND`] whole source rows in
+/// order (a sequential stream, which the prefetchers follow; bands of
+/// result rows, which read every source row in short strided pieces, ran
+/// 2x slower on weights fresh from memory) and writes, for each column, the
+/// band's [`BAND`] values as one contiguous piece of a result row, in
+/// blocks of 64 columns; and the result is not zeroed first (a fill would
+/// be a third of the traffic).
 pub(crate) fn transposed<S: Copy + Sync, D: Copy + Send>(
     src: &[S],
     rows: usize,
     cols: usize,
     conv: impl Fn(S) -> D + Sync,
 ) -> Vec<D> {
-    use std::mem::MaybeUninit;
-    const TILE: usize = 32;
-    assert!(src.len() >= rows * cols, "transposed: src shorter than [{rows}, {cols}]");
+    const COLS: usize = 64;
+    assert!(
+        src.len() >= rows * cols,
+        "transposed: src shorter than [{rows}, {cols}]"
+    );
     let mut dst: Vec<D> = Vec::with_capacity(rows * cols);
-    if rows == 0 {
-        return dst;
-    }
-    dst.spare_capacity_mut()[..rows * cols]
-        .par_chunks_mut(TILE * rows)
-        .enumerate()
-        .for_each(|(b, out)| {
-            let c0 = b * TILE;
-            let nc = out.len() / rows;
-            for r0 in (0..rows).step_by(TILE) {
-                for r in r0..(r0 + TILE).min(rows) {
-                    let row = &src[r * cols + c0..r * cols + c0 + nc];
-                    for (c, &v) in row.iter().enumerate() {
-                        out[c * rows + r] = MaybeUninit::new(conv(v));
+    let out = BandPtr(dst.as_mut_ptr());
+    (0..rows.div_ceil(BAND)).into_par_iter().for_each(|b| {
+        let (r0, out) = (b * BAND, out);
+        let nr = BAND.min(rows - r0);
+        for c0 in (0..cols).step_by(COLS) {
+            for c in c0..(c0 + COLS).min(cols) {
+                for i in 0..nr {
+                    // SAFETY: `c * rows + r0 + i < cols * rows`, inside the
+                    // allocation; this band alone writes result columns
+                    // `r0..r0 + nr`.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        out.at(c * rows + r0 + i)
+                            .write(conv(src[(r0 + i) * cols + c]));
                     }
                 }
             }
-        });
-    // SAFETY: the tasks cover the `rows * cols` values in chunks of whole
-    // result rows (`TILE` each, the last shorter), and each task writes
-    // every value of its chunk: result row `c0 + c`, column `r`, for every
-    // `c < nc` and `r < rows`. A panic in a task leaves the length 0.
+        }
+    });
+    // SAFETY: the bands cover rows `0..rows`, and each writes its rows'
+    // values of every result row `c < cols`: all `rows * cols` values are
+    // written. A panic in a task leaves the length 0.
     #[allow(unsafe_code)]
     unsafe {
-        dst.set_len(rows * cols)
-    };
+        dst.set_len(rows * cols);
+    }
     dst
+}
+
+/// Source rows per task of [`transposed`].
+const BAND: usize = 16;
+
+/// The result of [`transposed`], shared by its tasks, which write disjoint
+/// columns of it.
+struct BandPtr<D>(*mut D);
+impl<D> Clone for BandPtr<D> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<D> Copy for BandPtr<D> {}
+// SAFETY: each task writes only the result columns of its own band.
+#[allow(unsafe_code)]
+unsafe impl<D: Send> Send for BandPtr<D> {}
+// SAFETY: as for `Send`.
+#[allow(unsafe_code)]
+unsafe impl<D: Send> Sync for BandPtr<D> {}
+
+impl<D> BandPtr<D> {
+    /// The pointer to element `i` (a method, so closures capture the whole
+    /// wrapper rather than its raw field).
+    fn at(self, i: usize) -> *mut D {
+        self.0.wrapping_add(i)
+    }
 }
 
 /// `y[m, n] = bf16(x)[m, k] w[n, k]^T` for bf16 weights: `x` is rounded to
