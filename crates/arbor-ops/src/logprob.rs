@@ -18,7 +18,11 @@
 //! elements) plus one `[N, H]` buffer, whatever N and V are.
 //!
 //! The CPU path is the reference (f64 accumulation, f32/f64 storage; bf16 and
-//! f16 inputs are upcast to f32); the CUDA path uses cuBLAS for the matmuls
+//! f16 inputs are upcast to f32), except for f32 hidden rows over a bf16
+//! head (the CPU's mixed precision): there the three products run through
+//! the bf16 dot products of [`crate::cpu::matmul`] (hidden rows and `dz`
+//! rounded to bf16, f32 sums) and the row passes in f32 lanes with a
+//! polynomial `exp`, the row sums in f64. The CUDA path uses cuBLAS for the matmuls
 //! and `kernels/logprob.cu` for the row passes, with `dh` summed over the
 //! vocabulary chunks in f32. Known limit of the CUDA bf16/f16 path: each
 //! chunk's logits leave cuBLAS in the input dtype (f32 accumulation inside,
