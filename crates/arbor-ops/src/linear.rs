@@ -6,7 +6,7 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 #[cfg(doc)]
 use crate::cpu::matmul::{matmul_nt, matmul_nt_bf16};
-use crate::cpu::matmul::{single, transposed as transposed_slice, WeightRows};
+use crate::cpu::matmul::{single, to_bf16, transposed as transposed_slice, WeightRows};
 
 /// `x [m, k] @ w[n, k]^T` as a candle op on the CPU: `x` f32, `w` f32
 /// ([`matmul_nt`]) or bf16 ([`matmul_nt_bf16`]), output f32; with the
@@ -135,21 +135,6 @@ impl CustomOp2 for MatmulNt {
         };
         Ok((dx, dw))
     }
-}
-
-/// `w` rounded to bf16 (nearest even), in parallel.
-fn to_bf16(w: &[f32]) -> Vec<half::bf16> {
-    use rayon::prelude::*;
-    const CHUNK: usize = 1 << 14;
-    let mut out = vec![half::bf16::ZERO; w.len()];
-    out.par_chunks_mut(CHUNK)
-        .zip(w.par_chunks(CHUNK))
-        .for_each(|(o, w)| {
-            o.iter_mut()
-                .zip(w)
-                .for_each(|(o, &x)| *o = half::bf16::from_f32(x));
-        });
-    out
 }
 
 /// `t^T` of a 2-d f32 or bf16 CPU tensor, contiguous, in `dt` (f32 or

@@ -251,7 +251,7 @@ fn bf16_operands<'a>(
 
 /// The backward over a bf16 head through bf16 dot products (f32 sums), in
 /// vocabulary chunks of `cols` columns: logits `z = bf16(h) W_c^T` as the
-/// forward computes them, `dz` in f32 ([`row_grad`]), `dW_c = bf16(dz)^T
+/// forward computes them, `dz` in f32 ([`row_grad_f32`]), `dW_c = bf16(dz)^T
 /// bf16(h)` and `dh += bf16(dz) W_c`, each product in the `x w^T` form
 /// with its summed dimension contiguous (`dz`, `h` and `W_c` transposed
 /// for it). Returns the packed `[dh | dW]` in f32.

@@ -683,6 +683,16 @@ fn to_bf16_bits(x: &[f32]) -> Vec<u16> {
     })
 }
 
+/// Every value rounded to bf16 (nearest even, as [`to_bf16_bits`]): a
+/// bf16 weight made from an f32 master weight.
+pub(crate) fn to_bf16(x: &[f32]) -> Vec<half::bf16> {
+    // Same size and alignment: the collect reuses the buffer.
+    to_bf16_bits(x)
+        .into_iter()
+        .map(half::bf16::from_bits)
+        .collect()
+}
+
 /// Every value rounded to bf16 (nearest even, as [`to_bf16_bits`]) and
 /// widened back to f32, exactly: what `x.to_dtype(BF16)?.to_dtype(F32)`
 /// gives, vectorised.
