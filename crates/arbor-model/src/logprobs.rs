@@ -27,6 +27,17 @@ fn check(hidden: &Tensor, lm_head: &Tensor) -> Result<(usize, usize)> {
     Ok((n, h))
 }
 
+/// Every target inside the vocabulary of `lm_head: [V, H]`.
+fn check_targets(lm_head: &Tensor, targets: &Tensor) -> Result<()> {
+    let vocab = lm_head.dim(0)? as u32;
+    match targets.to_vec1::<u32>()?.into_iter().find(|&t| t >= vocab) {
+        Some(bad) => Err(ModelError::Input(format!(
+            "target token {bad} is outside the vocabulary ({vocab})"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Chunk logits in the accumulation dtype, `[c, V]`.
 fn chunk_logits(hidden: &Tensor, lm_head: &Tensor, start: usize, len: usize) -> Result<Tensor> {
     let h = hidden.narrow(0, start, len)?;
@@ -44,13 +55,9 @@ pub fn token_logprobs(
     chunk_rows: usize,
 ) -> Result<Tensor> {
     check(hidden, lm_head)?;
+    check_targets(lm_head, targets)?;
     let chunk_rows = chunk_rows.max(1);
-    let vocab = lm_head.dim(0)? as u32;
-    if let Some(bad) = targets.to_vec1::<u32>()?.into_iter().find(|&t| t >= vocab) {
-        return Err(ModelError::Input(format!(
-            "target token {bad} is outside the vocabulary ({vocab})"
-        )));
-    }
+    let vocab = lm_head.dim(0)?;
     // Over a bf16 LM head with f32 hidden states (bf16 matrices, or the
     // CPU's mixed-precision training): the products the engine's bf16 LM
     // head computes (hidden rounded to bf16), through the fused op's bf16
@@ -69,7 +76,24 @@ pub fn token_logprobs(
         }
         _ => (hidden.clone(), lm_head.clone()),
     };
-    let out = arbor_ops::fused_logprobs(&hidden, &lm_head, targets, chunk_rows * vocab as usize)?;
+    let out = arbor_ops::fused_logprobs(&hidden, &lm_head, targets, chunk_rows * vocab)?;
+    Ok(out.narrow(1, 0, 1)?.squeeze(1)?)
+}
+
+/// [`token_logprobs`] of f32 `hidden` over an f32 `lm_head` through bf16
+/// products (the CPU's mixed-precision training): the head is rounded to
+/// bf16 inside [`arbor_ops::fused_logprobs_bf16`] and its gradient comes
+/// back in f32.
+pub fn token_logprobs_bf16(
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    targets: &Tensor,
+    chunk_rows: usize,
+) -> Result<Tensor> {
+    check(hidden, lm_head)?;
+    check_targets(lm_head, targets)?;
+    let chunk = chunk_rows.max(1) * lm_head.dim(0)?;
+    let out = arbor_ops::fused_logprobs_bf16(hidden, lm_head, targets, chunk)?;
     Ok(out.narrow(1, 0, 1)?.squeeze(1)?)
 }
 

@@ -876,23 +876,31 @@ impl Transformer {
     /// [`arbor_ops::matmul_nt_op`]'s bf16 dot products (AVX-512 BF16 where
     /// the CPU has it), forward and backward; their weights' gradients
     /// arrive in f32. The learner's LM head multiplies the same way
-    /// ([`Transformer::train_lm_head`]; its log-softmax sums stay in f64);
+    /// ([`Transformer::train_token_logprobs`]; its log-softmax sums stay in f64);
     /// the embeddings and value head stay f32. Needs f32 parameters.
     pub fn set_train_matmul_dtype(&mut self, dt: Option<DType>) -> Result<()> {
         self.train_matmul_dtype = self.half_over_f32(dt, &[DType::BF16])?;
         Ok(())
     }
 
-    /// The LM head as the training loss multiplies it: cast inside the
-    /// autograd graph to [`Transformer::set_train_matmul_dtype`]'s dtype
-    /// when one is set on the CPU ([`arbor_ops::fused_logprobs`] then runs
-    /// its three products through bf16 dot products, the gradient reaching
-    /// the f32 head), otherwise as it is.
-    pub fn train_lm_head(&self) -> Result<Tensor> {
-        Ok(match self.train_matmul_dtype {
-            Some(dt) if self.device().is_cpu() => self.lm_head.to_dtype(dt)?,
-            _ => self.lm_head.clone(),
-        })
+    /// `log p(targets)` of the training loss from final hidden states
+    /// (`[N, H]` -> `[N]`, see [`crate::logprobs::token_logprobs`]): with
+    /// [`Transformer::set_train_matmul_dtype`]'s bf16 on the CPU, the LM
+    /// head's three products run through bf16 dot products over the f32
+    /// head, whose gradient stays f32
+    /// ([`crate::logprobs::token_logprobs_bf16`]).
+    pub fn train_token_logprobs(
+        &self,
+        hidden: &Tensor,
+        targets: &Tensor,
+        chunk_rows: usize,
+    ) -> Result<Tensor> {
+        match self.train_matmul_dtype {
+            Some(DType::BF16) if self.device().is_cpu() && hidden.dtype() == DType::F32 => {
+                crate::logprobs::token_logprobs_bf16(hidden, &self.lm_head, targets, chunk_rows)
+            }
+            _ => crate::logprobs::token_logprobs(hidden, &self.lm_head, targets, chunk_rows),
+        }
     }
 
     /// Mixed precision (bf16 compute over f32 master weights) the way the

@@ -58,7 +58,7 @@ pub use cpu::matmul::{
 };
 pub use fused::{packed_causal_attention, rms_norm, rope, swiglu};
 pub use linear::{matmul_nt_bf16_op, matmul_nt_op};
-pub use logprob::{fused_logprobs, DEFAULT_CHUNK_ELEMS};
+pub use logprob::{fused_logprobs, fused_logprobs_bf16, DEFAULT_CHUNK_ELEMS};
 pub use paged::{cache_write, paged_attention_op, PackedTables, PagedMeta};
 pub use ppo::{pack_aux, ppo_loss, value_loss, PpoClip};
 pub use sample::{sample_row, sample_rows, SampleRequest, Sampled};

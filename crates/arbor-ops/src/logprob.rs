@@ -19,7 +19,9 @@
 //!
 //! The CPU path is the reference (f64 accumulation, f32/f64 storage; bf16 and
 //! f16 inputs are upcast to f32), except for f32 hidden rows over a bf16
-//! head (the CPU's mixed precision): there the three products run through
+//! head, or over an f32 head rounded to bf16 inside the op
+//! ([`fused_logprobs_bf16`], the CPU's mixed precision, whose head gradient
+//! stays f32): there the three products run through
 //! the bf16 dot products of [`crate::cpu::matmul`] (hidden rows and `dz`
 //! rounded to bf16, f32 sums) and the row passes in f32 lanes with a
 //! polynomial `exp`, the row sums in f64. The CUDA path uses cuBLAS for the matmuls
@@ -36,7 +38,9 @@ use rayon::prelude::*;
 use multiversion::multiversion;
 
 use crate::cpu::exp::exp_f32;
-use crate::cpu::matmul::{single, single_into, transposed, WeightRows::Bf16};
+use std::borrow::Cow;
+
+use crate::cpu::matmul::{single, single_into, to_bf16, transposed, WeightRows::Bf16};
 
 /// Default chunk size in logits elements (128 MiB of f32).
 pub const DEFAULT_CHUNK_ELEMS: usize = 1 << 25;
@@ -51,6 +55,37 @@ pub fn fused_logprobs(
     weight: &Tensor,
     targets: &Tensor,
     chunk_elems: usize,
+) -> Result<Tensor> {
+    apply(hidden, weight, targets, chunk_elems, false)
+}
+
+/// [`fused_logprobs`] of f32 `hidden` over an f32 `weight` (the master LM
+/// head of the CPU's mixed-precision training) through bf16 products: the
+/// weight is rounded to bf16 inside the op, in both passes, and its
+/// gradient comes back in f32, unrounded (see the module docs). CPU only.
+pub fn fused_logprobs_bf16(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+    chunk_elems: usize,
+) -> Result<Tensor> {
+    if hidden.dtype() != DType::F32 || weight.dtype() != DType::F32 || !hidden.device().is_cpu() {
+        candle_core::bail!(
+            "fused_logprobs_bf16: f32 hidden and weight on the CPU, got {:?} and {:?} on {:?}",
+            hidden.dtype(),
+            weight.dtype(),
+            hidden.device().location()
+        );
+    }
+    apply(hidden, weight, targets, chunk_elems, true)
+}
+
+fn apply(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+    chunk_elems: usize,
+    bf16: bool,
 ) -> Result<Tensor> {
     let (n, h) = hidden.dims2()?;
     let (v, h2) = weight.dims2()?;
@@ -90,6 +125,7 @@ pub fn fused_logprobs(
         &targets.contiguous()?,
         FusedLogprob {
             chunk_elems: chunk_elems.max(1),
+            bf16,
         },
     )
 }
@@ -106,6 +142,9 @@ fn out_dtype(dt: DType) -> DType {
 #[derive(Debug, Clone, Copy)]
 pub struct FusedLogprob {
     pub chunk_elems: usize,
+    /// An f32 weight multiplies through bf16 products
+    /// ([`fused_logprobs_bf16`]).
+    pub bf16: bool,
 }
 
 /// The backward op: `(hidden, weight, aux [N, 6] = (y, g_lp, g_ent, g_lse,
@@ -115,6 +154,8 @@ pub struct FusedLogprob {
 pub struct FusedLogprobGrad {
     pub chunk_elems: usize,
     pub need_dw: bool,
+    /// As [`FusedLogprob::bf16`].
+    pub bf16: bool,
 }
 
 impl FusedLogprobGrad {
@@ -229,22 +270,25 @@ impl FromF64 for f64 {
     }
 }
 
-/// The f32 hidden rows and bf16 LM head of the mixed CPU case, as slices
-/// (`[N, H]`, `[V, H]`; contiguous, as [`fused_logprobs`] passes them).
+/// The f32 hidden rows and bf16 LM head of the mixed CPU cases, as slices
+/// (`[N, H]`, `[V, H]`; contiguous, as [`fused_logprobs`] passes them): a
+/// bf16 head as it is, an f32 one rounded when `bf16` asks for it.
 fn bf16_operands<'a>(
     hs: &'a CpuStorage,
     hl: &Layout,
     ws: &'a CpuStorage,
     wl: &Layout,
-    n: usize,
-    v: usize,
-    h: usize,
-) -> Option<(&'a [f32], &'a [half::bf16])> {
-    match (hs, ws) {
-        (CpuStorage::F32(hid), CpuStorage::BF16(w)) => Some((
-            &hid[hl.start_offset()..hl.start_offset() + n * h],
-            &w[wl.start_offset()..wl.start_offset() + v * h],
-        )),
+    (n, v, h): (usize, usize, usize),
+    bf16: bool,
+) -> Option<(&'a [f32], Cow<'a, [half::bf16]>)> {
+    let wr = wl.start_offset()..wl.start_offset() + v * h;
+    let w = match ws {
+        CpuStorage::BF16(w) => Cow::Borrowed(&w[wr]),
+        CpuStorage::F32(w) if bf16 => Cow::Owned(to_bf16(&w[wr])),
+        _ => return None,
+    };
+    match hs {
+        CpuStorage::F32(hid) => Some((&hid[hl.start_offset()..hl.start_offset() + n * h], w)),
         _ => None,
     }
 }
@@ -317,11 +361,11 @@ impl CustomOp3 for FusedLogprob {
             _ => candle_core::bail!("fused_logprobs: targets must be u32"),
         };
         let rows = chunk_len(self.chunk_elems, v);
-        if let Some((hid, w)) = bf16_operands(hs, hl, ws, wl, n, v, h) {
+        if let Some((hid, w)) = bf16_operands(hs, hl, ws, wl, (n, v, h), self.bf16) {
             let mut out = vec![0f32; 3 * n];
             for (r0, o) in (0..n).step_by(rows).zip(out.chunks_mut(3 * rows)) {
                 let c = rows.min(n - r0);
-                let z = single(&hid[r0 * h..(r0 + c) * h], Bf16(w), c, h, v);
+                let z = single(&hid[r0 * h..(r0 + c) * h], Bf16(&w), c, h, v);
                 o.par_chunks_mut(3)
                     .zip(z.par_chunks(v))
                     .zip(targets[r0..r0 + c].par_iter())
@@ -447,6 +491,7 @@ impl CustomOp3 for FusedLogprob {
             &FusedLogprobGrad {
                 chunk_elems: self.chunk_elems,
                 need_dw,
+                bf16: self.bf16,
             },
         )?;
         let dh = packed.narrow(0, 0, n * h)?.reshape((n, h))?;
@@ -483,11 +528,11 @@ impl CustomOp3 for FusedLogprobGrad {
         let v = wl.shape().dims()[0];
         let cols = chunk_len(self.chunk_elems, n);
         let out_len = self.out_len(n, v, h);
-        if let Some((hid, w)) = bf16_operands(hs, hl, ws, wl, n, v, h) {
+        if let Some((hid, w)) = bf16_operands(hs, hl, ws, wl, (n, v, h), self.bf16) {
             let CpuStorage::F32(aux) = auxs.to_dtype(auxl, DType::F32)? else {
                 unreachable!("converted to f32")
             };
-            let out = grad_bf16(hid, w, &aux, (n, v, h), cols, self.need_dw);
+            let out = grad_bf16(hid, &w, &aux, (n, v, h), cols, self.need_dw);
             return Ok((CpuStorage::F32(out), Shape::from(out_len)));
         }
         let (hs, hl) = cpu_float(hs, hl)?;
@@ -746,7 +791,8 @@ mod tests {
     /// forward is the f64 brute force of the bf16-rounded operands (f32
     /// sums); the backward's `dh` and `dW` are the analytic gradients of
     /// the rounded operands, up to `dz`'s rounding to bf16 in the products
-    /// (relative 2^-9 per term), for chunkings that split the vocabulary.
+    /// (relative 2^-9 per term), for chunkings that split the vocabulary;
+    /// the same over an f32 head rounded inside the op.
     #[test]
     fn bf16_head_products_match_the_rounded_operands() -> Result<()> {
         let mut rng = StdRng::seed_from_u64(5);
@@ -782,14 +828,29 @@ mod tests {
         }
         let dev = Device::Cpu;
         let yt = Tensor::from_vec(y.clone(), n, &dev)?;
-        for chunk in [n * 7, n * 53, 1 << 20] {
+        // A bf16 head (`fused_logprobs`), and an f32 master head rounded
+        // inside the op (`fused_logprobs_bf16`), whose gradient stays f32.
+        for (chunk, master) in [
+            (n * 7, false),
+            (n * 53, false),
+            (1 << 20, false),
+            (n * 7, true),
+        ] {
             let hv = Var::from_tensor(
                 &Tensor::from_vec(hid.clone(), (n, h), &dev)?.to_dtype(DType::F32)?,
             )?;
             let wv = Var::from_tensor(
-                &Tensor::from_vec(w.clone(), (v, h), &dev)?.to_dtype(DType::BF16)?,
+                &Tensor::from_vec(w.clone(), (v, h), &dev)?.to_dtype(if master {
+                    DType::F32
+                } else {
+                    DType::BF16
+                })?,
             )?;
-            let out = fused_logprobs(hv.as_tensor(), wv.as_tensor(), &yt, chunk)?;
+            let out = if master {
+                fused_logprobs_bf16(hv.as_tensor(), wv.as_tensor(), &yt, chunk)?
+            } else {
+                fused_logprobs(hv.as_tensor(), wv.as_tensor(), &yt, chunk)?
+            };
             let got = out.to_dtype(DType::F64)?.to_vec2::<f64>()?;
             for (g, w) in got.iter().zip(&want) {
                 for c in 0..3 {
@@ -800,7 +861,8 @@ mod tests {
             let grads = out.broadcast_mul(&c)?.sum_all()?.backward()?;
             let dh = grads.get(hv.as_tensor()).expect("dh");
             let dw = grads.get(wv.as_tensor()).expect("dw");
-            assert_eq!((dh.dtype(), dw.dtype()), (DType::F32, DType::BF16));
+            let wdt = if master { DType::F32 } else { DType::BF16 };
+            assert_eq!((dh.dtype(), dw.dtype()), (DType::F32, wdt));
             for (got, want) in [(dh, &dh_want), (dw, &dw_want)] {
                 let got = got.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
                 let scale = want.iter().fold(0f64, |m, x| m.max(x.abs()));
@@ -865,6 +927,15 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("does not match"), "{e}");
+        let e = fused_logprobs_bf16(
+            &h,
+            &w.to_dtype(DType::BF16)?,
+            &Tensor::new(&[0u32, 1], &dev)?,
+            8,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("f32 hidden and weight"), "{e}");
         Ok(())
     }
 }

@@ -15,7 +15,6 @@
 //! context-management tokens) enter the policy term: observations, prompts
 //! and replayed prefixes get zero weight.
 
-use arbor_model::logprobs::token_logprobs;
 use arbor_model::{
     ActorCritic, CriticMode, LayerCheckpoints, ModelConfig, ParamLoader, ParamSource, Transformer,
 };
@@ -1042,7 +1041,7 @@ impl Learner {
             let rows_t = Tensor::from_slice(&p.lp_rows, n, &dev)?;
             let hsel = h.index_select(&rows_t, 0)?;
             let tg = Tensor::from_slice(&p.lp_targets, n, &dev)?;
-            let mut lp = token_logprobs(&hsel, &self.model.policy.train_lm_head()?, &tg, 256)?;
+            let mut lp = self.model.policy.train_token_logprobs(&hsel, &tg, 256)?;
             if !train_policy {
                 lp = lp.detach();
             }
@@ -1105,7 +1104,7 @@ impl Learner {
             let n = p.lp_rows.len();
             let hsel = h.index_select(&Tensor::from_vec(p.lp_rows, n, &dev)?, 0)?;
             let tg = Tensor::from_vec(p.lp_targets, n, &dev)?;
-            let lp = token_logprobs(&hsel, &self.model.policy.train_lm_head()?, &tg, 256)?;
+            let lp = self.model.policy.train_token_logprobs(&hsel, &tg, 256)?;
             let loss = (lp.sum_all()? * (-1.0 / n_tok as f64))?;
             nll += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             acc.add(self.opt.vars(), &loss.backward()?)?;
