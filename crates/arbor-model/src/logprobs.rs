@@ -27,17 +27,6 @@ fn check(hidden: &Tensor, lm_head: &Tensor) -> Result<(usize, usize)> {
     Ok((n, h))
 }
 
-/// Every target inside the vocabulary of `lm_head: [V, H]`.
-fn check_targets(lm_head: &Tensor, targets: &Tensor) -> Result<()> {
-    let vocab = lm_head.dim(0)? as u32;
-    match targets.to_vec1::<u32>()?.into_iter().find(|&t| t >= vocab) {
-        Some(bad) => Err(ModelError::Input(format!(
-            "target token {bad} is outside the vocabulary ({vocab})"
-        ))),
-        None => Ok(()),
-    }
-}
-
 /// Chunk logits in the accumulation dtype, `[c, V]`.
 fn chunk_logits(hidden: &Tensor, lm_head: &Tensor, start: usize, len: usize) -> Result<Tensor> {
     let h = hidden.narrow(0, start, len)?;
@@ -55,13 +44,9 @@ pub fn token_logprobs(
     chunk_rows: usize,
 ) -> Result<Tensor> {
     check(hidden, lm_head)?;
-    check_targets(lm_head, targets)?;
-    let chunk_rows = chunk_rows.max(1);
-    let vocab = lm_head.dim(0)?;
-    // Over a bf16 LM head with f32 hidden states (bf16 matrices, or the
-    // CPU's mixed-precision training): the products the engine's bf16 LM
-    // head computes (hidden rounded to bf16), through the fused op's bf16
-    // dot products, forward and backward.
+    // Over a bf16 LM head with f32 hidden states (bf16 matrices): the
+    // products the engine's bf16 LM head computes (hidden rounded to
+    // bf16), through the fused op's bf16 dot products.
     // Half-precision hidden states over an f32 LM head (mixed precision,
     // [`crate::Transformer::set_train_dtype`]): the head is cast to their
     // dtype inside the graph (its gradient arrives in f32); the fused op
@@ -76,8 +61,13 @@ pub fn token_logprobs(
         }
         _ => (hidden.clone(), lm_head.clone()),
     };
-    let out = arbor_ops::fused_logprobs(&hidden, &lm_head, targets, chunk_rows * vocab)?;
-    Ok(out.narrow(1, 0, 1)?.squeeze(1)?)
+    fused(
+        &hidden,
+        &lm_head,
+        targets,
+        chunk_rows,
+        arbor_ops::fused_logprobs,
+    )
 }
 
 /// [`token_logprobs`] of f32 `hidden` over an f32 `lm_head` through bf16
@@ -91,9 +81,35 @@ pub fn token_logprobs_bf16(
     chunk_rows: usize,
 ) -> Result<Tensor> {
     check(hidden, lm_head)?;
-    check_targets(lm_head, targets)?;
-    let chunk = chunk_rows.max(1) * lm_head.dim(0)?;
-    let out = arbor_ops::fused_logprobs_bf16(hidden, lm_head, targets, chunk)?;
+    fused(
+        hidden,
+        lm_head,
+        targets,
+        chunk_rows,
+        arbor_ops::fused_logprobs_bf16,
+    )
+}
+
+/// The log-probability column of `op` (a fused logprob op) in chunks of
+/// `chunk_rows` rows, after checking the targets against the vocabulary.
+fn fused(
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    targets: &Tensor,
+    chunk_rows: usize,
+    op: fn(&Tensor, &Tensor, &Tensor, usize) -> candle_core::Result<Tensor>,
+) -> Result<Tensor> {
+    let vocab = lm_head.dim(0)?;
+    if let Some(bad) = targets
+        .to_vec1::<u32>()?
+        .into_iter()
+        .find(|&t| t as usize >= vocab)
+    {
+        return Err(ModelError::Input(format!(
+            "target token {bad} is outside the vocabulary ({vocab})"
+        )));
+    }
+    let out = op(hidden, lm_head, targets, chunk_rows.max(1) * vocab)?;
     Ok(out.narrow(1, 0, 1)?.squeeze(1)?)
 }
 
