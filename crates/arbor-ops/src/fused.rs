@@ -1238,6 +1238,9 @@ fn gather_head<T: Elem>(
 
 /// Rows of query-like vectors scored together (register blocking).
 const QB: usize = 4;
+/// Blocks of [`QB`] rows whose contributions to `dk, dv` the attention
+/// backward adds in one pass.
+const SB: usize = 4;
 /// Score columns per register block.
 const JB: usize = 16;
 
@@ -1300,17 +1303,18 @@ fn weighted_rows<T: Elem>(p: &[T], v: &[T], d: usize, out: &mut [T]) {
     }
 }
 
-/// `y += sum_r a[r] x[r]` over the `QB` rows, `y` held in registers 16
-/// values at a time (one load and store of `y` per `QB` products).
+/// `y += sum_r a[r] x[r]` over the `R` rows in order, `y` held in
+/// registers 16 values at a time (one load and store of `y` per `R`
+/// products).
 #[inline(always)]
-fn axpy_rows<T: Elem>(y: &mut [T], a: [T; QB], xs: [&[T]; QB]) {
+fn axpy_rows<T: Elem, const R: usize>(y: &mut [T], a: [T; R], xs: [&[T]; R]) {
     const W: usize = 16;
     let d = y.len();
     let mut e0 = 0;
     while e0 + W <= d {
         let yc: &mut [T; W] = (&mut y[e0..e0 + W]).try_into().expect("W values");
         let mut acc = *yc;
-        for r in 0..QB {
+        for r in 0..R {
             let xr: &[T; W] = xs[r][e0..e0 + W].try_into().expect("W values");
             for t in 0..W {
                 acc[t] += a[r] * xr[t];
@@ -1319,15 +1323,15 @@ fn axpy_rows<T: Elem>(y: &mut [T], a: [T; QB], xs: [&[T]; QB]) {
         *yc = acc;
         e0 += W;
     }
-    for r in 0..QB {
+    for r in 0..R {
         axpy(&mut y[e0..], a[r], &xs[r][e0..d]);
     }
 }
 
-/// The `QB` query rows starting at `i0` (repeating the last where the
+/// The `R` query rows starting at `i0` (repeating the last where the
 /// sequence ends), as slices of `x` (`[N, nh, D]`, head `h`).
 #[inline(always)]
-fn block_rows<T: Elem>(
+fn block_rows<T: Elem, const R: usize>(
     x: &[T],
     s0: usize,
     i0: usize,
@@ -1335,7 +1339,7 @@ fn block_rows<T: Elem>(
     nh: usize,
     h: usize,
     d: usize,
-) -> [&[T]; QB] {
+) -> [&[T]; R] {
     std::array::from_fn(|r| {
         let i = (i0 + r).min(l - 1);
         &x[((s0 + i) * nh + h) * d..][..d]
@@ -1404,48 +1408,59 @@ fn attn_head_bwd<T: Elem>(
         vec![T::zero(); l * d],
         vec![T::zero(); l * d],
     );
-    let mut ps = vec![T::zero(); QB * l];
-    let mut dps = vec![T::zero(); QB * l];
-    for i0 in (0..l).step_by(QB) {
-        let mmax = (i0 + QB).min(l);
-        rows_times(block_rows(q, s0, i0, l, nh, h, d), &hk.kt, l, mmax, &mut ps);
-        rows_times(
-            block_rows(dout, s0, i0, l, nh, h, d),
-            &hk.vt,
-            l,
-            mmax,
-            &mut dps,
-        );
-        for r in 0..QB {
-            let i = i0 + r;
-            let (p, dp) = (&mut ps[r * l..r * l + mmax], &mut dps[r * l..r * l + mmax]);
-            if i >= mmax {
-                // Past the sequence's end: a repeated row, no weight.
-                p.fill(T::zero());
-                dp.fill(T::zero());
-                continue;
+    // Scores in blocks of QB rows (register blocking); dk and dv updated
+    // once per SB blocks (one pass over dk_j, dv_j for QB * SB rows), the
+    // rows added in order as block after block would add them: entries
+    // past a block's columns are zero here, and adding a zero product
+    // leaves a sum's bits as they were (it is never -0: dk and dv start at
+    // +0), so the result is the same as one block at a time.
+    const RS: usize = QB * SB;
+    let mut ps = vec![T::zero(); RS * l];
+    let mut dps = vec![T::zero(); RS * l];
+    for i00 in (0..l).step_by(RS) {
+        let smax = (i00 + RS).min(l);
+        for b in 0..SB {
+            let i0 = i00 + b * QB;
+            let (pb, dpb) = (
+                &mut ps[b * QB * l..(b + 1) * QB * l],
+                &mut dps[b * QB * l..(b + 1) * QB * l],
+            );
+            let mmax = (i0 + QB).min(l);
+            if i0 < l {
+                rows_times(block_rows(q, s0, i0, l, nh, h, d), &hk.kt, l, mmax, pb);
+                rows_times(block_rows(dout, s0, i0, l, nh, h, d), &hk.vt, l, mmax, dpb);
             }
-            let m = i + 1;
-            let row = ((s0 + i) * nh + h) * d;
-            let (oi, doi) = (&o[row..row + d], &dout[row..row + d]);
-            let delta = dot(doi, oi);
-            let li = T::from(lse[(s0 + i) * nh + h]).expect("finite");
-            // p_j, then dS_j (into dp); zero past the causal limit.
-            for (pj, dpj) in p[..m].iter_mut().zip(dp[..m].iter_mut()) {
-                *pj = (*pj * scale - li).fast_exp();
-                *dpj = *pj * (*dpj - delta) * scale;
+            for r in 0..QB {
+                let i = i0 + r;
+                let (p, dp) = (&mut pb[r * l..r * l + smax], &mut dpb[r * l..r * l + smax]);
+                if i >= l {
+                    // Past the sequence's end: a repeated row, no weight.
+                    p.fill(T::zero());
+                    dp.fill(T::zero());
+                    continue;
+                }
+                let m = i + 1;
+                let row = ((s0 + i) * nh + h) * d;
+                let (oi, doi) = (&o[row..row + d], &dout[row..row + d]);
+                let delta = dot(doi, oi);
+                let li = T::from(lse[(s0 + i) * nh + h]).expect("finite");
+                // p_j, then dS_j (into dp); zero past the causal limit.
+                for (pj, dpj) in p[..m].iter_mut().zip(dp[..m].iter_mut()) {
+                    *pj = (*pj * scale - li).fast_exp();
+                    *dpj = *pj * (*dpj - delta) * scale;
+                }
+                p[m..].fill(T::zero());
+                dp[m..].fill(T::zero());
+                weighted_rows(&dp[..m], &hk.k, d, &mut dq[i * d..(i + 1) * d]);
             }
-            p[m..].fill(T::zero());
-            dp[m..].fill(T::zero());
-            weighted_rows(&dp[..m], &hk.k, d, &mut dq[i * d..(i + 1) * d]);
         }
-        // dk_j += sum_r dS_rj q_r and dv_j += sum_r P_rj dO_r, the block's
-        // rows together: one pass over dk_j, dv_j per block.
-        let qs = block_rows(q, s0, i0, l, nh, h, d);
-        let dos = block_rows(dout, s0, i0, l, nh, h, d);
-        for j in 0..mmax {
-            let ds: [T; QB] = std::array::from_fn(|r| dps[r * l + j]);
-            let pr: [T; QB] = std::array::from_fn(|r| ps[r * l + j]);
+        // dk_j += sum_r dS_rj q_r and dv_j += sum_r P_rj dO_r over the RS
+        // rows (repeating the last past the sequence's end, with weight 0).
+        let qs: [&[T]; RS] = block_rows(q, s0, i00, l, nh, h, d);
+        let dos: [&[T]; RS] = block_rows(dout, s0, i00, l, nh, h, d);
+        for j in 0..smax {
+            let ds: [T; RS] = std::array::from_fn(|r| dps[r * l + j]);
+            let pr: [T; RS] = std::array::from_fn(|r| ps[r * l + j]);
             axpy_rows(&mut dk[j * d..(j + 1) * d], ds, qs);
             axpy_rows(&mut dv[j * d..(j + 1) * d], pr, dos);
         }
