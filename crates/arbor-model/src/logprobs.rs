@@ -43,26 +43,19 @@ pub fn token_logprobs(
     targets: &Tensor,
     chunk_rows: usize,
 ) -> Result<Tensor> {
-    check(hidden, lm_head)?;
-    // Over a bf16 LM head with f32 hidden states (bf16 matrices): the
-    // products the engine's bf16 LM head computes (hidden rounded to
-    // bf16), through the fused op's bf16 dot products.
+    // A bf16 LM head under f32 hidden states (bf16 matrices) goes to the
+    // fused op as it is: its bf16 dot products round the hidden states as
+    // the engine's bf16 LM head does.
     // Half-precision hidden states over an f32 LM head (mixed precision,
     // [`crate::Transformer::set_train_dtype`]): the head is cast to their
     // dtype inside the graph (its gradient arrives in f32); the fused op
     // sums the log-softmax in f32 and returns f32.
-    let (hidden, lm_head) = match (hidden.dtype(), lm_head.dtype()) {
-        (DType::F32, DType::BF16) => (
-            hidden.to_dtype(DType::BF16)?.to_dtype(DType::F32)?,
-            lm_head.clone(),
-        ),
-        (DType::BF16 | DType::F16, DType::F32) => {
-            (hidden.clone(), lm_head.to_dtype(hidden.dtype())?)
-        }
-        _ => (hidden.clone(), lm_head.clone()),
+    let lm_head = match (hidden.dtype(), lm_head.dtype()) {
+        (DType::BF16 | DType::F16, DType::F32) => lm_head.to_dtype(hidden.dtype())?,
+        _ => lm_head.clone(),
     };
     fused(
-        &hidden,
+        hidden,
         &lm_head,
         targets,
         chunk_rows,
@@ -80,7 +73,6 @@ pub fn token_logprobs_bf16(
     targets: &Tensor,
     chunk_rows: usize,
 ) -> Result<Tensor> {
-    check(hidden, lm_head)?;
     fused(
         hidden,
         lm_head,
@@ -91,7 +83,8 @@ pub fn token_logprobs_bf16(
 }
 
 /// The log-probability column of `op` (a fused logprob op) in chunks of
-/// `chunk_rows` rows, after checking the targets against the vocabulary.
+/// `chunk_rows` rows, after checking the shapes and the targets against
+/// the vocabulary.
 fn fused(
     hidden: &Tensor,
     lm_head: &Tensor,
@@ -99,6 +92,7 @@ fn fused(
     chunk_rows: usize,
     op: fn(&Tensor, &Tensor, &Tensor, usize) -> candle_core::Result<Tensor>,
 ) -> Result<Tensor> {
+    check(hidden, lm_head)?;
     let vocab = lm_head.dim(0)?;
     if let Some(bad) = targets
         .to_vec1::<u32>()?

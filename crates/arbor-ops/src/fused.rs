@@ -153,6 +153,19 @@ macro_rules! by_dtype {
     }};
 }
 
+/// `$body` for an f32 or f64 CPU storage `$s`, wrapped in a storage of
+/// that dtype (the body's `slice` calls take their element type from the
+/// arm); any other dtype is an error naming `$op`.
+macro_rules! cpu_by_dtype {
+    ($s:expr, $op:literal, $body:expr) => {
+        match $s {
+            CpuStorage::F32(_) => CpuStorage::F32($body),
+            CpuStorage::F64(_) => CpuStorage::F64($body),
+            _ => candle_core::bail!(concat!($op, ": f32 or f64 expected")),
+        }
+    };
+}
+
 /// The contiguous elements of a CPU tensor of dtype `T`.
 fn slice<'a, T: Elem>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
     let all = s.as_slice::<T>()?;
@@ -394,21 +407,11 @@ impl CustomOp3 for RmsNormBwd {
         dy: &CpuStorage,
         dl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = match x {
-            CpuStorage::F32(_) => CpuStorage::F32(rms_bwd(
-                slice(x, xl)?,
-                slice(w, wl)?,
-                slice(dy, dl)?,
-                self.eps,
-            )),
-            CpuStorage::F64(_) => CpuStorage::F64(rms_bwd(
-                slice(x, xl)?,
-                slice(w, wl)?,
-                slice(dy, dl)?,
-                self.eps,
-            )),
-            _ => candle_core::bail!("rms_norm backward: f32 or f64 expected"),
-        };
+        let out = cpu_by_dtype!(
+            x,
+            "rms_norm backward",
+            rms_bwd(slice(x, xl)?, slice(w, wl)?, slice(dy, dl)?, self.eps)
+        );
         let len = xl.shape().elem_count() + wl.shape().elem_count();
         Ok((out, Shape::from(len)))
     }
@@ -505,23 +508,17 @@ impl CustomOp3 for RopeOp {
         sl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let half = cl.shape().dims()[1];
-        let out = match x {
-            CpuStorage::F32(_) => CpuStorage::F32(rope_rows(
+        let out = cpu_by_dtype!(
+            x,
+            "rope",
+            rope_rows(
                 slice(x, xl)?,
                 slice(c, cl)?,
                 slice(s, sl)?,
                 half,
-                self.inverse,
-            )),
-            CpuStorage::F64(_) => CpuStorage::F64(rope_rows(
-                slice(x, xl)?,
-                slice(c, cl)?,
-                slice(s, sl)?,
-                half,
-                self.inverse,
-            )),
-            _ => candle_core::bail!("rope: f32 or f64 expected"),
-        };
+                self.inverse
+            )
+        );
         Ok((out, xl.shape().clone()))
     }
 
@@ -634,11 +631,7 @@ impl CustomOp2 for SwigluOp {
         u: &CpuStorage,
         ul: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = match g {
-            CpuStorage::F32(_) => CpuStorage::F32(swiglu_fwd(slice(g, gl)?, slice(u, ul)?)),
-            CpuStorage::F64(_) => CpuStorage::F64(swiglu_fwd(slice(g, gl)?, slice(u, ul)?)),
-            _ => candle_core::bail!("swiglu: f32 or f64 expected"),
-        };
+        let out = cpu_by_dtype!(g, "swiglu", swiglu_fwd(slice(g, gl)?, slice(u, ul)?));
         Ok((out, gl.shape().clone()))
     }
 
@@ -698,15 +691,11 @@ impl CustomOp3 for SwigluBwd {
         dy: &CpuStorage,
         dl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = match g {
-            CpuStorage::F32(_) => {
-                CpuStorage::F32(swiglu_bwd(slice(g, gl)?, slice(u, ul)?, slice(dy, dl)?))
-            }
-            CpuStorage::F64(_) => {
-                CpuStorage::F64(swiglu_bwd(slice(g, gl)?, slice(u, ul)?, slice(dy, dl)?))
-            }
-            _ => candle_core::bail!("swiglu backward: f32 or f64 expected"),
-        };
+        let out = cpu_by_dtype!(
+            g,
+            "swiglu backward",
+            swiglu_bwd(slice(g, gl)?, slice(u, ul)?, slice(dy, dl)?)
+        );
         Ok((out, Shape::from(2 * gl.shape().elem_count())))
     }
 

@@ -59,7 +59,7 @@ pub struct LearnerConfig {
     /// precision over f32 master weights, f32 gradients and AdamW state,
     /// log-probabilities and losses summed in f32: on a GPU bf16
     /// activations and matmuls, on a CPU bf16 matmuls of the decoder
-    /// layers with f32 activations).
+    /// layers and the LM head with f32 activations).
     pub precision: Precision,
     /// The critic also reads the policy's surprise along the episode's path
     /// ([`surprise_features`]); set from `[critic] surprise`.
