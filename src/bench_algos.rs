@@ -33,7 +33,7 @@ pub struct AlgosArgs {
     /// `heldout_samples=K`;
     /// Prefix Sampling's `reserve=X`, `band=X`, `eta=X`,
     /// `cut=auto|tokens|lines|boundaries`, `replay=execute|snapshot`,
-    /// `rerollouts=M`, `sources=S`, `attempts=K`, `probe=Q`, `anchor=B`, `keep_skewed=B`,
+    /// `rerollouts=M`, `sources=S`, `attempts=K`, `probe=Q`, `anchor=B`, `cut_rule=R`, `keep_skewed=B`,
     /// `match_budget=B`; the context's `compaction=none|free_form|structured|workspace`
     /// and `context_tokens=N`.
     #[arg(
@@ -335,6 +335,7 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
             "sources" => cfg.ps.sources = int()?,
             "probe" => cfg.ps.probe = int()?,
             "anchor" => cfg.ps.anchor = flag(kv, v)?,
+            "cut_rule" => cfg.ps.cut_rule = variant(kv, v)?,
             "keep_skewed" => cfg.ps.keep_skewed = flag(kv, v)?,
             "match_budget" => cfg.ps.match_budget = flag(kv, v)?,
             "compaction" => cfg.harness.compaction = variant(kv, v)?,
@@ -343,7 +344,7 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
                 "row setting `{kv}`: unknown key (lambda, kappa, score, evidence, \
                  prune_settled, critic_targets, center, critic, critic_init, critic_lr, critic_epochs, \
                  critic_minibatches, critic_replay, heldout_tasks, heldout_samples, surprise; PS: reserve, \
-                 band, eta, cut, replay, rerollouts, sources, attempts, probe, anchor, keep_skewed, \
+                 band, eta, cut, replay, rerollouts, sources, attempts, probe, anchor, cut_rule, keep_skewed, \
                  match_budget; context: compaction, context_tokens)"
             ),
         }

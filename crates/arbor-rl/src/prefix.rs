@@ -206,6 +206,27 @@ pub enum CutGranularity {
     Boundaries,
 }
 
+/// How a source's cut is chosen (`[ps] cut_rule`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CutRule {
+    /// The allowed cut nearest to `ratio_b * len`: the method's controller
+    /// sets the replayed fraction of the source.
+    #[default]
+    Ratio,
+    /// The allowed cut whose [`SourceTrajectory::pass_estimate`] is
+    /// nearest to the bucket's aim (the controller's `ratio_b`, read as a
+    /// pass probability): each hard group's own cut is placed where its
+    /// re-rollouts are expected to pass about as often as the aim, and the
+    /// controller moves the aim so that the bucket's re-rollouts pass 50%
+    /// of the time. An easy group's failed source is cut where it leaves
+    /// the path of the last success it shares a prefix with, so its
+    /// re-rollouts face the decision the failure got wrong. A cut whose
+    /// estimate is 0 (no success of the group passes through its state) is
+    /// never chosen.
+    Estimate,
+}
+
 /// A finished trajectory of the group, as a candidate prefix source.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SourceTrajectory {
@@ -223,6 +244,49 @@ pub struct SourceTrajectory {
     /// groups ([`PsConfig::anchor`]).
     #[serde(default)]
     pub shared: usize,
+    /// For [`CutRule::Estimate`]: entry `c` (`0..=len`) is a lower bound of
+    /// the pass probability of a continuation from the state after the
+    /// first `c` response tokens ([`pass_estimate`]; empty: unknown).
+    #[serde(default)]
+    pub pass_estimate: Vec<f64>,
+}
+
+/// A lower bound of the pass probability from each state of a source.
+///
+/// `len` is the source's response length; each of `successes` is a
+/// successful member of the group as `(shared, logprobs)`: the response
+/// tokens it shares with the source from the start (the source's own
+/// length when it is the source), and its behaviour logprobs, one per
+/// response token. The state after `c <= shared` tokens is on that
+/// success's path, and the policy that sampled it regenerates the rest of
+/// it with probability `exp(sum_{t >= c} logprob_t)`; the bound is the
+/// largest such probability over the successes through that state:
+///
+/// ```text
+/// q(c) = max_{m : shared_m >= c} exp( sum_{t = c}^{len_m - 1} lp_m[t] )     (0 when no success passes)
+/// ```
+///
+/// Other successful continuations only add to the true pass probability,
+/// so `q` is a lower bound for the policy that sampled the group. Returns
+/// `len + 1` entries.
+pub fn pass_estimate(len: usize, successes: &[(usize, &[f32])]) -> Vec<f64> {
+    let mut q = vec![0.0f64; len + 1];
+    for &(shared, lp) in successes {
+        let mut tail = 0.0f64;
+        let mut tails = vec![0.0f64; lp.len() + 1];
+        for t in (0..lp.len()).rev() {
+            tail += f64::from(lp[t]);
+            tails[t] = tail;
+        }
+        for (c, qc) in q
+            .iter_mut()
+            .enumerate()
+            .take(shared.min(len).min(lp.len()) + 1)
+        {
+            *qc = qc.max(tails[c].exp());
+        }
+    }
+    q
 }
 
 /// The prefix length for `ratio` of a `len`-token response: the allowed cut
@@ -395,6 +459,11 @@ pub struct BucketState {
 pub struct PrefixController {
     cfg: ControllerConfig,
     buckets: BTreeMap<Bucket, BucketState>,
+    /// What a bucket's ratio sets ([`CutRule`]): the replayed fraction
+    /// (`sign_b` by direction) or the aimed pass estimate (`sign_b = +1`
+    /// for every bucket: a higher aim raises the pass rate either way).
+    #[serde(default)]
+    rule: CutRule,
 }
 
 impl PrefixController {
@@ -404,6 +473,7 @@ impl PrefixController {
         Ok(PrefixController {
             cfg,
             buckets: BTreeMap::new(),
+            rule: CutRule::Ratio,
         })
     }
 
@@ -440,7 +510,23 @@ impl PrefixController {
         Ok(PrefixController {
             cfg,
             buckets: buckets.into_iter().collect(),
+            rule: CutRule::Ratio,
         })
+    }
+
+    /// The same controller with its ratios read under `rule`.
+    pub fn with_rule(mut self, rule: CutRule) -> Self {
+        self.rule = rule;
+        self
+    }
+
+    /// `sign_b`: by the bucket's direction for [`CutRule::Ratio`], `+1`
+    /// for [`CutRule::Estimate`].
+    pub fn sign(&self, b: Bucket) -> f64 {
+        match self.rule {
+            CutRule::Ratio => b.direction().sign(),
+            CutRule::Estimate => 1.0,
+        }
     }
 
     /// One update with a step's re-rollout outcomes of bucket `b`.
@@ -453,6 +539,7 @@ impl PrefixController {
         }
         let pass = successes as f64 / trials as f64;
         let c = self.cfg;
+        let sign = self.sign(b);
         let st = self.buckets.entry(b).or_insert(BucketState {
             ratio: c.initial_ratio,
             ema: None,
@@ -463,8 +550,7 @@ impl PrefixController {
             Some(e) => c.ema_decay * e + (1.0 - c.ema_decay) * pass,
         };
         st.ema = Some(ema);
-        st.ratio =
-            (st.ratio + c.eta * b.direction().sign() * (c.target - ema)).clamp(c.r_min, c.r_max);
+        st.ratio = (st.ratio + c.eta * sign * (c.target - ema)).clamp(c.r_min, c.r_max);
         st.updates += 1;
         Ok(())
     }
@@ -485,6 +571,9 @@ pub struct PsConfig {
     /// error. The bucket ratio still sets the cut when it is shorter.
     #[serde(default)]
     pub anchor: bool,
+    /// How a source's cut is chosen.
+    #[serde(default)]
+    pub cut_rule: CutRule,
     /// Seed of the source choice.
     pub seed: u64,
 }
@@ -498,6 +587,7 @@ impl PsConfig {
             granularity: CutGranularity::Tokens,
             controller: ControllerConfig::default(),
             anchor: false,
+            cut_rule: CutRule::Ratio,
             seed,
         }
     }
@@ -544,7 +634,7 @@ impl PrefixSampler {
         }
         check_range("band", cfg.band, 0.0, 0.5)?;
         Ok(PrefixSampler {
-            controller: PrefixController::new(cfg.controller)?,
+            controller: PrefixController::new(cfg.controller)?.with_rule(cfg.cut_rule),
             rng: StdRng::seed_from_u64(cfg.seed),
             cfg,
             pending: BTreeMap::new(),
@@ -555,7 +645,7 @@ impl PrefixSampler {
     /// fresh source-choice seed `cfg.seed`).
     pub fn with_controller(cfg: PsConfig, controller: PrefixController) -> Result<Self> {
         let mut s = PrefixSampler::new(cfg)?;
-        s.controller = controller;
+        s.controller = controller.with_rule(cfg.cut_rule);
         Ok(s)
     }
 
@@ -601,13 +691,36 @@ impl PrefixSampler {
     /// `None` when its outcome is not the one the bucket needs or it has no
     /// allowed cut. The bucket's ratio, snapped to an allowed cut, and for
     /// easy buckets with [`PsConfig::anchor`] no later than the last
-    /// allowed cut inside [`SourceTrajectory::shared`].
+    /// allowed cut inside [`SourceTrajectory::shared`]. With
+    /// [`CutRule::Estimate`] and a known estimate, among the allowed cuts
+    /// with a positive estimate (`None` when there is none): for a hard
+    /// bucket the one whose estimate is nearest to the bucket's aim (ties to
+    /// the longer prefix, which generates fewer tokens for the same
+    /// expected outcome); for an easy bucket the last one, where the
+    /// failure leaves the last success's path (before it, the failure's
+    /// states are a success's, and pass more often the later they are;
+    /// past it no success gives an estimate).
     pub fn cut_for(&self, bucket: Bucket, t: &SourceTrajectory) -> Result<Option<usize>> {
         let want = bucket.direction().source_success();
         if t.success != want {
             return Ok(None);
         }
         let ratio = self.controller.ratio(bucket);
+        if self.cfg.cut_rule == CutRule::Estimate && !t.pass_estimate.is_empty() {
+            let q = |c: usize| t.pass_estimate.get(c).copied().unwrap_or(0.0);
+            let mut known = allowed_cuts(t.len, self.cfg.granularity, &t.boundaries)
+                .into_iter()
+                .filter(|&c| q(c) > 0.0);
+            return Ok(if want {
+                known.min_by(|&a, &b| {
+                    ((q(a) - ratio).abs())
+                        .total_cmp(&(q(b) - ratio).abs())
+                        .then(b.cmp(&a))
+                })
+            } else {
+                known.next_back()
+            });
+        }
         let Some(mut cut) = snap_cut(t.len, ratio, self.cfg.granularity, &t.boundaries)? else {
             return Ok(None);
         };
@@ -790,6 +903,7 @@ mod tests {
                     len,
                     boundaries: (0..len).step_by(7).collect(),
                     shared: 0,
+                    pass_estimate: Vec::new(),
                 })
                 .collect();
             let k = outcomes.iter().filter(|x| **x).count() as u32;
@@ -913,12 +1027,21 @@ mod tests {
         assert!(snap_cut(100, 1.5, CutGranularity::Tokens, &[]).is_err());
     }
 
+    /// The bucket of `successes` in a group of 8.
+    fn of8(successes: u32) -> Bucket {
+        Bucket {
+            successes,
+            group_size: 8,
+        }
+    }
+
     fn member(success: bool) -> SourceTrajectory {
         SourceTrajectory {
             success,
             len: 40,
             boundaries: vec![10, 20, 30],
             shared: 0,
+            pass_estimate: Vec::new(),
         }
     }
 
@@ -950,6 +1073,95 @@ mod tests {
         let mut h: Vec<_> = (0..8).map(|i| member(i == 3)).collect();
         h[3].shared = 14;
         assert_eq!(cut_of(true, &h), 30);
+    }
+
+    #[test]
+    fn pass_estimates_are_the_best_success_path_through_each_state() {
+        // Source of 4 tokens; success A is the source itself, success B
+        // shares its first 2 tokens, success C shares none.
+        let a = [-0.1f32, -0.2, -0.3, -0.4];
+        let b = [-0.1f32, -0.2, -0.05, -0.05, -0.05];
+        let c = [-0.01f32; 6];
+        let q = pass_estimate(4, &[(4, &a), (2, &b), (0, &c)]);
+        // Brute force in f64: for each state, the largest product of the
+        // remaining probabilities over the successes through it.
+        let tail = |lp: &[f32], from: usize| -> f64 {
+            lp[from..].iter().map(|&x| f64::from(x).exp()).product()
+        };
+        let want = [
+            tail(&a, 0).max(tail(&b, 0)).max(tail(&c, 0)),
+            tail(&a, 1).max(tail(&b, 1)),
+            tail(&a, 2).max(tail(&b, 2)),
+            tail(&a, 3),
+            1.0,
+        ];
+        assert_eq!(q.len(), 5);
+        for (c, (got, want)) in q.iter().zip(want).enumerate() {
+            assert!((got - want).abs() < 1e-12, "state {c}: {got} vs {want}");
+        }
+        // A failure that no success passes through has no estimate past 0.
+        let f = pass_estimate(3, &[(0, &b)]);
+        assert_eq!(&f[1..], &[0.0, 0.0, 0.0]);
+        assert!(pass_estimate(3, &[]).iter().all(|&x| x == 0.0));
+    }
+
+    #[test]
+    fn estimate_rule_cuts_where_the_estimate_meets_the_aim() {
+        let mut cfg = PsConfig::new(8, 5);
+        cfg.granularity = CutGranularity::Boundaries;
+        cfg.cut_rule = CutRule::Estimate;
+        cfg.controller = ControllerConfig::fixed(0.5);
+        let (hard, easy) = (of8(1), of8(7));
+        let ps = PrefixSampler::new(cfg).unwrap();
+        // Estimates at 0, 10, 20, 30, 40 tokens (boundaries 10, 20, 30).
+        let mut src = member(true);
+        src.pass_estimate = (0..=40)
+            .map(|c| match c {
+                0..=9 => 0.05,
+                10..=19 => 0.2,
+                20..=29 => 0.45,
+                30..=39 => 0.9,
+                _ => 1.0,
+            })
+            .collect();
+        assert_eq!(ps.cut_for(hard, &src).unwrap(), Some(20));
+        // Ties go to the longer prefix.
+        src.pass_estimate[20] = 0.25;
+        src.pass_estimate[30] = 0.75;
+        assert_eq!(ps.cut_for(hard, &src).unwrap(), Some(30));
+        // A failed source: cuts past every success's path (estimate 0) are
+        // never chosen, and a source with no positive estimate gives none.
+        // An easy group's failed source is cut at the last cut still on a
+        // success's path, whatever the aim.
+        let mut fail = member(false);
+        fail.pass_estimate = (0..=40)
+            .map(|c| if c <= 22 { 0.5 + 0.01 * c as f64 } else { 0.0 })
+            .collect();
+        assert_eq!(ps.cut_for(easy, &fail).unwrap(), Some(20));
+        fail.pass_estimate = vec![0.0; 41];
+        assert_eq!(ps.cut_for(easy, &fail).unwrap(), None);
+        // Without an estimate the ratio rule applies.
+        assert_eq!(ps.cut_for(easy, &member(false)).unwrap(), Some(20));
+    }
+
+    #[test]
+    fn estimate_rule_raises_every_buckets_aim_when_it_passes_too_rarely() {
+        let b = of8;
+        for rule in [CutRule::Ratio, CutRule::Estimate] {
+            let mut c = PrefixController::new(ControllerConfig::default())
+                .unwrap()
+                .with_rule(rule);
+            c.observe(b(1), 0, 8).unwrap();
+            c.observe(b(7), 0, 8).unwrap();
+            let (hard, easy) = (c.ratio(b(1)), c.ratio(b(7)));
+            assert!(hard > 0.5, "{rule:?}: a hard bucket's head start grows");
+            match rule {
+                // A shorter failed prefix is a smaller handicap.
+                CutRule::Ratio => assert!(easy < 0.5),
+                // A higher aimed estimate, whichever the direction.
+                CutRule::Estimate => assert!(easy > 0.5),
+            }
+        }
     }
 
     #[test]
@@ -1025,14 +1237,7 @@ mod tests {
             ..Default::default()
         };
         let mut c = PrefixController::new(cfg).unwrap();
-        let hard = Bucket {
-            successes: 1,
-            group_size: 8,
-        };
-        let easy = Bucket {
-            successes: 7,
-            group_size: 8,
-        };
+        let (hard, easy) = (of8(1), of8(7));
         c.observe(hard, 1, 10).unwrap(); // pass 0.1 < 0.5: longer success prefix
         assert!((c.ratio(hard) - (0.5 + 0.5 * 0.4)).abs() < 1e-12);
         c.observe(easy, 9, 10).unwrap(); // pass 0.9 > 0.5: longer failure prefix

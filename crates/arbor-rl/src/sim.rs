@@ -276,6 +276,7 @@ pub fn simulate_ps(cfg: &PsSimConfig) -> Result<PsSimReport> {
             granularity: cfg.granularity,
             controller,
             anchor: false,
+            cut_rule: crate::prefix::CutRule::Ratio,
             seed: cfg.seed ^ 0x5eed,
         })?),
     };
@@ -319,6 +320,7 @@ pub fn simulate_ps(cfg: &PsSimConfig) -> Result<PsSimReport> {
                     len: r.len,
                     boundaries: r.boundaries.clone(),
                     shared: 0,
+                    pass_estimate: Vec::new(),
                 })
                 .collect();
             let GroupPlan::Replay {

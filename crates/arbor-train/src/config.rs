@@ -384,6 +384,11 @@ pub struct PsSettings {
     /// decision where it went wrong), unless the bucket ratio cuts earlier
     /// ([`arbor_rl::prefix::PsConfig::anchor`]).
     pub anchor: bool,
+    /// How a source's cut is chosen: `ratio` (the method: the bucket's
+    /// replayed fraction) or `estimate` (where the group's own successes
+    /// put the pass probability nearest the bucket's aim;
+    /// [`arbor_rl::prefix::CutRule`]).
+    pub cut_rule: arbor_rl::prefix::CutRule,
     /// Train the skewed first-pass group itself beside its re-rollouts
     /// (`false`: its re-rollouts replace it, the method's project choice;
     /// a group that gets no trained re-rollout group then trains as it
@@ -405,6 +410,7 @@ impl Default for PsSettings {
             attempts: 3,
             probe: 0,
             anchor: false,
+            cut_rule: arbor_rl::prefix::CutRule::Ratio,
             keep_skewed: true,
         }
     }

@@ -10,8 +10,8 @@ use std::time::Instant;
 use arbor_rl::baselines::{AdvantageEstimator, Grpo};
 use arbor_rl::credit::{loss_rows, Sharing};
 use arbor_rl::prefix::{
-    classify, Bucket, BucketState, CutGranularity, CutSearch, GroupClass, GroupPlan,
-    PrefixController, PrefixSampler, PsConfig, SourceTrajectory,
+    classify, pass_estimate, Bucket, BucketState, CutGranularity, CutRule, CutSearch, GroupClass,
+    GroupPlan, PrefixController, PrefixSampler, PsConfig, SourceTrajectory,
 };
 use arbor_rl::{NodeId, RolloutTree};
 use serde::{Deserialize, Serialize};
@@ -100,6 +100,7 @@ impl RolloutPolicy for PsPolicy {
             },
             controller: self.settings.controller,
             anchor: self.settings.anchor,
+            cut_rule: self.settings.cut_rule,
             seed: self.seed ^ ctx.step.wrapping_mul(0x9E37_79B9),
         };
         let ctl = PrefixController::restore(self.settings.controller, self.buckets.clone())?;
@@ -535,6 +536,7 @@ impl PsStep {
             len: acc,
             boundaries,
             shared: 0,
+            pass_estimate: Vec::new(),
         }
     }
 
@@ -632,6 +634,9 @@ impl PsStep {
                     .map(|b| shared_prefix(a, b))
                     .max()
                     .unwrap_or(0);
+            }
+            if self.settings.cut_rule == CutRule::Estimate {
+                estimate_passes(group, &mut sources);
             }
             let train = match sampler.plan(&sources)? {
                 GroupPlan::Drop => {
@@ -1083,6 +1088,34 @@ fn run_jobs(
     })
 }
 
+/// Each source's [`pass_estimate`] from the group's successes: the
+/// behaviour logprobs of their generated tokens past each state they share
+/// with the source (a source that succeeded shares all of itself).
+fn estimate_passes(group: &[Cont], sources: &mut [SourceTrajectory]) {
+    let logprobs: Vec<Vec<f32>> = group
+        .iter()
+        .map(|c| {
+            c.steps
+                .iter()
+                .flat_map(|s| s.logprobs.iter().copied())
+                .collect()
+        })
+        .collect();
+    for (i, (a, src)) in group.iter().zip(sources.iter_mut()).enumerate() {
+        let successes: Vec<(usize, &[f32])> = group
+            .iter()
+            .zip(&logprobs)
+            .enumerate()
+            .filter(|(_, (b, _))| b.succeeded())
+            .map(|(j, (b, lp))| {
+                let shared = if i == j { src.len } else { shared_prefix(a, b) };
+                (shared, lp.as_slice())
+            })
+            .collect();
+        src.pass_estimate = pass_estimate(src.len, &successes);
+    }
+}
+
 /// Action tokens `a` and `b` share from the start: whole segments while
 /// both their actions and observations agree, then the common start of the
 /// first actions that differ.
@@ -1356,5 +1389,33 @@ mod tests {
         b.steps[1] = record(&[12, 13, 14], 9, None);
         assert_eq!(shared_prefix(&a, &b), 5, "observation differs after");
         assert_eq!(shared_prefix(&a, &source()), 6);
+    }
+
+    /// Each source's pass estimate follows the group's successes through
+    /// the states it shares with them, with their recorded logprobs.
+    #[test]
+    fn sources_estimate_their_pass_rate_from_the_groups_successes() {
+        let ok = source();
+        let mut fail = source();
+        fail.steps[1] = record(&[12, 40, 41], 2, None);
+        fail.steps[2] = record(&[15], 3, Some(0.0));
+        let group = [ok, fail];
+        let s = step(PsReplay::Execute);
+        let mut sources: Vec<_> = group.iter().map(|c| s.source(c, &[])).collect();
+        estimate_passes(&group, &mut sources);
+        // Every token of the success has logprob -0.5: from the state after
+        // c of its 6 tokens it is regenerated with probability e^{-(6-c)/2}.
+        let want: Vec<f64> = (0..=6).map(|c| (-(6.0 - c as f64) / 2.0).exp()).collect();
+        for (got, want) in sources[0].pass_estimate.iter().zip(&want) {
+            assert!((got - want).abs() < 1e-12);
+        }
+        // The failure shares 3 tokens with it: the same estimates up to
+        // there, none after.
+        let q = &sources[1].pass_estimate;
+        assert_eq!(q.len(), 7);
+        for c in 0..=6 {
+            let w = if c <= 3 { want[c] } else { 0.0 };
+            assert!((q[c] - w).abs() < 1e-12, "state {c}: {} vs {w}", q[c]);
+        }
     }
 }
