@@ -281,6 +281,90 @@ pub fn focus_credit(tree: &RolloutTree, cfg: &CreditConfig) -> Result<FocusCredi
     })
 }
 
+/// How FOCUS credits the edges below a state whose subtree ended all alike
+/// (`[focus] settled`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SettledCredit {
+    /// The spec: every edge gets its TD(lambda) residual. Below a settled
+    /// state the outcomes agree, so the residuals there are the critic's
+    /// error (`kappa * (G - V(s)) / (kappa + n)` on a chain) and nothing
+    /// the samples contrasted.
+    #[default]
+    Residuals,
+    /// An edge below a settled state takes the advantage of the edge that
+    /// entered the settled subtree (its contrast with its siblings, the way
+    /// GRPO gives a whole trajectory its group advantage); a tree that
+    /// ended all alike is not trained, as GRPO drops a group without
+    /// contrast. The critic's targets are unchanged.
+    Contrast,
+}
+
+/// Whether each node's subtree is *settled*: the node is not terminal,
+/// every leaf below it is terminal (none truncated or still running), and
+/// every path from it to a leaf has the same return
+/// `sum_k gamma^k r_k` (within `1e-9`). A single path is settled.
+/// Indexed by [`NodeId::index`].
+pub fn settled(tree: &RolloutTree, gamma: f64) -> Result<Vec<bool>> {
+    check_range("gamma", gamma, 0.0, 1.0)?;
+    // (lowest return, highest return, every leaf below terminal)
+    let mut span = vec![(0.0f64, 0.0f64, true); tree.len()];
+    let mut out = vec![false; tree.len()];
+    for (id, node) in tree.nodes().rev() {
+        let i = id.index();
+        if node.is_terminal() {
+            continue;
+        }
+        if node.children().is_empty() {
+            span[i].2 = false;
+            continue;
+        }
+        let (mut lo, mut hi, mut done) = (f64::INFINITY, f64::NEG_INFINITY, true);
+        for &c in node.children() {
+            let r = tree.edge_reward(c)?;
+            let (l, h, d) = span[c.index()];
+            lo = lo.min(r + gamma * l);
+            hi = hi.max(r + gamma * h);
+            done &= d;
+        }
+        span[i] = (lo, hi, done);
+        out[i] = done && hi - lo <= 1e-9;
+    }
+    Ok(out)
+}
+
+/// Applies [`SettledCredit::Contrast`] to per-edge advantages (indexed by
+/// the edge's child node, as [`td_advantages`] returns them): top-down,
+/// an edge whose parent is settled takes its parent's edge advantage, or
+/// `None` (not trained) when the parent is a root.
+pub fn contrast_settled(
+    tree: &RolloutTree,
+    settled: &[bool],
+    edge: &mut [Option<f64>],
+) -> Result<()> {
+    if settled.len() != tree.len() || edge.len() != tree.len() {
+        return Err(RlError::input(
+            "settled",
+            format!(
+                "{} flags and {} edges for {} nodes",
+                settled.len(),
+                edge.len(),
+                tree.len()
+            ),
+        ));
+    }
+    for (id, node) in tree.nodes() {
+        let Some(p) = node.parent() else { continue };
+        if settled[p.index()] {
+            edge[id.index()] = match tree.node(p)?.parent() {
+                None => None,
+                Some(_) => edge[p.index()],
+            };
+        }
+    }
+    Ok(())
+}
+
 /// How tokens shared by several root-to-leaf rows are trained.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -511,6 +595,69 @@ mod tests {
         let cr = focus_credit(&t, &cfg).unwrap();
         close(cr.backup.vtilde[a.index()], 1.15 / 3.0);
         close(cr.backup.vtilde[r.index()], (0.5 * 1.15 / 3.0 + 1.0) / 2.0);
+    }
+
+    /// r -> x -> {x1: R=1, x2: R=1}; r -> y: R=0; r -> z -> z1 -> z2: R=0;
+    /// a second tree q -> {q1: R=0, q2 -> q3: R=0}; a third, w -> {w1: R=0,
+    /// w2 truncated}.
+    #[test]
+    fn settled_subtrees_take_the_contrast_that_entered_them() {
+        let mut t = RolloutTree::new();
+        let r = t.add_episode("t", vec![9], Some(0.5)).unwrap();
+        let x = t.add_path(r, vec![step(2).value(0.4)]).unwrap()[0];
+        let x1 = t.add_path(x, vec![step(1).terminal(1.0)]).unwrap()[0];
+        let x2 = t.add_path(x, vec![step(2).terminal(1.0)]).unwrap()[0];
+        let y = t.add_path(r, vec![step(1).terminal(0.0)]).unwrap()[0];
+        let z = t
+            .add_path(
+                r,
+                vec![
+                    step(1).value(0.2),
+                    step(1).value(0.3),
+                    step(1).terminal(0.0),
+                ],
+            )
+            .unwrap();
+        let q = t.add_episode("u", vec![9], Some(0.5)).unwrap();
+        let q1 = t.add_path(q, vec![step(1).terminal(0.0)]).unwrap()[0];
+        let q23 = t
+            .add_path(q, vec![step(1).value(0.3), step(1).terminal(0.0)])
+            .unwrap();
+        let w = t.add_episode("v", vec![9], Some(0.5)).unwrap();
+        let w1 = t.add_path(w, vec![step(1).terminal(0.0)]).unwrap()[0];
+        let w2 = t.add_path(w, vec![step(1).value(0.1)]).unwrap()[0];
+
+        let flags = settled(&t, 1.0).unwrap();
+        let is = |n: NodeId| flags[n.index()];
+        assert!(!is(r) && is(x) && is(z[0]) && is(z[1]));
+        assert!(is(q) && is(q23[0]));
+        assert!(!is(w), "a truncated leaf below: not settled");
+        for leaf in [x1, x2, y, z[2], q1, q23[1], w1, w2] {
+            assert!(!is(leaf));
+        }
+
+        let cfg = CreditConfig {
+            lambda: 1.0,
+            ..CreditConfig::default()
+        };
+        let cr = focus_credit(&t, &cfg).unwrap();
+        let mut edge = cr.edge.clone();
+        contrast_settled(&t, &flags, &mut edge).unwrap();
+        let e = |n: NodeId| edge[n.index()];
+        let orig = |n: NodeId| cr.edge[n.index()];
+        // Edges entering a settled subtree from an unsettled state keep
+        // their advantage; the edges inside it take it.
+        for n in [x, y, z[0], w1, w2] {
+            assert_eq!(e(n), orig(n));
+        }
+        assert_eq!((e(x1), e(x2)), (orig(x), orig(x)));
+        assert_eq!((e(z[1]), e(z[2])), (orig(z[0]), orig(z[0])));
+        assert_ne!(orig(x1), orig(x), "the residual differs from the contrast");
+        // A tree that ended all alike is not trained.
+        for n in [q1, q23[0], q23[1]] {
+            assert_eq!(e(n), None);
+        }
+        assert!(contrast_settled(&t, &flags[1..], &mut edge).is_err());
     }
 
     #[test]
