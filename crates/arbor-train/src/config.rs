@@ -190,12 +190,6 @@ pub struct FocusConfig {
     /// does not push all sampled tokens down or up (default false: the
     /// spec's residuals as they are).
     pub center_advantages: bool,
-    /// How edges below a state whose subtree ended all alike are credited:
-    /// `residuals` (the spec: their TD(lambda) residuals, which there are
-    /// the critic's error) or `contrast` (the advantage of the edge that
-    /// entered the settled subtree; a tree that ended all alike is not
-    /// trained; [`arbor_rl::credit::SettledCredit`]).
-    pub settled: arbor_rl::credit::SettledCredit,
 }
 
 /// What FOCUS's critic regresses onto (`[focus] critic_targets`).
@@ -219,7 +213,6 @@ impl Default for FocusConfig {
             prune_settled: 0,
             critic_targets: CriticTargets::Gbar,
             center_advantages: false,
-            settled: arbor_rl::credit::SettledCredit::Residuals,
         }
     }
 }

@@ -2,10 +2,7 @@
 //! tree state where one more sample cuts the expected critic MSE most;
 //! Eq. 1 backups, TD(lambda) advantages and critic targets.
 
-use arbor_rl::credit::{
-    backup, contrast_settled, focus_credit, loss_rows, settled, CreditConfig, EdgeAdvantages,
-    LossRow, SettledCredit, Sharing,
-};
+use arbor_rl::credit::{backup, focus_credit, loss_rows, CreditConfig, LossRow, Sharing};
 use arbor_rl::diagnostics::AllocationLog;
 use arbor_rl::focus::{Allocator, AllocatorConfig, AsyncGain, Budget, Focus};
 use arbor_rl::RolloutTree;
@@ -139,12 +136,7 @@ impl RolloutPolicy for FocusPolicy {
             gamma: fcfg.gamma,
             lambda: fcfg.lambda,
         };
-        let mut credit = focus_credit(&tree, &ccfg)?;
-        if fcfg.settled == SettledCredit::Contrast {
-            let flags = settled(&tree, fcfg.gamma)?;
-            contrast_settled(&tree, &flags, &mut credit.edge)?;
-            credit.tokens = EdgeAdvantages::from_edges(&tree, &credit.edge)?;
-        }
+        let credit = focus_credit(&tree, &ccfg)?;
         let mc;
         let targets = match fcfg.critic_targets {
             CriticTargets::Gbar => &credit.backup.gbar,
