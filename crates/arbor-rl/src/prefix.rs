@@ -676,7 +676,17 @@ impl PrefixSampler {
                 sources.push((i, cut));
             }
         }
-        let Some(&(source, cut)) = sources.choose(&mut self.rng) else {
+        let chosen = if self.cfg.cut_rule == CutRule::Estimate {
+            // The source whose cut is expected to pass nearest the aim
+            // (the first such member on a tie).
+            sources.iter().min_by(|a, b| {
+                let gap = |&(i, c): &(usize, usize)| self.gap(bucket, &group[i], c);
+                gap(a).total_cmp(&gap(b))
+            })
+        } else {
+            sources.choose(&mut self.rng)
+        };
+        let Some(&(source, cut)) = chosen else {
             return Ok(GroupPlan::Keep);
         };
         Ok(GroupPlan::Replay {
@@ -735,9 +745,29 @@ impl PrefixSampler {
         Ok(Some(cut))
     }
 
-    /// The allowed cuts of a source under this sampler's granularity.
+    /// How far the pass estimate of source `t` cut at `cut` lies from the
+    /// bucket's aim, `|q(cut) - aim|` ([`CutRule::Estimate`]; `+inf`
+    /// without an estimate). [`plan`](Self::plan) draws the source with
+    /// the smallest gap, and further sources of a group are taken in
+    /// increasing gap.
+    pub fn gap(&self, bucket: Bucket, t: &SourceTrajectory, cut: usize) -> f64 {
+        match t.pass_estimate.get(cut) {
+            Some(q) => (q - self.controller.ratio(bucket)).abs(),
+            None => f64::INFINITY,
+        }
+    }
+
+    /// The cuts a source's [`CutSearch`] may try: the allowed cuts under
+    /// this sampler's granularity, and with [`CutRule::Estimate`] and a
+    /// known estimate only those with a positive one (so bisection never
+    /// moves a failure's cut past the last success's path, where on a task
+    /// whose slips cannot be undone every continuation fails).
     pub fn allowed_cuts(&self, source: &SourceTrajectory) -> Vec<usize> {
-        allowed_cuts(source.len, self.cfg.granularity, &source.boundaries)
+        let mut cuts = allowed_cuts(source.len, self.cfg.granularity, &source.boundaries);
+        if self.cfg.cut_rule == CutRule::Estimate && !source.pass_estimate.is_empty() {
+            cuts.retain(|&c| source.pass_estimate.get(c).is_some_and(|&q| q > 0.0));
+        }
+        cuts
     }
 
     /// Records outcomes of re-rollouts planned for `bucket` this step.
@@ -1142,6 +1172,26 @@ mod tests {
         assert_eq!(ps.cut_for(easy, &fail).unwrap(), None);
         // Without an estimate the ratio rule applies.
         assert_eq!(ps.cut_for(easy, &member(false)).unwrap(), Some(20));
+
+        // Of a 2/8 group's successes, the one whose best cut comes nearest
+        // the aim is the source, wherever it sits in the group.
+        let mut ps = PrefixSampler::new(cfg).unwrap();
+        let mut g: Vec<_> = (0..8).map(|i| member(i == 1 || i == 6)).collect();
+        g[1].pass_estimate = vec![0.1; 41];
+        g[6].pass_estimate = (0..=40).map(|c| if c == 30 { 0.55 } else { 0.1 }).collect();
+        for _ in 0..4 {
+            match ps.plan(&g).unwrap() {
+                GroupPlan::Replay { source, cut, .. } => assert_eq!((source, cut), (6, 30)),
+                p => panic!("{p:?}"),
+            }
+        }
+        assert!((ps.gap(of8(2), &g[6], 30) - 0.05).abs() < 1e-12);
+        // The cut search of a failure stays on the successes' path.
+        let mut fail = member(false);
+        fail.pass_estimate = (0..=40).map(|c| if c <= 22 { 0.9 } else { 0.0 }).collect();
+        assert_eq!(ps.allowed_cuts(&fail), vec![10, 20]);
+        assert_eq!(ps.allowed_cuts(&member(false)), vec![10, 20, 30]);
+        assert_eq!(ps.gap(of8(2), &member(true), 30), f64::INFINITY);
     }
 
     #[test]

@@ -665,17 +665,23 @@ impl PsStep {
                     report.groups_skewed += 1;
                     // The drawn source, then further members with the
                     // needed outcome, up to `sources` re-rollout groups.
-                    let mut picks = vec![(source, cut)];
+                    // With `cut_rule = "estimate"`, nearest the aim first.
+                    let mut more = Vec::new();
                     for (k, src) in sources.iter().enumerate() {
-                        if picks.len() >= self.settings.sources {
-                            break;
-                        }
                         if k != source {
                             if let Some(c) = sampler.cut_for(bucket, src)? {
-                                picks.push((k, c));
+                                more.push((k, c));
                             }
                         }
                     }
+                    if self.settings.cut_rule == CutRule::Estimate {
+                        more.sort_by(|&(a, ca), &(b, cb)| {
+                            let gap_a = sampler.gap(bucket, &sources[a], ca);
+                            gap_a.total_cmp(&sampler.gap(bucket, &sources[b], cb))
+                        });
+                    }
+                    let mut picks = vec![(source, cut)];
+                    picks.extend(more.into_iter().take(self.settings.sources - 1));
                     for (source, cut) in picks {
                         let src = &sources[source];
                         searches.push(Search {
