@@ -1159,10 +1159,9 @@ mod tests {
         src.pass_estimate[20] = 0.25;
         src.pass_estimate[30] = 0.75;
         assert_eq!(ps.cut_for(hard, &src).unwrap(), Some(30));
-        // A failed source: cuts past every success's path (estimate 0) are
-        // never chosen, and a source with no positive estimate gives none.
         // An easy group's failed source is cut at the last cut still on a
-        // success's path, whatever the aim.
+        // success's path (past it the estimate is 0), whatever the aim; a
+        // source with no positive estimate gives none.
         let mut fail = member(false);
         fail.pass_estimate = (0..=40)
             .map(|c| if c <= 22 { 0.5 + 0.01 * c as f64 } else { 0.0 })

@@ -116,8 +116,8 @@ fn ppo_vineppo_and_focus_on_two_ranks_train_like_one() {
 /// Prefix Sampling judges every group on every rank: the same re-rollout
 /// groups, cuts, retries and controller state on two ranks as on one, with
 /// each rank replaying (through execution) and running its own tasks'
-/// prefixes; also with probes, two sources per skewed group and snapshot
-/// replays.
+/// prefixes; also with probes, two sources per skewed group, snapshot
+/// replays and cuts placed by the pass estimate.
 #[test]
 fn prefix_sampling_on_two_ranks_trains_like_one() {
     let ps = CONFIG.replace("algo = \"grpo\"", "algo = \"ps\"");
@@ -125,14 +125,18 @@ fn prefix_sampling_on_two_ranks_trains_like_one() {
     let probes = format!("{ps}\n[ps]\nprobe = 2\nsources = 2\nanchor = true\n")
         .replace("prompts_per_step = 6", "prompts_per_step = 8");
     let snapshot = format!("{ps}\n[ps]\nreplay = \"snapshot\"\nkeep_skewed = false\n");
+    // Cuts and sources placed by the pass estimates of the gathered
+    // first-pass logprobs.
+    let estimate = format!("{ps}\n[ps]\ncut_rule = \"estimate\"\nsources = 2\n");
     let sum = |f: fn(&arbor_train::rollout::ps::PsReport) -> usize, ms: &[StepMetrics]| {
         ms.iter().map(|m| f(m.ps.as_ref().unwrap())).sum::<usize>()
     };
     let a = two_ranks_match_one(&ps, 16, None);
     let b = two_ranks_match_one(&probes, 24, None);
     let c = two_ranks_match_one(&snapshot, 16, None);
+    let d = two_ranks_match_one(&estimate, 16, None);
     // The runs replayed prefixes, and the probes' runs bisected cuts.
-    for ms in [&a, &b, &c] {
+    for ms in [&a, &b, &c, &d] {
         assert!(sum(|r| r.reroll_groups, ms) > 0);
     }
     assert!(sum(|r| r.reroll_retries + r.probes_agreed, &b) > 0);
