@@ -188,14 +188,6 @@ pub enum Score {
     /// is `c`'s weight in `Vtilde(a)` (Eq. 1): one more outcome at `c`
     /// also cuts the variance of every ancestor's backed-up value.
     Propagated,
-    /// `g` with the prior mean `v * exp(L(c))` instead of `v`, where `L(c)`
-    /// is the sum of the behaviour logprobs of every token the policy
-    /// sampled on the path from the root to `c`. For a calibrated policy
-    /// on a task with one right answer per step, `exp(L(c))` is the chance
-    /// that the path to `c` holds no slip yet; a critic that cannot see a
-    /// slip then still ranks a state below an unlikely token as probably
-    /// lost, and its `g` falls with its `mu`.
-    OnTrack,
 }
 
 impl Score {
@@ -205,7 +197,6 @@ impl Score {
             Score::Spec => "spec",
             Score::Bias => "bias",
             Score::Propagated => "propagated",
-            Score::OnTrack => "on_track",
         }
     }
 }
@@ -221,8 +212,7 @@ pub struct Focus {
     /// Skip states whose subtree has at least this many outcomes, all
     /// equal (0: never).
     prune_settled: u32,
-    /// [`Score::Propagated`]: `1 + sum_a w(a, c)^2`; [`Score::OnTrack`]:
-    /// `exp(L(c))`; by node index.
+    /// [`Score::Propagated`]: `1 + sum_a w(a, c)^2` by node index.
     factor: Vec<f64>,
 }
 
@@ -264,16 +254,11 @@ impl Focus {
     /// The spec's score `g` of a node (`None` without a critic value).
     pub fn score(&self, node: &Node) -> Option<f64> {
         let post = Posterior::of(node, self.kappa, self.evidence)?;
-        Some(self.gain(post, node))
-    }
-
-    /// `g` of a posterior with the node's continuations in flight.
-    fn gain(&self, post: Posterior, node: &Node) -> f64 {
         let m = f64::from(node.in_flight());
-        match self.async_gain {
+        Some(match self.async_gain {
             AsyncGain::EffectiveCount => post.gain(m),
             AsyncGain::Lookahead => post.gain_lookahead(m),
-        }
+        })
     }
 
     /// The score of node `id` under the configured variant (`None` for a
@@ -305,15 +290,6 @@ impl Focus {
                 }
             }
             Score::Propagated => g * self.factor.get(id.index()).copied().unwrap_or(1.0),
-            Score::OnTrack => {
-                let (n, sum) = match self.evidence {
-                    Evidence::OnPolicy => (node.completed(), node.reward_sum()),
-                    Evidence::Subtree => (node.subtree_completed(), node.subtree_reward_sum()),
-                };
-                let track = self.factor.get(id.index()).copied().unwrap_or(1.0);
-                let v = node.value()?.clamp(0.0, 1.0) * track;
-                self.gain(Posterior::new(self.kappa, v, f64::from(n), sum), node)
-            }
         })
     }
 }
@@ -325,24 +301,9 @@ impl Selector for Focus {
             (Score::Spec, Evidence::Subtree) => "focus_subtree",
             (Score::Bias, _) => "focus_bias",
             (Score::Propagated, _) => "focus_propagated",
-            (Score::OnTrack, _) => "focus_on_track",
         }
     }
     fn prepare(&mut self, tree: &RolloutTree) {
-        if self.score == Score::OnTrack {
-            // L(c) = L(parent) + the logprobs of c's segment.
-            let mut log_track = vec![0.0f64; tree.len()];
-            for (id, node) in tree.nodes() {
-                if let Some(p) = node.parent() {
-                    let seg: f64 = node
-                        .segment()
-                        .map_or(0.0, |s| s.logprobs.iter().map(|&l| f64::from(l)).sum());
-                    log_track[id.index()] = log_track[p.index()] + seg;
-                }
-            }
-            self.factor = log_track.into_iter().map(f64::exp).collect();
-            return;
-        }
         if self.score != Score::Propagated {
             return;
         }
@@ -916,19 +877,6 @@ mod tests {
             .priority(ids[1], t.node(ids[1]).unwrap(), &mut rng)
             .unwrap();
         assert!((got - gb * (1.0 + 0.25 + 0.0625)).abs() < 1e-15);
-        // On track: b's prior mean is v * exp(L), L the logprobs of a's and
-        // b's four tokens (-0.5 each); the root's path is empty.
-        let mut track = spec.clone().with_score(Score::OnTrack);
-        track.prepare(&t);
-        let want = Posterior::new(1.0, 0.5 * (-2.0f64).exp(), 1.0, 1.0).gain(0.0);
-        let got = track
-            .priority(ids[1], t.node(ids[1]).unwrap(), &mut rng)
-            .unwrap();
-        assert!((got - want).abs() < 1e-15, "{got} vs {want}");
-        assert_eq!(
-            track.priority(root, t.node(root).unwrap(), &mut rng),
-            spec.score(t.node(root).unwrap())
-        );
         // Pruning: a second success below the root settles it at k = 2.
         let mut prune = spec.clone().with_prune_settled(2);
         assert!(prune
