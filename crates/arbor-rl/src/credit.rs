@@ -281,37 +281,6 @@ pub fn focus_credit(tree: &RolloutTree, cfg: &CreditConfig) -> Result<FocusCredi
     })
 }
 
-/// The sample standard deviation (`n - 1`) of the returns
-/// `sum_k gamma^k r_k` from each episode's root to its terminal leaves,
-/// by episode; `None` for an episode with fewer than two terminal leaves.
-/// GRPO divides a group's advantages by this quantity of its group.
-pub fn episode_return_std(tree: &RolloutTree, gamma: f64) -> Result<Vec<Option<f64>>> {
-    check_range("gamma", gamma, 0.0, 1.0)?;
-    let mut returns: Vec<Vec<f64>> = vec![Vec::new(); tree.episodes().len()];
-    for leaf in tree.leaves() {
-        let node = tree.node(leaf)?;
-        if !node.is_terminal() {
-            continue;
-        }
-        let path = tree.path(leaf)?;
-        let mut ret = 0.0;
-        for &id in path[1..].iter().rev() {
-            ret = tree.edge_reward(id)? + gamma * ret;
-        }
-        returns[node.episode()].push(ret);
-    }
-    Ok(returns
-        .into_iter()
-        .map(|r| {
-            (r.len() >= 2).then(|| {
-                let n = r.len() as f64;
-                let mean = r.iter().sum::<f64>() / n;
-                (r.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / (n - 1.0)).sqrt()
-            })
-        })
-        .collect())
-}
-
 /// How tokens shared by several root-to-leaf rows are trained.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -542,26 +511,6 @@ mod tests {
         let cr = focus_credit(&t, &cfg).unwrap();
         close(cr.backup.vtilde[a.index()], 1.15 / 3.0);
         close(cr.backup.vtilde[r.index()], (0.5 * 1.15 / 3.0 + 1.0) / 2.0);
-    }
-
-    /// r -> {a: R=1, b -> c: R=0, d: R=0}; a second episode with one leaf.
-    #[test]
-    fn episode_return_stds_follow_the_terminal_leaves() {
-        let mut t = RolloutTree::new();
-        let r = t.add_episode("t", vec![9], Some(0.5)).unwrap();
-        t.add_path(r, vec![step(1).terminal(1.0)]).unwrap();
-        t.add_path(r, vec![step(1).value(0.3), step(1).terminal(0.0)])
-            .unwrap();
-        t.add_path(r, vec![step(1).terminal(0.0)]).unwrap();
-        let q = t.add_episode("u", vec![9], Some(0.5)).unwrap();
-        t.add_path(q, vec![step(1).terminal(1.0)]).unwrap();
-        let std = episode_return_std(&t, 1.0).unwrap();
-        // Returns 1, 0, 0: mean 1/3, sample variance (4/9 + 1/9 + 1/9) / 2.
-        assert!((std[0].unwrap() - (1.0f64 / 3.0).sqrt()).abs() < 1e-12);
-        assert_eq!(std[1], None);
-        // An unexpanded leaf is not an outcome.
-        t.add_path(q, vec![step(1).value(0.4)]).unwrap();
-        assert_eq!(episode_return_std(&t, 1.0).unwrap()[1], None);
     }
 
     #[test]

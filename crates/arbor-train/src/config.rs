@@ -190,11 +190,6 @@ pub struct FocusConfig {
     /// does not push all sampled tokens down or up (default false: the
     /// spec's residuals as they are).
     pub center_advantages: bool,
-    /// Divide each tree's advantages by the sample standard deviation of
-    /// its outcomes, as GRPO divides a group's (a tree whose outcomes all
-    /// agree, or with one outcome, is left as it is; before centring).
-    /// Default false: the spec's residuals.
-    pub scale_advantages: bool,
 }
 
 /// What FOCUS's critic regresses onto (`[focus] critic_targets`).
@@ -218,7 +213,6 @@ impl Default for FocusConfig {
             prune_settled: 0,
             critic_targets: CriticTargets::Gbar,
             center_advantages: false,
-            scale_advantages: false,
         }
     }
 }

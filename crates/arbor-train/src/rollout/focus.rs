@@ -2,9 +2,7 @@
 //! tree state where one more sample cuts the expected critic MSE most;
 //! Eq. 1 backups, TD(lambda) advantages and critic targets.
 
-use arbor_rl::credit::{
-    backup, episode_return_std, focus_credit, loss_rows, CreditConfig, LossRow, Sharing,
-};
+use arbor_rl::credit::{backup, focus_credit, loss_rows, CreditConfig, LossRow, Sharing};
 use arbor_rl::diagnostics::AllocationLog;
 use arbor_rl::focus::{Allocator, AllocatorConfig, AsyncGain, Budget, Focus};
 use arbor_rl::RolloutTree;
@@ -149,9 +147,6 @@ impl RolloutPolicy for FocusPolicy {
         };
         // Each rank trains its own tasks' trees (episode i is task i).
         let mut rows = loss_rows(&tree, &credit.tokens, Some(targets), Sharing::Once)?;
-        if fcfg.scale_advantages {
-            scale_advantages(&mut rows, &episode_return_std(&tree, fcfg.gamma)?);
-        }
         if fcfg.center_advantages {
             // Every rank holds the whole forest: the mean is the step's.
             center_advantages(&mut rows);
@@ -169,20 +164,6 @@ impl RolloutPolicy for FocusPolicy {
         let mut r = StepRollouts::new(tree, rows, stats, critic_vs_target);
         r.allocation = Some(allocation);
         Ok(r)
-    }
-}
-
-/// Divide the advantages of each row by the return std of its episode
-/// (`std[episode]`, 1e-6 added as GRPO does), leaving the rows of an
-/// episode without a positive std as they are.
-fn scale_advantages(rows: &mut [LossRow], std: &[Option<f64>]) {
-    for r in rows.iter_mut() {
-        if let Some(s) = std.get(r.episode).copied().flatten().filter(|&s| s > 0.0) {
-            let k = (1.0 / (s + 1e-6)) as f32;
-            for a in r.advantages.iter_mut() {
-                *a *= k;
-            }
-        }
     }
 }
 
@@ -227,22 +208,6 @@ mod tests {
             history_logprobs: Vec::new(),
             value_targets: Vec::new(),
         }
-    }
-
-    #[test]
-    fn scaled_advantages_divide_by_their_trees_return_std() {
-        let mut rows = vec![
-            row(vec![0.0, 1.0], vec![0.0, -0.5]),
-            row(vec![1.0, 1.0], vec![0.25, 0.5]),
-            row(vec![1.0], vec![0.3]),
-        ];
-        rows[1].episode = 1;
-        rows[2].episode = 2;
-        scale_advantages(&mut rows, &[Some(0.5), None, Some(0.0)]);
-        let k = (1.0 / (0.5 + 1e-6)) as f32;
-        assert_eq!(rows[0].advantages, vec![0.0, -0.5 * k]);
-        assert_eq!(rows[1].advantages, vec![0.25, 0.5], "no std: as it was");
-        assert_eq!(rows[2].advantages, vec![0.3], "outcomes agree: as it was");
     }
 
     #[test]
