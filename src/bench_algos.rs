@@ -27,7 +27,7 @@ pub struct AlgosArgs {
     /// optionally with settings joined by `+`: `lambda=X`, `kappa=X`,
     /// `score=spec|bias|propagated`, `evidence=on_policy|subtree`,
     /// `prune_settled=K`, `critic_targets=gbar|monte_carlo`,
-    /// `center=B` (centred advantages),
+    /// `center=B` (centred advantages), `root_samples=K`,
     /// `critic=shared|separate`, `critic_init=policy|own`, `critic_lr=X`,
     /// `critic_epochs=E`, `critic_minibatches=M`, `critic_replay=R`, `heldout_tasks=N`,
     /// `heldout_samples=K`;
@@ -314,6 +314,7 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
             "prune_settled" => cfg.focus.prune_settled = u32::try_from(int()?).with_context(|| format!("row setting `{kv}`: too large"))?,
             "critic_targets" => cfg.focus.critic_targets = variant(kv, v)?,
             "center" => cfg.focus.center_advantages = flag(kv, v)?,
+            "root_samples" => cfg.focus.root_samples = u32::try_from(int()?).with_context(|| format!("row setting `{kv}`: too large"))?,
             "score" => cfg.focus.score = variant(kv, v)?,
             "evidence" => cfg.focus.evidence = variant(kv, v)?,
             "critic_lr" => cfg.critic.lr = Some(num()?),
@@ -342,7 +343,7 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
             "context_tokens" => cfg.harness.context_tokens = Some(int()?),
             _ => anyhow::bail!(
                 "row setting `{kv}`: unknown key (lambda, kappa, score, evidence, \
-                 prune_settled, critic_targets, center, critic, critic_init, critic_lr, critic_epochs, \
+                 prune_settled, critic_targets, center, root_samples, critic, critic_init, critic_lr, critic_epochs, \
                  critic_minibatches, critic_replay, heldout_tasks, heldout_samples, surprise; PS: reserve, \
                  band, eta, cut, replay, rerollouts, sources, attempts, probe, anchor, cut_rule, keep_skewed, \
                  match_budget; context: compaction, context_tokens)"

@@ -212,6 +212,9 @@ pub struct Focus {
     /// Skip states whose subtree has at least this many outcomes, all
     /// equal (0: never).
     prune_settled: u32,
+    /// Roots with fewer continuations than this (completed and in flight)
+    /// go before every other state (0: never).
+    root_samples: u32,
     /// [`Score::Propagated`]: `1 + sum_a w(a, c)^2` by node index.
     factor: Vec<f64>,
 }
@@ -226,6 +229,7 @@ impl Focus {
             evidence: Evidence::OnPolicy,
             score: Score::Spec,
             prune_settled: 0,
+            root_samples: 0,
             factor: Vec::new(),
         })
     }
@@ -236,6 +240,16 @@ impl Focus {
     /// credit: every trajectory through them gets the same reward.
     pub fn with_prune_settled(mut self, k: u32) -> Self {
         self.prune_settled = k;
+        self
+    }
+
+    /// Give every root `k` continuations before any other state (not in
+    /// the spec, which treats a root as any other state): a root with
+    /// fewer than `k` launched scores `1 + g` (`g <= 1/4` otherwise), so
+    /// each task gets a group of samples from its start, as GRPO's, and
+    /// the rest of the budget follows `g`.
+    pub fn with_root_samples(mut self, k: u32) -> Self {
+        self.root_samples = k;
         self
     }
 
@@ -272,6 +286,9 @@ impl Focus {
             }
         }
         let g = self.score(node)?;
+        if node.parent().is_none() && node.completed() + node.in_flight() < self.root_samples {
+            return Some(1.0 + g);
+        }
         Some(match self.score {
             Score::Spec => g,
             Score::Bias => {
@@ -877,6 +894,23 @@ mod tests {
             .priority(ids[1], t.node(ids[1]).unwrap(), &mut rng)
             .unwrap();
         assert!((got - gb * (1.0 + 0.25 + 0.0625)).abs() < 1e-15);
+        // Root samples: the root goes first until it has k launched.
+        let floor = spec.clone().with_root_samples(2);
+        let g_root = spec.score(t.node(root).unwrap()).unwrap();
+        assert_eq!(
+            floor.variant_score(root, t.node(root).unwrap()),
+            Some(1.0 + g_root)
+        );
+        let tk = t.begin(root).unwrap();
+        assert_eq!(
+            floor.variant_score(root, t.node(root).unwrap()),
+            spec.score(t.node(root).unwrap())
+        );
+        t.abort(tk).unwrap();
+        assert_eq!(
+            floor.variant_score(ids[1], t.node(ids[1]).unwrap()),
+            spec.score(t.node(ids[1]).unwrap())
+        );
         // Pruning: a second success below the root settles it at k = 2.
         let mut prune = spec.clone().with_prune_settled(2);
         assert!(prune

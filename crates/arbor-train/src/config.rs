@@ -190,6 +190,9 @@ pub struct FocusConfig {
     /// does not push all sampled tokens down or up (default false: the
     /// spec's residuals as they are).
     pub center_advantages: bool,
+    /// Continuations every root gets before any other state
+    /// ([`arbor_rl::focus::Focus::with_root_samples`]; 0: the spec).
+    pub root_samples: u32,
 }
 
 /// What FOCUS's critic regresses onto (`[focus] critic_targets`).
@@ -213,6 +216,7 @@ impl Default for FocusConfig {
             prune_settled: 0,
             critic_targets: CriticTargets::Gbar,
             center_advantages: false,
+            root_samples: 0,
         }
     }
 }

@@ -89,7 +89,8 @@ impl RolloutPolicy for FocusPolicy {
         let focus = Focus::new(fcfg.kappa, AsyncGain::EffectiveCount)?
             .with_score(fcfg.score)
             .with_evidence(fcfg.evidence)
-            .with_prune_settled(fcfg.prune_settled);
+            .with_prune_settled(fcfg.prune_settled)
+            .with_root_samples(fcfg.root_samples);
         let mut alloc = Allocator::new(acfg, focus)?;
         let mut diag = AllocationLog::default();
         // Continuous allocation: fill the free worker slots, then take one
