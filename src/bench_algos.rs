@@ -307,14 +307,17 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
             v.parse::<usize>()
                 .with_context(|| format!("row setting `{kv}`: not a whole number >= 0"))
         };
+        let int32 = || -> Result<u32> {
+            u32::try_from(int()?).with_context(|| format!("row setting `{kv}`: too large"))
+        };
         match k {
             "lambda" if cfg.algo == Algo::Focus => cfg.focus.lambda = num()?,
             "lambda" => cfg.ppo.lambda = num()?,
             "kappa" => cfg.focus.kappa = num()?,
-            "prune_settled" => cfg.focus.prune_settled = u32::try_from(int()?).with_context(|| format!("row setting `{kv}`: too large"))?,
+            "prune_settled" => cfg.focus.prune_settled = int32()?,
             "critic_targets" => cfg.focus.critic_targets = variant(kv, v)?,
             "center" => cfg.focus.center_advantages = flag(kv, v)?,
-            "root_samples" => cfg.focus.root_samples = u32::try_from(int()?).with_context(|| format!("row setting `{kv}`: too large"))?,
+            "root_samples" => cfg.focus.root_samples = int32()?,
             "score" => cfg.focus.score = variant(kv, v)?,
             "evidence" => cfg.focus.evidence = variant(kv, v)?,
             "critic_lr" => cfg.critic.lr = Some(num()?),
@@ -332,7 +335,7 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
             "cut" => cfg.ps.cut = variant(kv, v)?,
             "replay" => cfg.ps.replay = variant(kv, v)?,
             "rerollouts" => cfg.ps.rerollouts = int()?,
-            "attempts" => cfg.ps.attempts = u32::try_from(int()?).with_context(|| format!("row setting `{kv}`: too large"))?,
+            "attempts" => cfg.ps.attempts = int32()?,
             "sources" => cfg.ps.sources = int()?,
             "probe" => cfg.ps.probe = int()?,
             "anchor" => cfg.ps.anchor = flag(kv, v)?,

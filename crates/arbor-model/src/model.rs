@@ -876,7 +876,7 @@ impl Transformer {
     /// [`arbor_ops::matmul_nt_op`]'s bf16 dot products (AVX-512 BF16 where
     /// the CPU has it), forward and backward; their weights' gradients
     /// arrive in f32. The learner's LM head multiplies the same way
-    /// ([`Transformer::train_token_logprobs`]; its log-softmax sums stay in f64);
+    /// ([`Transformer::train_token_logprobs`]; its log-softmax row sums end in f64);
     /// the embeddings and value head stay f32. Needs f32 parameters.
     pub fn set_train_matmul_dtype(&mut self, dt: Option<DType>) -> Result<()> {
         self.train_matmul_dtype = self.half_over_f32(dt, &[DType::BF16])?;

@@ -31,15 +31,14 @@
 //! one rounding at the end), so a log-probability carries an error of about
 //! `|z| 2^-9` (an f32-output GEMM, `cublasGemmEx`, would remove it).
 
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
-
-use multiversion::multiversion;
-
-use crate::cpu::exp::exp_f32;
 use std::borrow::Cow;
 
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use multiversion::multiversion;
+use rayon::prelude::*;
+
+use crate::cpu::exp::exp_f32;
 use crate::cpu::matmul::{single, single_into, to_bf16, transposed, WeightRows::Bf16};
 
 /// Default chunk size in logits elements (128 MiB of f32).

@@ -717,14 +717,12 @@ impl PrefixSampler {
         }
         let ratio = self.controller.ratio(bucket);
         if self.cfg.cut_rule == CutRule::Estimate && !t.pass_estimate.is_empty() {
-            let q = |c: usize| t.pass_estimate.get(c).copied().unwrap_or(0.0);
-            let mut known = allowed_cuts(t.len, self.cfg.granularity, &t.boundaries)
-                .into_iter()
-                .filter(|&c| q(c) > 0.0);
+            // The cuts with a positive estimate.
+            let mut known = self.allowed_cuts(t).into_iter();
             return Ok(if want {
                 known.min_by(|&a, &b| {
-                    ((q(a) - ratio).abs())
-                        .total_cmp(&(q(b) - ratio).abs())
+                    self.gap(bucket, t, a)
+                        .total_cmp(&self.gap(bucket, t, b))
                         .then(b.cmp(&a))
                 })
             } else {

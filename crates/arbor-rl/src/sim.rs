@@ -271,13 +271,10 @@ pub fn simulate_ps(cfg: &PsSimConfig) -> Result<PsSimReport> {
     let mut sampler = match cfg.mode {
         PsMode::Off => None,
         PsMode::Replay(controller) => Some(PrefixSampler::new(PsConfig {
-            group_size: cfg.group_size,
             band: cfg.band,
             granularity: cfg.granularity,
             controller,
-            anchor: false,
-            cut_rule: crate::prefix::CutRule::Ratio,
-            seed: cfg.seed ^ 0x5eed,
+            ..PsConfig::new(cfg.group_size, cfg.seed ^ 0x5eed)
         })?),
     };
     let n = cfg.group_size as usize;

@@ -627,16 +627,18 @@ impl PsStep {
                 .iter()
                 .map(|c| self.source(c, &ctx.rollout.line_ends))
                 .collect();
-            for (a, src) in group.iter().zip(&mut sources) {
+            let shared = shared_prefixes(group);
+            for (i, (a, src)) in group.iter().zip(&mut sources).enumerate() {
                 src.shared = group
                     .iter()
-                    .filter(|b| b.succeeded() != a.succeeded())
-                    .map(|b| shared_prefix(a, b))
+                    .zip(&shared[i])
+                    .filter(|(b, _)| b.succeeded() != a.succeeded())
+                    .map(|(_, &s)| s)
                     .max()
                     .unwrap_or(0);
             }
             if self.settings.cut_rule == CutRule::Estimate {
-                estimate_passes(group, &mut sources);
+                estimate_passes(group, &shared, &mut sources);
             }
             let train = match sampler.plan(&sources)? {
                 GroupPlan::Drop => {
@@ -1096,8 +1098,9 @@ fn run_jobs(
 
 /// Each source's [`pass_estimate`] from the group's successes: the
 /// behaviour logprobs of their generated tokens past each state they share
-/// with the source (a source that succeeded shares all of itself).
-fn estimate_passes(group: &[Cont], sources: &mut [SourceTrajectory]) {
+/// with the source (`shared`, from [`shared_prefixes`]; a member shares all
+/// of itself).
+fn estimate_passes(group: &[Cont], shared: &[Vec<usize>], sources: &mut [SourceTrajectory]) {
     let logprobs: Vec<Vec<f32>> = group
         .iter()
         .map(|c| {
@@ -1107,19 +1110,24 @@ fn estimate_passes(group: &[Cont], sources: &mut [SourceTrajectory]) {
                 .collect()
         })
         .collect();
-    for (i, (a, src)) in group.iter().zip(sources.iter_mut()).enumerate() {
+    for (src, shared) in sources.iter_mut().zip(shared) {
         let successes: Vec<(usize, &[f32])> = group
             .iter()
+            .zip(shared)
             .zip(&logprobs)
-            .enumerate()
-            .filter(|(_, (b, _))| b.succeeded())
-            .map(|(j, (b, lp))| {
-                let shared = if i == j { src.len } else { shared_prefix(a, b) };
-                (shared, lp.as_slice())
-            })
+            .filter(|((b, _), _)| b.succeeded())
+            .map(|((_, &s), lp)| (s, lp.as_slice()))
             .collect();
         src.pass_estimate = pass_estimate(src.len, &successes);
     }
+}
+
+/// [`shared_prefix`] of every pair of a group's members, `[i][j]`.
+fn shared_prefixes(group: &[Cont]) -> Vec<Vec<usize>> {
+    group
+        .iter()
+        .map(|a| group.iter().map(|b| shared_prefix(a, b)).collect())
+        .collect()
 }
 
 /// Action tokens `a` and `b` share from the start: whole segments while
@@ -1408,7 +1416,7 @@ mod tests {
         let group = [ok, fail];
         let s = step(PsReplay::Execute);
         let mut sources: Vec<_> = group.iter().map(|c| s.source(c, &[])).collect();
-        estimate_passes(&group, &mut sources);
+        estimate_passes(&group, &shared_prefixes(&group), &mut sources);
         // Every token of the success has logprob -0.5: from the state after
         // c of its 6 tokens it is regenerated with probability e^{-(6-c)/2}.
         let want: Vec<f64> = (0..=6).map(|c| (-(6.0 - c as f64) / 2.0).exp()).collect();
