@@ -35,15 +35,22 @@ pub struct AlgosArgs {
     /// `cut=auto|tokens|lines|boundaries`, `replay=execute|snapshot`,
     /// `rerollouts=M`, `sources=S`, `attempts=K`, `probe=Q`, `anchor=B`, `cut_rule=R`, `keep_skewed=B`,
     /// `match_budget=B`; the context's `compaction=none|free_form|structured|workspace`
-    /// and `context_tokens=N`.
+    /// and `context_tokens=N`; the step's shape: `prompts=N` (prompts a
+    /// step: FOCUS's roots), `samples=N` (a group's size) and
+    /// `critic_warmup=N` (FOCUS's critic-only first steps).
     #[arg(
         long,
         default_value = "focus,ps,grpo,ppo,vineppo",
         value_delimiter = ','
     )]
     pub algos: Vec<String>,
+    /// Seeds per row: `first_seed .. first_seed + seeds`.
     #[arg(long, default_value_t = 5)]
     pub seeds: u64,
+    /// The first seed (a confirmation run on fresh seeds starts past the
+    /// ones a setting was chosen on).
+    #[arg(long, default_value_t = 0)]
+    pub first_seed: u64,
     /// Generated tokens per step, the same for every run (default: the
     /// config's `budget`, else 1024, about what the quickstart's GRPO
     /// spends per step). 0: each method at its own size.
@@ -318,6 +325,9 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
             "critic_targets" => cfg.focus.critic_targets = variant(kv, v)?,
             "center" => cfg.focus.center_advantages = flag(kv, v)?,
             "root_samples" => cfg.focus.root_samples = int32()?,
+            "prompts" => cfg.prompts_per_step = int()?,
+            "samples" => cfg.samples_per_prompt = int()?,
+            "critic_warmup" => cfg.critic_warmup_steps = int()? as u64,
             "score" => cfg.focus.score = variant(kv, v)?,
             "evidence" => cfg.focus.evidence = variant(kv, v)?,
             "critic_lr" => cfg.critic.lr = Some(num()?),
@@ -349,7 +359,7 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
                  prune_settled, critic_targets, center, root_samples, critic, critic_init, critic_lr, critic_epochs, \
                  critic_minibatches, critic_replay, heldout_tasks, heldout_samples, surprise; PS: reserve, \
                  band, eta, cut, replay, rerollouts, sources, attempts, probe, anchor, cut_rule, keep_skewed, \
-                 match_budget; context: compaction, context_tokens)"
+                 match_budget; context: compaction, context_tokens; shape: prompts, samples, critic_warmup)"
             ),
         }
     }
@@ -423,7 +433,7 @@ pub fn run(a: AlgosArgs) -> Result<()> {
         let mut parts = name.split('+');
         let algo = parse_algo(parts.next().unwrap_or_default())?;
         let settings: Vec<&str> = parts.collect();
-        for seed in 0..a.seeds {
+        for seed in a.first_seed..a.first_seed.saturating_add(a.seeds) {
             let cfg = row_config(&base, algo, &settings, seed, a.steps)
                 .with_context(|| format!("bench algos row `{name}`"))?;
             let dir = a
@@ -783,8 +793,22 @@ mod tests {
             ),
             (2, 20, 32)
         );
+        apply_row(&mut cfg, &["prompts=24", "samples=5", "critic_warmup=0"]).unwrap();
+        assert_eq!(
+            (
+                cfg.prompts_per_step,
+                cfg.samples_per_prompt,
+                cfg.critic_warmup_steps
+            ),
+            (24, 5, 0)
+        );
         // Counts are whole numbers: no silent truncation of 1.5 or -1.
-        for bad in ["critic_epochs=1.5", "critic_replay=-1", "prune_settled=x"] {
+        for bad in [
+            "critic_epochs=1.5",
+            "critic_replay=-1",
+            "prune_settled=x",
+            "samples=2.5",
+        ] {
             let e = apply_row(&mut cfg, &[bad]).unwrap_err().to_string();
             assert!(e.contains(bad) && e.contains("whole number"), "{e}");
         }
