@@ -37,7 +37,7 @@ pub struct AlgosArgs {
     /// `match_budget=B`; the context's `compaction=none|free_form|structured|workspace`
     /// and `context_tokens=N`; the step's shape: `prompts=N` (prompts a
     /// step: FOCUS's roots), `samples=N` (a group's size) and
-    /// `critic_warmup=N` (FOCUS's critic-only first steps).
+    /// `critic_warmup=N` (critic-only first steps of FOCUS and PPO).
     #[arg(
         long,
         default_value = "focus,ps,grpo,ppo,vineppo",

@@ -1122,12 +1122,19 @@ fn estimate_passes(group: &[Cont], shared: &[Vec<usize>], sources: &mut [SourceT
     }
 }
 
-/// [`shared_prefix`] of every pair of a group's members, `[i][j]`.
+/// [`shared_prefix`] of every pair of a group's members, `[i][j]` (it is
+/// symmetric, so each pair is compared once).
 fn shared_prefixes(group: &[Cont]) -> Vec<Vec<usize>> {
-    group
-        .iter()
-        .map(|a| group.iter().map(|b| shared_prefix(a, b)).collect())
-        .collect()
+    let n = group.len();
+    let mut m = vec![vec![0; n]; n];
+    for i in 0..n {
+        for j in i..n {
+            let s = shared_prefix(&group[i], &group[j]);
+            m[i][j] = s;
+            m[j][i] = s;
+        }
+    }
+    m
 }
 
 /// Action tokens `a` and `b` share from the start: whole segments while
