@@ -77,6 +77,10 @@ struct RunResult {
     curve: Vec<(u64, f64)>,
     /// (step, held-out critic Spearman vs Monte-Carlo values), where scored.
     critic_curve: Vec<(u64, f64)>,
+    /// Mean over the scored steps of the noise ceiling on that Spearman
+    /// (what a critic with the true values would show against the same
+    /// Monte-Carlo values).
+    critic_ceiling: Option<f64>,
     /// Mean over steps of FOCUS's settled-state token share and launch
     /// depth.
     settled_fraction: Option<f64>,
@@ -462,6 +466,7 @@ pub fn run(a: AlgosArgs) -> Result<()> {
             };
             let settled_fraction = mean_of(&|m| m.alloc_settled_fraction);
             let mean_depth = mean_of(&|m| m.alloc_mean_depth);
+            let critic_ceiling = mean_of(&|m| m.critic_heldout_rank_ceiling);
             let effective_groups =
                 ms.iter().map(|m| m.effective_groups as f64).sum::<f64>() / ms.len().max(1) as f64;
             let ps = PsRun::of(&ms);
@@ -478,6 +483,7 @@ pub fn run(a: AlgosArgs) -> Result<()> {
                 replayed_tokens: ms.iter().map(|m| m.replayed_tokens).sum(),
                 curve,
                 critic_curve,
+                critic_ceiling,
                 settled_fraction,
                 mean_depth,
                 effective_groups,
@@ -581,8 +587,8 @@ pub fn run(a: AlgosArgs) -> Result<()> {
             continue;
         }
         if !header {
-            println!("\n| algo | held-out critic rank correlation by step (seed mean) | settled-state token share | mean launch depth |");
-            println!("|---|---|---|---|");
+            println!("\n| algo | held-out critic rank correlation by step (seed mean) | its noise ceiling (mean) | settled-state token share | mean launch depth |");
+            println!("|---|---|---|---|---|");
             header = true;
         }
         let k = runs.len() as f64;
@@ -601,8 +607,9 @@ pub fn run(a: AlgosArgs) -> Result<()> {
             }
         };
         println!(
-            "| {name} | {} | {} | {} |",
+            "| {name} | {} | {} | {} | {} |",
             curve.join(", "),
+            avg(&|r| r.critic_ceiling),
             avg(&|r| r.settled_fraction),
             avg(&|r| r.mean_depth)
         );

@@ -161,6 +161,14 @@ pub struct StepMetrics {
     /// Held-out states scored.
     #[serde(default)]
     pub critic_heldout_states: Option<usize>,
+    /// The best rank correlation any critic could show against those
+    /// Monte-Carlo values, given their sampling noise: the split-half rank
+    /// correlation `r` of the states' continuations (two halves of
+    /// `heldout_samples / 2`), stepped up by Spearman-Brown to the whole
+    /// estimate, `sqrt(f r / (1 + (f - 1) r))` with `f` the ratio of the
+    /// estimate's samples to a half's. `None` below 2 samples or at `r <= 0`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub critic_heldout_rank_ceiling: Option<f64>,
     /// FOCUS: mean depth of the launched continuations' states (root 0).
     #[serde(default)]
     pub alloc_mean_depth: Option<f64>,

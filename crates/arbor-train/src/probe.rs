@@ -37,7 +37,7 @@ use arbor_rl::diagnostics::{explained_variance, spearman};
 
 use crate::learner::ValueRow;
 use crate::optim::AdamWConfig;
-use crate::rollout::heldout::{critic_vs_states, sample_states, StateSample};
+use crate::rollout::heldout::{critic_vs_states, sample_states, split_half, StateSample};
 use crate::rollout::sched::{mix64, shuffle};
 use crate::trainer::Trainer;
 use crate::TrainError;
@@ -135,40 +135,6 @@ impl ProbeReport {
             .filter(|e| e.test_rank.is_some())
             .max_by(|a, b| a.test_rank.partial_cmp(&b.test_rank).expect("finite"))
     }
-}
-
-/// The rank-correlation ceiling from the split-half rank correlation `r`
-/// of two `half`-sample estimates, for an estimate of `n` samples
-/// (Spearman-Brown): `sqrt(f r / (1 + (f - 1) r))`, `f = n / half`;
-/// `None` when `r <= 0`.
-pub fn rank_ceiling(r: f64, half: usize, n: usize) -> Option<f64> {
-    if r <= 0.0 || half == 0 {
-        return None;
-    }
-    let f = n as f64 / half as f64;
-    Some((f * r / (1.0 + (f - 1.0) * r)).clamp(0.0, 1.0).sqrt())
-}
-
-/// Split-half rank correlation of the states' continuations (outcomes
-/// `1..1 + h` against `1 + h..1 + 2h`, `h = k / 2`) and its ceiling.
-fn split_half(states: &[StateSample], k: usize) -> (Option<f64>, Option<f64>) {
-    let h = k / 2;
-    if h == 0 {
-        return (None, None);
-    }
-    let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
-    let pairs: Vec<(f64, f64)> = states
-        .iter()
-        .filter(|s| s.outcomes.len() > 2 * h)
-        .map(|s| {
-            (
-                mean(&s.outcomes[1..1 + h]),
-                mean(&s.outcomes[1 + h..1 + 2 * h]),
-            )
-        })
-        .collect();
-    let r = spearman(&pairs);
-    (r, r.and_then(|r| rank_ceiling(r, h, k + 1)))
 }
 
 /// Each test state valued at the training states' mean Monte-Carlo value
@@ -337,33 +303,6 @@ mod tests {
             outcomes: outcomes.to_vec(),
             logprobs: Vec::new(),
         }
-    }
-
-    #[test]
-    fn the_ceiling_steps_the_split_half_correlation_up() {
-        // Spearman-Brown: doubling a test of reliability 0.5 gives 2/3.
-        let c = rank_ceiling(0.5, 4, 8).unwrap();
-        assert!((c - (2.0f64 / 3.0).sqrt()).abs() < 1e-12);
-        // Same length: the ceiling is sqrt(r).
-        assert!((rank_ceiling(0.36, 4, 4).unwrap() - 0.6).abs() < 1e-12);
-        assert_eq!(rank_ceiling(0.0, 4, 8), None);
-        assert_eq!(rank_ceiling(-0.2, 4, 8), None);
-        assert_eq!(rank_ceiling(1.0, 2, 5), Some(1.0));
-    }
-
-    #[test]
-    fn split_halves_compare_each_states_two_halves() {
-        // Halves agree perfectly in rank: r = 1.
-        let s = vec![
-            state(0, &[1.0, 0.0, 0.0, 0.0, 0.0]),
-            state(0, &[0.0, 1.0, 0.0, 1.0, 0.0]),
-            state(0, &[1.0, 1.0, 1.0, 1.0, 1.0]),
-        ];
-        let (r, c) = split_half(&s, 4);
-        assert!((r.unwrap() - 1.0).abs() < 1e-12);
-        assert!((c.unwrap() - 1.0).abs() < 1e-12);
-        // Fewer than two continuations: no halves.
-        assert_eq!(split_half(&s, 1), (None, None));
     }
 
     #[test]

@@ -42,6 +42,18 @@ impl std::fmt::Debug for Trainer {
     }
 }
 
+/// The critic's held-out check at one evaluation step.
+struct HeldoutScores {
+    /// Explained variance of the critic against the Monte-Carlo values.
+    ev: Option<f64>,
+    /// Their Spearman rank correlation.
+    rank: Option<f64>,
+    /// States scored.
+    states: usize,
+    /// The rank correlation the Monte-Carlo values' noise allows.
+    ceiling: Option<f64>,
+}
+
 impl Trainer {
     /// A fresh run in `out_dir`, or (with `resume`) the continuation of the
     /// latest checkpoint there.
@@ -234,16 +246,12 @@ impl Trainer {
     }
 
     /// The critic against Monte-Carlo values on held-out states
-    /// (`[critic] heldout_tasks`): `(explained variance, Spearman, states)`.
-    fn critic_heldout(
-        &self,
-        engine: &mut Engine,
-        step: u64,
-    ) -> Result<(Option<f64>, Option<f64>, usize), TrainError> {
+    /// (`[critic] heldout_tasks`).
+    fn critic_heldout(&self, engine: &mut Engine, step: u64) -> Result<HeldoutScores, TrainError> {
         let c = self.cfg.critic;
         let tasks = self.eval_tasks(c.heldout_tasks)?;
         let seed = crate::rollout::sched::mix64(self.cfg.seed ^ 0xC817_D1A6 ^ step.rotate_left(32));
-        let pairs = critic_vs_monte_carlo(
+        let check = critic_vs_monte_carlo(
             engine,
             &self.learner,
             tasks,
@@ -252,7 +260,12 @@ impl Trainer {
             seed,
             self.cfg.env_workers,
         )?;
-        Ok((explained_variance(&pairs), spearman(&pairs), pairs.len()))
+        Ok(HeldoutScores {
+            ev: explained_variance(&check.pairs),
+            rank: spearman(&check.pairs),
+            states: check.pairs.len(),
+            ceiling: check.rank_ceiling,
+        })
     }
 
     /// Supervised warm-up (skipped when resuming after it). Calls
@@ -653,9 +666,10 @@ impl Trainer {
             critic_grad_norm: u.critic_grad_norm,
             critic_lr: u.critic_lr,
             critic_pass_loss,
-            critic_heldout_ev: heldout.and_then(|h| h.0),
-            critic_heldout_rank_corr: heldout.and_then(|h| h.1),
-            critic_heldout_states: heldout.map(|h| h.2),
+            critic_heldout_ev: heldout.as_ref().and_then(|h| h.ev),
+            critic_heldout_rank_corr: heldout.as_ref().and_then(|h| h.rank),
+            critic_heldout_states: heldout.as_ref().map(|h| h.states),
+            critic_heldout_rank_ceiling: heldout.as_ref().and_then(|h| h.ceiling),
             alloc_mean_depth: alloc.map(|a| a.mean_depth),
             alloc_mean_n_eff: alloc.map(|a| a.mean_n_eff),
             alloc_settled_fraction: alloc.map(|a| a.settled_token_fraction),

@@ -141,6 +141,11 @@ fn focus_logs_allocation_and_heldout_critic() {
         assert_eq!(scored, m.eval_pass_rate.is_some(), "{m:?}");
         if scored {
             assert!(m.critic_heldout_states.unwrap() >= 3);
+        } else {
+            assert_eq!(m.critic_heldout_rank_ceiling, None);
+        }
+        if let Some(c) = m.critic_heldout_rank_ceiling {
+            assert!((0.0..=1.0).contains(&c), "{c}");
         }
     }
 }

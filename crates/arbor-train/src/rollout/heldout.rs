@@ -10,6 +10,7 @@
 //! stream, so the training rollouts are the same with or without it.
 
 use arbor_engine::Engine;
+use arbor_rl::diagnostics::spearman;
 use arbor_rl::{NodeId, RolloutTree};
 
 use super::conts::{begin_conts, complete_conts, Snapshots};
@@ -124,8 +125,20 @@ pub fn critic_vs_states(
         .collect())
 }
 
-/// `(critic value, Monte-Carlo value)` of every non-terminal state on one
-/// trajectory per task, with `k` continuations per state.
+/// The critic against Monte-Carlo values on held-out states.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HeldoutCheck {
+    /// `(critic value, Monte-Carlo value)` of each state
+    /// ([`critic_vs_states`]).
+    pub pairs: Vec<(f64, f64)>,
+    /// The noise ceiling on a rank correlation against those Monte-Carlo
+    /// values ([`split_half`]).
+    pub rank_ceiling: Option<f64>,
+}
+
+/// The critic against Monte-Carlo values on every non-terminal state of
+/// one trajectory per task, with `k` continuations per state, and the
+/// rank correlation those values' noise allows.
 pub fn critic_vs_monte_carlo(
     engine: &mut Engine,
     learner: &Learner,
@@ -134,10 +147,94 @@ pub fn critic_vs_monte_carlo(
     k: usize,
     seed: u64,
     env_workers: usize,
-) -> Result<Vec<(f64, f64)>, TrainError> {
+) -> Result<HeldoutCheck, TrainError> {
     if k == 0 {
-        return Ok(Vec::new());
+        return Ok(HeldoutCheck {
+            pairs: Vec::new(),
+            rank_ceiling: None,
+        });
     }
     let states = sample_states(engine, tasks, cfg, k, seed, env_workers)?;
-    critic_vs_states(learner, &states)
+    Ok(HeldoutCheck {
+        pairs: critic_vs_states(learner, &states)?,
+        rank_ceiling: split_half(&states, k).1,
+    })
+}
+
+/// The rank-correlation ceiling from the split-half rank correlation `r`
+/// of two `half`-sample estimates, for an estimate of `n` samples
+/// (Spearman-Brown): `sqrt(f r / (1 + (f - 1) r))`, `f = n / half`;
+/// `None` when `r <= 0`.
+pub fn rank_ceiling(r: f64, half: usize, n: usize) -> Option<f64> {
+    if r <= 0.0 || half == 0 {
+        return None;
+    }
+    let f = n as f64 / half as f64;
+    Some((f * r / (1.0 + (f - 1.0) * r)).clamp(0.0, 1.0).sqrt())
+}
+
+/// Split-half rank correlation of the states' continuations (outcomes
+/// `1..1 + h` against `1 + h..1 + 2h`, `h = k / 2`) and the ceiling it
+/// puts on a rank correlation against [`StateSample::monte_carlo`] (`k + 1`
+/// outcomes a state): `(None, None)` for `k < 2`.
+pub fn split_half(states: &[StateSample], k: usize) -> (Option<f64>, Option<f64>) {
+    let h = k / 2;
+    if h == 0 {
+        return (None, None);
+    }
+    let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
+    let pairs: Vec<(f64, f64)> = states
+        .iter()
+        .filter(|s| s.outcomes.len() > 2 * h)
+        .map(|s| {
+            (
+                mean(&s.outcomes[1..1 + h]),
+                mean(&s.outcomes[1 + h..1 + 2 * h]),
+            )
+        })
+        .collect();
+    let r = spearman(&pairs);
+    (r, r.and_then(|r| rank_ceiling(r, h, k + 1)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(outcomes: &[f64]) -> StateSample {
+        StateSample {
+            task: 0,
+            depth: 0,
+            context: vec![1, 2, 3],
+            outcomes: outcomes.to_vec(),
+            logprobs: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_ceiling_steps_the_split_half_correlation_up() {
+        // Spearman-Brown: doubling a test of reliability 0.5 gives 2/3.
+        let c = rank_ceiling(0.5, 4, 8).unwrap();
+        assert!((c - (2.0f64 / 3.0).sqrt()).abs() < 1e-12);
+        // Same length: the ceiling is sqrt(r).
+        assert!((rank_ceiling(0.36, 4, 4).unwrap() - 0.6).abs() < 1e-12);
+        assert_eq!(rank_ceiling(0.0, 4, 8), None);
+        assert_eq!(rank_ceiling(-0.2, 4, 8), None);
+        assert_eq!(rank_ceiling(1.0, 2, 5), Some(1.0));
+    }
+
+    #[test]
+    fn split_halves_compare_each_states_two_halves() {
+        // Halves agree perfectly in rank: r = 1.
+        let s = vec![
+            state(&[1.0, 0.0, 0.0, 0.0, 0.0]),
+            state(&[0.0, 1.0, 0.0, 1.0, 0.0]),
+            state(&[1.0, 1.0, 1.0, 1.0, 1.0]),
+        ];
+        let (r, c) = split_half(&s, 4);
+        assert!((r.unwrap() - 1.0).abs() < 1e-12);
+        assert!((c.unwrap() - 1.0).abs() < 1e-12);
+        // Fewer than two continuations: no halves.
+        assert_eq!(split_half(&s, 1), (None, None));
+    }
 }
