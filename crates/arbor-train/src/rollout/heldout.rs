@@ -8,6 +8,11 @@
 //! trajectory and its own `k`: on-policy samples of its value). Nothing here
 //! is trained on or counted in a step's budget; sampling uses its own seed
 //! stream, so the training rollouts are the same with or without it.
+//!
+//! With few continuations a state, the Monte-Carlo values are noisy enough
+//! to cap the rank correlation even the true values would show against
+//! them; [`split_half`] estimates that cap from the continuations
+//! themselves, so a critic's correlation can be read against it.
 
 use arbor_engine::Engine;
 use arbor_rl::diagnostics::spearman;
