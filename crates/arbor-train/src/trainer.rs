@@ -12,7 +12,7 @@ use crate::checkpoint::{self, TrainerState};
 use crate::config::{parse_device, CriticInit, StepBudget, TrainConfig};
 use crate::learner::Learner;
 use crate::metrics::{MetricsLog, StepMetrics, Summary};
-use crate::rollout::heldout::critic_vs_monte_carlo;
+use crate::rollout::heldout::{critic_vs_monte_carlo, HeldoutCheck};
 use crate::rollout::{policy_for, RolloutPolicy, StepContext};
 use crate::tasks::TaskSampler;
 use crate::TrainError;
@@ -40,18 +40,6 @@ impl std::fmt::Debug for Trainer {
             .field("step", &self.state.step)
             .finish()
     }
-}
-
-/// The critic's held-out check at one evaluation step.
-struct HeldoutScores {
-    /// Explained variance of the critic against the Monte-Carlo values.
-    ev: Option<f64>,
-    /// Their Spearman rank correlation.
-    rank: Option<f64>,
-    /// States scored.
-    states: usize,
-    /// The rank correlation the Monte-Carlo values' noise allows.
-    ceiling: Option<f64>,
 }
 
 impl Trainer {
@@ -247,11 +235,11 @@ impl Trainer {
 
     /// The critic against Monte-Carlo values on held-out states
     /// (`[critic] heldout_tasks`).
-    fn critic_heldout(&self, engine: &mut Engine, step: u64) -> Result<HeldoutScores, TrainError> {
+    fn critic_heldout(&self, engine: &mut Engine, step: u64) -> Result<HeldoutCheck, TrainError> {
         let c = self.cfg.critic;
         let tasks = self.eval_tasks(c.heldout_tasks)?;
         let seed = crate::rollout::sched::mix64(self.cfg.seed ^ 0xC817_D1A6 ^ step.rotate_left(32));
-        let check = critic_vs_monte_carlo(
+        critic_vs_monte_carlo(
             engine,
             &self.learner,
             tasks,
@@ -259,13 +247,7 @@ impl Trainer {
             c.heldout_samples,
             seed,
             self.cfg.env_workers,
-        )?;
-        Ok(HeldoutScores {
-            ev: explained_variance(&check.pairs),
-            rank: spearman(&check.pairs),
-            states: check.pairs.len(),
-            ceiling: check.rank_ceiling,
-        })
+        )
     }
 
     /// Supervised warm-up (skipped when resuming after it). Calls
@@ -666,10 +648,10 @@ impl Trainer {
             critic_grad_norm: u.critic_grad_norm,
             critic_lr: u.critic_lr,
             critic_pass_loss,
-            critic_heldout_ev: heldout.as_ref().and_then(|h| h.ev),
-            critic_heldout_rank_corr: heldout.as_ref().and_then(|h| h.rank),
-            critic_heldout_states: heldout.as_ref().map(|h| h.states),
-            critic_heldout_rank_ceiling: heldout.as_ref().and_then(|h| h.ceiling),
+            critic_heldout_ev: heldout.as_ref().and_then(|h| explained_variance(&h.pairs)),
+            critic_heldout_rank_corr: heldout.as_ref().and_then(|h| spearman(&h.pairs)),
+            critic_heldout_states: heldout.as_ref().map(|h| h.pairs.len()),
+            critic_heldout_rank_ceiling: heldout.as_ref().and_then(|h| h.rank_ceiling),
             alloc_mean_depth: alloc.map(|a| a.mean_depth),
             alloc_mean_n_eff: alloc.map(|a| a.mean_n_eff),
             alloc_settled_fraction: alloc.map(|a| a.settled_token_fraction),

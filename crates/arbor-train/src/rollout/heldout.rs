@@ -170,7 +170,7 @@ pub fn critic_vs_monte_carlo(
 /// of two `half`-sample estimates, for an estimate of `n` samples
 /// (Spearman-Brown): `sqrt(f r / (1 + (f - 1) r))`, `f = n / half`;
 /// `None` when `r <= 0`.
-pub fn rank_ceiling(r: f64, half: usize, n: usize) -> Option<f64> {
+fn rank_ceiling(r: f64, half: usize, n: usize) -> Option<f64> {
     if r <= 0.0 || half == 0 {
         return None;
     }
