@@ -27,7 +27,8 @@ pub struct AlgosArgs {
     /// optionally with settings joined by `+`: `lambda=X`, `kappa=X`,
     /// `score=spec|bias|propagated`, `evidence=on_policy|subtree`,
     /// `prune_settled=K`, `critic_targets=gbar|monte_carlo`,
-    /// `center=B` (centred advantages), `root_samples=K`,
+    /// `center=B` (centred advantages), `root_samples=K`, `slip_nats=C`
+    /// (states below a doubted token go last),
     /// `critic=shared|separate`, `critic_init=policy|own`, `critic_lr=X`,
     /// `critic_epochs=E`, `critic_minibatches=M`, `critic_replay=R`, `heldout_tasks=N`,
     /// `heldout_samples=K`;
@@ -329,6 +330,7 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
             "critic_targets" => cfg.focus.critic_targets = variant(kv, v)?,
             "center" => cfg.focus.center_advantages = flag(kv, v)?,
             "root_samples" => cfg.focus.root_samples = int32()?,
+            "slip_nats" => cfg.focus.slip_nats = num()?,
             "prompts" => cfg.prompts_per_step = int()?,
             "samples" => cfg.samples_per_prompt = int()?,
             "critic_warmup" => cfg.critic_warmup_steps = int()? as u64,
@@ -360,7 +362,7 @@ fn apply_row(cfg: &mut TrainConfig, settings: &[&str]) -> Result<()> {
             "context_tokens" => cfg.harness.context_tokens = Some(int()?),
             _ => anyhow::bail!(
                 "row setting `{kv}`: unknown key (lambda, kappa, score, evidence, \
-                 prune_settled, critic_targets, center, root_samples, critic, critic_init, critic_lr, critic_epochs, \
+                 prune_settled, critic_targets, center, root_samples, slip_nats, critic, critic_init, critic_lr, critic_epochs, \
                  critic_minibatches, critic_replay, heldout_tasks, heldout_samples, surprise; PS: reserve, \
                  band, eta, cut, replay, rerollouts, sources, attempts, probe, anchor, cut_rule, keep_skewed, \
                  match_budget; context: compaction, context_tokens; shape: prompts, samples, critic_warmup)"
@@ -777,9 +779,11 @@ mod tests {
                 "critic_targets=monte_carlo",
                 "prune_settled=2",
                 "center=true",
+                "slip_nats=1.5",
             ],
         )
         .unwrap();
+        assert_eq!(cfg.focus.slip_nats, 1.5);
         assert_eq!(cfg.focus.critic_targets, CriticTargets::MonteCarlo);
         assert!(cfg.focus.center_advantages);
         assert_eq!(cfg.focus.prune_settled, 2);

@@ -217,7 +217,18 @@ pub struct Focus {
     root_samples: u32,
     /// [`Score::Propagated`]: `1 + sum_a w(a, c)^2` by node index.
     factor: Vec<f64>,
+    /// States below a doubted token go last (0: never; see
+    /// [`Focus::with_slip_nats`]).
+    slip_nats: f64,
+    /// Whether each node's path holds a doubted token, by node index
+    /// (extended as the tree grows).
+    slipped: Vec<bool>,
 }
+
+/// The factor on a slipped state's score ([`Focus::with_slip_nats`]):
+/// small enough that a state with a clean path and up to about 30 outcomes
+/// still goes first.
+const SLIP_FACTOR: f64 = 1e-3;
 
 impl Focus {
     /// FOCUS with prior strength `kappa > 0` and on-policy evidence.
@@ -231,6 +242,8 @@ impl Focus {
             prune_settled: 0,
             root_samples: 0,
             factor: Vec::new(),
+            slip_nats: 0.0,
+            slipped: Vec::new(),
         })
     }
 
@@ -250,6 +263,22 @@ impl Focus {
     /// the rest of the budget follows `g`.
     pub fn with_root_samples(mut self, k: u32) -> Self {
         self.root_samples = k;
+        self
+    }
+
+    /// Launch last from states below a token the policy doubted (not in
+    /// the spec): a state whose path from its root (through compactions)
+    /// holds a trained token sampled at a behaviour logprob below
+    /// `-c` nats has its score multiplied by 1e-3, so it is launched from
+    /// only when the states with clean paths have little left to gain
+    /// (`c = 0`: off). Where a wrong step cannot be undone (a slipped
+    /// running sum), every continuation below the slip fails whatever it
+    /// does, and the critic rarely knows it; the slip is usually a token
+    /// the policy sampled against its own odds, and its parent state,
+    /// whose path is clean, is where a continuation re-decides it.
+    pub fn with_slip_nats(mut self, c: f64) -> Self {
+        self.slip_nats = c.max(0.0);
+        self.slipped.clear();
         self
     }
 
@@ -289,25 +318,58 @@ impl Focus {
         if node.parent().is_none() && node.completed() + node.in_flight() < self.root_samples {
             return Some(1.0 + g);
         }
-        Some(match self.score {
-            Score::Spec => g,
-            Score::Bias => {
-                let (n, sum) = match self.evidence {
-                    Evidence::OnPolicy => (node.completed(), node.reward_sum()),
-                    Evidence::Subtree => (node.subtree_completed(), node.subtree_reward_sum()),
-                };
-                if n == 0 {
-                    g
-                } else {
-                    let v = node.value()?.clamp(0.0, 1.0);
-                    let b = sum / f64::from(n) - v;
-                    let k = self.kappa;
-                    let a = k + f64::from(n + node.in_flight());
-                    g + k * k * b * b * (1.0 / (a * a) - 1.0 / ((a + 1.0) * (a + 1.0)))
+        let slip = if self.slipped.get(id.index()).copied().unwrap_or(false) {
+            SLIP_FACTOR
+        } else {
+            1.0
+        };
+        Some(
+            slip * match self.score {
+                Score::Spec => g,
+                Score::Bias => {
+                    let (n, sum) = match self.evidence {
+                        Evidence::OnPolicy => (node.completed(), node.reward_sum()),
+                        Evidence::Subtree => (node.subtree_completed(), node.subtree_reward_sum()),
+                    };
+                    if n == 0 {
+                        g
+                    } else {
+                        let v = node.value()?.clamp(0.0, 1.0);
+                        let b = sum / f64::from(n) - v;
+                        let k = self.kappa;
+                        let a = k + f64::from(n + node.in_flight());
+                        g + k * k * b * b * (1.0 / (a * a) - 1.0 / ((a + 1.0) * (a + 1.0)))
+                    }
                 }
-            }
-            Score::Propagated => g * self.factor.get(id.index()).copied().unwrap_or(1.0),
-        })
+                Score::Propagated => g * self.factor.get(id.index()).copied().unwrap_or(1.0),
+            },
+        )
+    }
+}
+
+impl Focus {
+    /// Extends [`Focus::slipped`] to the nodes added since the last call
+    /// (nodes are only appended, parents before children; a smaller tree
+    /// is a new one).
+    fn mark_slips(&mut self, tree: &RolloutTree) {
+        if self.slipped.len() > tree.len() {
+            self.slipped.clear();
+        }
+        let c = -self.slip_nats as f32;
+        for (id, node) in tree.nodes().skip(self.slipped.len()) {
+            let above = node
+                .parent()
+                .and_then(|p| self.slipped.get(p.index()).copied())
+                .unwrap_or(false);
+            let here = node.segment().is_some_and(|seg| {
+                seg.kinds
+                    .iter()
+                    .zip(&seg.logprobs)
+                    .any(|(k, &lp)| k.is_trained() && lp < c)
+            });
+            debug_assert_eq!(id.index(), self.slipped.len());
+            self.slipped.push(above || here);
+        }
     }
 }
 
@@ -321,6 +383,9 @@ impl Selector for Focus {
         }
     }
     fn prepare(&mut self, tree: &RolloutTree) {
+        if self.slip_nats > 0.0 {
+            self.mark_slips(tree);
+        }
         if self.score != Score::Propagated {
             return;
         }
@@ -734,6 +799,7 @@ impl<S: Selector> Allocator<S> {
 mod tests {
     use super::*;
     use crate::tree::tests::step;
+    use crate::tree::{Segment, TokenKind};
     use proptest::prelude::*;
 
     /// Brute force: posterior variance of Beta(alpha, beta) from the raw
@@ -925,6 +991,70 @@ mod tests {
         assert!(prune
             .priority(root, t.node(root).unwrap(), &mut rng)
             .is_some());
+    }
+
+    #[test]
+    fn slipped_states_go_last() {
+        // root -> a (confident) -> b (one doubted token) -> c -> terminal;
+        // a second root path through a doubted observation (masked, so it
+        // does not count).
+        let mut t = RolloutTree::new();
+        let root = t.add_episode("t", vec![1], Some(0.5)).unwrap();
+        let seg = |lps: &[f32]| {
+            let toks: Vec<u32> = (0..lps.len() as u32).collect();
+            Segment::policy(&toks, lps).unwrap()
+        };
+        let ids = t
+            .add_path(
+                root,
+                vec![
+                    Step::new(seg(&[-0.1, -0.2])).value(0.5),
+                    Step::new(seg(&[-0.1, -1.5])).value(0.5),
+                    Step::new(seg(&[-0.1])).value(0.5),
+                    Step::new(seg(&[-0.3])).terminal(0.0),
+                ],
+            )
+            .unwrap();
+        let mut obs = Segment::new();
+        obs.push(TokenKind::Observation, &[7, 8], None).unwrap();
+        obs.push(TokenKind::Action, &[9], Some(&[-0.05])).unwrap();
+        let other = t
+            .add_path(root, vec![Step::new(obs).value(0.5), step(1).terminal(1.0)])
+            .unwrap();
+        let spec = Focus::new(1.0, AsyncGain::EffectiveCount).unwrap();
+        let mut slip = spec.clone().with_slip_nats(1.0);
+        slip.prepare(&t);
+        let mut rng = StdRng::seed_from_u64(0);
+        for (id, factor) in [
+            (root, 1.0),
+            (ids[0], 1.0),
+            (ids[1], SLIP_FACTOR),
+            (ids[2], SLIP_FACTOR),
+            (other[0], 1.0),
+        ] {
+            let g = spec.score(t.node(id).unwrap()).unwrap();
+            let got = slip.priority(id, t.node(id).unwrap(), &mut rng).unwrap();
+            assert!((got - factor * g).abs() < 1e-15, "{id:?}: {got} vs {g}");
+        }
+        // A looser threshold sees no slip; nodes added later are marked
+        // as the tree grows.
+        let mut loose = spec.clone().with_slip_nats(2.0);
+        loose.prepare(&t);
+        let g = spec.score(t.node(ids[2]).unwrap()).unwrap();
+        assert_eq!(
+            loose.priority(ids[2], t.node(ids[2]).unwrap(), &mut rng),
+            Some(g)
+        );
+        let late = t
+            .add_path(
+                ids[0],
+                vec![Step::new(seg(&[-3.0])).value(0.5), step(1).terminal(1.0)],
+            )
+            .unwrap();
+        loose.prepare(&t);
+        let g = spec.score(t.node(late[0]).unwrap()).unwrap();
+        let got = loose.priority(late[0], t.node(late[0]).unwrap(), &mut rng);
+        assert_eq!(got, Some(SLIP_FACTOR * g));
     }
 
     #[test]

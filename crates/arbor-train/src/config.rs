@@ -193,6 +193,10 @@ pub struct FocusConfig {
     /// Continuations every root gets before any other state
     /// ([`arbor_rl::focus::Focus::with_root_samples`]; 0: the spec).
     pub root_samples: u32,
+    /// States whose path holds a policy token sampled at a logprob below
+    /// `-slip_nats` go last ([`arbor_rl::focus::Focus::with_slip_nats`];
+    /// 0: off, the spec).
+    pub slip_nats: f64,
 }
 
 /// What FOCUS's critic regresses onto (`[focus] critic_targets`).
@@ -217,6 +221,7 @@ impl Default for FocusConfig {
             critic_targets: CriticTargets::Gbar,
             center_advantages: false,
             root_samples: 0,
+            slip_nats: 0.0,
         }
     }
 }
@@ -708,6 +713,9 @@ impl TrainConfig {
         if !(0.0..=1.0).contains(&f.lambda) {
             return bad("focus.lambda", "must be in [0, 1]");
         }
+        if !(f.slip_nats >= 0.0 && f.slip_nats.is_finite()) {
+            return bad("focus.slip_nats", "must be >= 0 (finite; 0: off)");
+        }
         if f.worker_capacity == 0 {
             return bad("focus.worker_capacity", "must be >= 1");
         }
@@ -993,6 +1001,7 @@ mod tests {
             ("[focus]\nkappa = 0\n", "focus.kappa"),
             ("[focus]\ngamma = 1.5\n", "focus.gamma"),
             ("[focus]\nlambda = -0.1\n", "focus.lambda"),
+            ("[focus]\nslip_nats = -1\n", "focus.slip_nats"),
             ("[focus]\nworker_capacity = 0\n", "focus.worker_capacity"),
             ("[ps]\nband = 0.7\n", "ps.band"),
             ("[ps]\nattempts = 0\n", "ps.attempts"),

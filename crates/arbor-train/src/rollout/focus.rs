@@ -90,7 +90,8 @@ impl RolloutPolicy for FocusPolicy {
             .with_score(fcfg.score)
             .with_evidence(fcfg.evidence)
             .with_prune_settled(fcfg.prune_settled)
-            .with_root_samples(fcfg.root_samples);
+            .with_root_samples(fcfg.root_samples)
+            .with_slip_nats(fcfg.slip_nats);
         let mut alloc = Allocator::new(acfg, focus)?;
         let mut diag = AllocationLog::default();
         // Continuous allocation: fill the free worker slots, then take one
