@@ -345,9 +345,7 @@ impl Focus {
             },
         )
     }
-}
 
-impl Focus {
     /// Extends [`Focus::slipped`] to the nodes added since the last call
     /// (nodes are only appended, parents before children; a smaller tree
     /// is a new one).
