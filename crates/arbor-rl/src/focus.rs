@@ -318,32 +318,35 @@ impl Focus {
         if node.parent().is_none() && node.completed() + node.in_flight() < self.root_samples {
             return Some(1.0 + g);
         }
-        let slip = if self.slipped.get(id.index()).copied().unwrap_or(false) {
+        Some(match self.score {
+            Score::Spec => g,
+            Score::Bias => {
+                let (n, sum) = match self.evidence {
+                    Evidence::OnPolicy => (node.completed(), node.reward_sum()),
+                    Evidence::Subtree => (node.subtree_completed(), node.subtree_reward_sum()),
+                };
+                if n == 0 {
+                    g
+                } else {
+                    let v = node.value()?.clamp(0.0, 1.0);
+                    let b = sum / f64::from(n) - v;
+                    let k = self.kappa;
+                    let a = k + f64::from(n + node.in_flight());
+                    g + k * k * b * b * (1.0 / (a * a) - 1.0 / ((a + 1.0) * (a + 1.0)))
+                }
+            }
+            Score::Propagated => g * self.factor.get(id.index()).copied().unwrap_or(1.0),
+        })
+    }
+
+    /// [`SLIP_FACTOR`] for a state below a doubted token (as marked by the
+    /// last [`Selector::prepare`]), else 1.
+    fn slip_factor(&self, id: NodeId) -> f64 {
+        if self.slipped.get(id.index()).copied().unwrap_or(false) {
             SLIP_FACTOR
         } else {
             1.0
-        };
-        Some(
-            slip * match self.score {
-                Score::Spec => g,
-                Score::Bias => {
-                    let (n, sum) = match self.evidence {
-                        Evidence::OnPolicy => (node.completed(), node.reward_sum()),
-                        Evidence::Subtree => (node.subtree_completed(), node.subtree_reward_sum()),
-                    };
-                    if n == 0 {
-                        g
-                    } else {
-                        let v = node.value()?.clamp(0.0, 1.0);
-                        let b = sum / f64::from(n) - v;
-                        let k = self.kappa;
-                        let a = k + f64::from(n + node.in_flight());
-                        g + k * k * b * b * (1.0 / (a * a) - 1.0 / ((a + 1.0) * (a + 1.0)))
-                    }
-                }
-                Score::Propagated => g * self.factor.get(id.index()).copied().unwrap_or(1.0),
-            },
-        )
+        }
     }
 
     /// Extends [`Focus::slipped`] to the nodes added since the last call
@@ -401,7 +404,9 @@ impl Selector for Focus {
         }
     }
     fn priority(&mut self, id: NodeId, node: &Node, _: &mut StdRng) -> Option<f64> {
-        self.variant_score(id, node).filter(|g| *g > 0.0)
+        self.variant_score(id, node)
+            .map(|g| g * self.slip_factor(id))
+            .filter(|g| *g > 0.0)
     }
 }
 
