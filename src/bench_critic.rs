@@ -160,6 +160,15 @@ pub fn run(a: CriticBenchArgs) -> Result<()> {
         opt(r.depth_baseline_rank),
         opt(r.depth_baseline_ev)
     );
+    println!(
+        "surprise-only baselines (minus the path's tokens sampled below -c nats): rank {}",
+        arbor_train::learner::SURPRISE_NATS
+            .iter()
+            .zip(&r.surprise_baseline_rank)
+            .map(|(c, r)| format!("{} at c = {c}", opt(*r)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     println!("\n| epoch | value loss | train EV | train rank | test EV | test rank |");
     println!("|---|---|---|---|---|---|");
     for e in &r.curve {

@@ -20,7 +20,12 @@
 //!   ceiling `sqrt(rel)`;
 //! - a depth-only baseline: each test state valued at the training states'
 //!   mean Monte-Carlo value at its depth. A critic that does not beat it
-//!   has learnt nothing about the state itself.
+//!   has learnt nothing about the state itself;
+//! - surprise-only baselines: each test state ranked by minus the number
+//!   of tokens on its path the policy sampled below each threshold of
+//!   [`SURPRISE_NATS`] (what `[critic] surprise` feeds the value head). A
+//!   critic with the features that does not beat them has learnt nothing
+//!   from the tokens beyond the counts.
 //!
 //! Targets are either the Monte-Carlo means (`monte_carlo`: the best case)
 //! or the trajectory's own 0/1 outcome (`outcome`: what a `lambda = 1`
@@ -35,7 +40,7 @@ use serde::{Deserialize, Serialize};
 use arbor_rl::credit::LossRow;
 use arbor_rl::diagnostics::{explained_variance, spearman};
 
-use crate::learner::ValueRow;
+use crate::learner::{ValueRow, SURPRISE_NATS};
 use crate::optim::AdamWConfig;
 use crate::rollout::heldout::{critic_vs_states, sample_states, split_half, StateSample};
 use crate::rollout::sched::{mix64, shuffle};
@@ -121,6 +126,12 @@ pub struct ProbeReport {
     /// The depth-only baseline on the test states.
     pub depth_baseline_ev: Option<f64>,
     pub depth_baseline_rank: Option<f64>,
+    /// The rank correlation of each surprise count alone with the test
+    /// states' Monte-Carlo values, one per threshold of [`SURPRISE_NATS`]
+    /// (module docs): how far the critic could rank from the features it
+    /// reads, with no trunk at all.
+    #[serde(default)]
+    pub surprise_baseline_rank: Vec<Option<f64>>,
     /// Scores before fitting and every `eval_every` epochs.
     pub curve: Vec<ProbeEpoch>,
     pub sample_seconds: f64,
@@ -156,6 +167,25 @@ fn depth_baseline(train: &[StateSample], test: &[StateSample]) -> Vec<(f64, f64)
                 _ => all,
             };
             (v, s.monte_carlo())
+        })
+        .collect()
+}
+
+/// Per threshold `c` of [`SURPRISE_NATS`], the rank correlation of
+/// `-#{tokens on the state's path sampled at a logprob below -c}` with the
+/// states' Monte-Carlo values: the surprise features alone as a critic.
+fn surprise_baseline(states: &[StateSample]) -> Vec<Option<f64>> {
+    SURPRISE_NATS
+        .iter()
+        .map(|&c| {
+            let pairs: Vec<(f64, f64)> = states
+                .iter()
+                .map(|s| {
+                    let n = s.logprobs.iter().filter(|&&lp| -lp > c).count();
+                    (-(n as f64), s.monte_carlo())
+                })
+                .collect();
+            spearman(&pairs)
         })
         .collect()
 }
@@ -284,6 +314,7 @@ impl Trainer {
             rank_ceiling,
             depth_baseline_ev: explained_variance(&base),
             depth_baseline_rank: spearman(&base),
+            surprise_baseline_rank: surprise_baseline(&test),
             curve,
             sample_seconds,
             fit_seconds: t1.elapsed().as_secs_f64(),
@@ -318,6 +349,25 @@ mod tests {
         assert_eq!(b[1], (0.0, 0.0));
         // Depth 2 was never seen: the overall mean, (0.5 + 1 + 0) / 3.
         assert!((b[2].0 - 0.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_surprise_baseline_ranks_by_minus_the_unlikely_tokens() {
+        let with = |logprobs: &[f32], outcomes: &[f64]| StateSample {
+            logprobs: logprobs.to_vec(),
+            ..state(1, outcomes)
+        };
+        // Values fall as the tokens below -0.5 nats rise: rank +1 at 0.5.
+        let s = vec![
+            with(&[0.0, -0.1], &[1.0]),
+            with(&[-0.7, -0.1], &[0.5]),
+            with(&[-0.7, -1.5], &[0.0]),
+        ];
+        let b = surprise_baseline(&s);
+        assert_eq!(b.len(), SURPRISE_NATS.len());
+        assert!((b[0].unwrap() - 1.0).abs() < 1e-12);
+        // At 2 nats no state has a count: no ranking.
+        assert_eq!(b[2], spearman(&[(0.0, 1.0), (0.0, 0.5), (0.0, 0.0)]));
     }
 
     #[test]
