@@ -40,7 +40,7 @@ use serde::{Deserialize, Serialize};
 use arbor_rl::credit::LossRow;
 use arbor_rl::diagnostics::{explained_variance, spearman};
 
-use crate::learner::{ValueRow, SURPRISE_NATS};
+use crate::learner::{surprise_features, ValueRow, SURPRISE_NATS};
 use crate::optim::AdamWConfig;
 use crate::rollout::heldout::{critic_vs_states, sample_states, split_half, StateSample};
 use crate::rollout::sched::{mix64, shuffle};
@@ -171,19 +171,21 @@ fn depth_baseline(train: &[StateSample], test: &[StateSample]) -> Vec<(f64, f64)
         .collect()
 }
 
-/// Per threshold `c` of [`SURPRISE_NATS`], the rank correlation of
-/// `-#{tokens on the state's path sampled at a logprob below -c}` with the
-/// states' Monte-Carlo values: the surprise features alone as a critic.
+/// Per threshold `c` of [`SURPRISE_NATS`], the rank correlation of minus
+/// the state's [`surprise_features`] at its last token (a monotone
+/// function of `#{tokens on the path sampled at a logprob below -c}`)
+/// with the states' Monte-Carlo values: the features alone as a critic.
 fn surprise_baseline(states: &[StateSample]) -> Vec<Option<f64>> {
-    SURPRISE_NATS
+    let feats: Vec<Vec<f32>> = states
         .iter()
-        .map(|&c| {
+        .map(|s| surprise_features(&s.logprobs, 1))
+        .collect();
+    (0..SURPRISE_NATS.len())
+        .map(|k| {
             let pairs: Vec<(f64, f64)> = states
                 .iter()
-                .map(|s| {
-                    let n = s.logprobs.iter().filter(|&&lp| -lp > c).count();
-                    (-(n as f64), s.monte_carlo())
-                })
+                .zip(&feats)
+                .map(|(s, f)| (-f64::from(f[k]), s.monte_carlo()))
                 .collect();
             spearman(&pairs)
         })
